@@ -1,0 +1,66 @@
+# The two commands of a fresh machine: `make demo` and `make test`.
+# Each bootstraps what is missing: system tools (Java, Maven), the virtual environment
+# at .venv with the project installed editable, and the JVM cache (deploy/jvm).
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+JVM_CACHE := $(CURDIR)/.cache/jvm
+VENV_STAMP := $(VENV)/.installed
+JVM_STAMP := $(JVM_CACHE)/.fetched
+PYTEST_ARGS ?=
+
+.PHONY: help tools venv jvm lint format test test-unit demo infra-up infra-down clean
+
+help:
+	@echo "make demo       bring up local Kafka + Elasticsearch and run the pipeline demo"
+	@echo "make test       lint, type-check and run every test (starts and stops the servers)"
+	@echo "make test-unit  the tests that need no server"
+	@echo "make jvm        fetch the JVM artifacts (Delta, Kafka, Elasticsearch) once"
+	@echo "make infra-up / infra-down   the local servers on their default ports"
+
+tools:
+	@bash deploy/local/ensure-tools.sh
+
+$(VENV_STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory tools
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+venv: $(VENV_STAMP)
+
+$(JVM_STAMP): deploy/jvm/pom.xml deploy/jvm/spark/pom.xml deploy/jvm/kafka/pom.xml deploy/jvm/elasticsearch/pom.xml
+	@$(MAKE) --no-print-directory tools
+	mvn --batch-mode --quiet -f deploy/jvm/pom.xml -Djvm.cache=$(JVM_CACHE) package
+	@touch $@
+
+jvm: $(JVM_STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: venv
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: venv jvm lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-unit: venv
+	$(BIN)/pytest -m "not integration and not slow" $(PYTEST_ARGS)
+
+demo: venv jvm
+	$(BIN)/cdc demo
+
+infra-up: venv jvm
+	$(BIN)/cdc infra up
+
+infra-down: venv
+	$(BIN)/cdc infra down
+
+clean:
+	-$(BIN)/cdc infra down
+	rm -rf .state data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""``cdc``: the operator command line of the CDC pipeline."""

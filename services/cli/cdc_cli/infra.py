@@ -1,0 +1,428 @@
+"""Local infrastructure without Docker: a real Kafka broker and Elasticsearch on loopback.
+
+Both run from the JVM cache that deploy/jvm/pom.xml fills (``make jvm``). Each server's
+configuration, data, log and PID live in one state folder, so ``up`` is idempotent (a
+server already answering is left alone) and ``down`` stops exactly what ``up`` started,
+with its whole process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from base64 import urlsafe_b64encode
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import httpx
+from cdc_shared import jvm
+from confluent_kafka.admin import AdminClient
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ES_USER = "cdc-es"  # Elasticsearch refuses to run as root
+MIN_ES_JAVA = 21
+
+
+class InfraError(RuntimeError):
+    """A local server could not be started or stopped; the message says what to do."""
+
+
+def _default_state_dir() -> Path:
+    root = jvm.project_root()
+    return (root if root is not None else Path.cwd()) / ".state" / "infra"
+
+
+class InfraSettings(BaseSettings):
+    """Ports, heap sizes and the state folder (env ``CDC_INFRA_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CDC_INFRA_", frozen=True)
+
+    state_dir: Path = Field(default_factory=_default_state_dir)
+    kafka_port: int = Field(default=9092, gt=0, lt=65536)
+    kafka_controller_port: int = Field(default=9093, gt=0, lt=65536)
+    kafka_heap: str = "512m"
+    es_port: int = Field(default=9200, gt=0, lt=65536)
+    es_transport_port: int = Field(default=9300, gt=0, lt=65536)
+    es_heap: str = "512m"
+    start_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What the local infrastructure serves."""
+
+    kafka_bootstrap_servers: str
+    elasticsearch_url: str
+
+
+def endpoints(settings: InfraSettings) -> Endpoints:
+    """The addresses ``up`` serves with these settings."""
+    return Endpoints(
+        kafka_bootstrap_servers=f"127.0.0.1:{settings.kafka_port}",
+        elasticsearch_url=f"http://127.0.0.1:{settings.es_port}",
+    )
+
+
+# --- processes --------------------------------------------------------------------
+
+
+def _pid_file(settings: InfraSettings, name: str) -> Path:
+    return settings.state_dir / f"{name}.pid"
+
+
+def _read_pid(settings: InfraSettings, name: str) -> int | None:
+    try:
+        pid = int(_pid_file(settings, name).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited child not yet reaped) is not alive for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _check_ports_free(name: str, ports: dict[str, int]) -> None:
+    for setting, port in ports.items():
+        if _port_taken(port):
+            raise InfraError(
+                f"cannot start {name}: port {port} on 127.0.0.1 is taken by another process; "
+                f"stop it or choose another port (env CDC_INFRA_{setting.upper()})"
+            )
+
+
+def _start(
+    settings: InfraSettings, name: str, command: list[str], env: dict[str, str] | None = None
+) -> int:
+    log = (settings.state_dir / f"{name}.log").open("ab")
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,  # its own process group: `down` stops all of it
+    )
+    _pid_file(settings, name).write_text(str(process.pid))
+    return process.pid
+
+
+def _wait_ready(settings: InfraSettings, name: str, pid: int, ready: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + settings.start_timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            tail = _log_tail(settings, name)
+            raise InfraError(f"{name} exited during start; last lines of its log:\n{tail}")
+        if ready():
+            return
+        time.sleep(0.5)
+    raise InfraError(
+        f"{name} did not become ready within {settings.start_timeout_s:.0f} s; "
+        f"see {settings.state_dir / (name + '.log')}"
+    )
+
+
+def _log_tail(settings: InfraSettings, name: str, lines: int = 25) -> str:
+    try:
+        text = (settings.state_dir / f"{name}.log").read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _stop(settings: InfraSettings, name: str, grace_s: float = 30.0) -> bool:
+    pid = _read_pid(settings, name)
+    _pid_file(settings, name).unlink(missing_ok=True)
+    if pid is None:
+        return False
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return True
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid) and not _group_alive(pid):
+                return True
+            time.sleep(0.2)
+    raise InfraError(f"{name} (process group {pid}) did not stop after SIGKILL")
+
+
+def _group_alive(pgid: int) -> bool:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+# --- Java ---------------------------------------------------------------------------
+
+
+def _java_major(home: Path) -> int | None:
+    try:
+        release = (home / "release").read_text()
+    except OSError:
+        return None
+    for line in release.splitlines():
+        if line.startswith("JAVA_VERSION="):
+            version = line.split("=", 1)[1].strip('"')
+            return int(version.split(".")[0])
+    return None
+
+
+def _find_java_home(minimum: int, env_var: str) -> Path:
+    candidates: list[Path] = []
+    if os.environ.get(env_var):
+        candidates.append(Path(os.environ[env_var]))
+    if os.environ.get("JAVA_HOME"):
+        candidates.append(Path(os.environ["JAVA_HOME"]))
+    java = shutil.which("java")
+    if java:
+        candidates.append(Path(java).resolve().parents[1])
+    jvm_root = Path("/usr/lib/jvm")
+    if jvm_root.is_dir():
+        candidates.extend(sorted(jvm_root.iterdir(), reverse=True))
+    for home in candidates:
+        major = _java_major(home)
+        if major is not None and major >= minimum and (home / "bin" / "java").exists():
+            return home
+    raise InfraError(
+        f"no Java {minimum} or newer found (looked at ${env_var}, $JAVA_HOME, the java on "
+        f"PATH and /usr/lib/jvm); install one or point {env_var} at it"
+    )
+
+
+# --- Kafka --------------------------------------------------------------------------
+
+
+def _kafka_ready(bootstrap: str) -> bool:
+    _, port = bootstrap.rsplit(":", 1)
+    if not _port_taken(int(port)):
+        return False
+    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
+    try:
+        metadata = admin.list_topics(timeout=2)
+    except Exception:  # not answering yet
+        return False
+    return bool(metadata.brokers)
+
+
+def _kafka_cluster_id() -> str:
+    return urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def start_kafka(settings: InfraSettings) -> None:
+    """Start the single-node KRaft broker unless it already runs; wait until it answers."""
+    bootstrap = endpoints(settings).kafka_bootstrap_servers
+    if (pid := _read_pid(settings, "kafka")) is not None:
+        _wait_ready(settings, "kafka", pid, lambda: _kafka_ready(bootstrap))
+        return
+    classpath = jvm.kafka_classpath()
+    if not classpath:
+        raise InfraError("the Kafka broker is not in the JVM cache; run `make jvm` first")
+    _check_ports_free(
+        "Kafka",
+        {
+            "kafka_port": settings.kafka_port,
+            "kafka_controller_port": settings.kafka_controller_port,
+        },
+    )
+    java = _find_java_home(17, "CDC_KAFKA_JAVA_HOME") / "bin" / "java"
+    folder = settings.state_dir / "kafka"
+    data_dir = folder / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    templates = _deploy_local()
+    properties = folder / "server.properties"
+    properties.write_text(
+        Template((templates / "kafka" / "server.properties.template").read_text()).substitute(
+            port=settings.kafka_port,
+            controller_port=settings.kafka_controller_port,
+            data_dir=data_dir,
+        )
+    )
+    base = [
+        str(java),
+        f"-Dlog4j2.configurationFile={templates / 'kafka' / 'log4j2.yaml'}",
+        "-cp",
+        ":".join(str(p) for p in classpath),
+    ]
+    if not (data_dir / "meta.properties").exists():
+        formatted = subprocess.run(
+            [
+                *base,
+                "kafka.tools.StorageTool",
+                "format",
+                f"--cluster-id={_kafka_cluster_id()}",
+                "-c",
+                str(properties),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if formatted.returncode != 0:
+            raise InfraError(
+                f"formatting Kafka storage failed:\n{formatted.stdout}{formatted.stderr}"
+            )
+    heap = settings.kafka_heap
+    pid = _start(
+        settings,
+        "kafka",
+        [
+            *base[:1],
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
+            "-XX:+UseG1GC",
+            *base[1:],
+            "kafka.Kafka",
+            str(properties),
+        ],
+    )
+    _wait_ready(settings, "kafka", pid, lambda: _kafka_ready(bootstrap))
+
+
+# --- Elasticsearch ------------------------------------------------------------------
+
+
+def _es_ready(url: str) -> bool:
+    try:
+        response = httpx.get(f"{url}/_cluster/health", timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200 and response.json().get("status") in ("yellow", "green")
+
+
+def _ensure_es_user() -> tuple[int, int]:
+    try:
+        entry = pwd.getpwnam(ES_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ES_USER],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(ES_USER)
+    return entry.pw_uid, entry.pw_gid
+
+
+def start_elasticsearch(settings: InfraSettings) -> None:
+    """Start single-node Elasticsearch unless it already runs; wait for yellow or green."""
+    url = endpoints(settings).elasticsearch_url
+    if (pid := _read_pid(settings, "elasticsearch")) is not None:
+        _wait_ready(settings, "elasticsearch", pid, lambda: _es_ready(url))
+        return
+    home = jvm.elasticsearch_home()
+    if not (home / "bin" / "elasticsearch").exists():
+        raise InfraError("Elasticsearch is not in the JVM cache; run `make jvm` first")
+    _check_ports_free(
+        "Elasticsearch",
+        {"es_port": settings.es_port, "es_transport_port": settings.es_transport_port},
+    )
+    java_home = _find_java_home(MIN_ES_JAVA, "CDC_ES_JAVA_HOME")
+    folder = settings.state_dir / "elasticsearch"
+    config_dir, data_dir, logs_dir, tmp_dir = (
+        folder / "config",
+        folder / "data",
+        folder / "logs",
+        folder / "tmp",
+    )
+    if not config_dir.exists():
+        shutil.copytree(home / "config", config_dir)
+    for path in (data_dir, logs_dir, tmp_dir):
+        path.mkdir(parents=True, exist_ok=True)
+    (config_dir / "elasticsearch.yml").write_text(
+        Template(
+            (_deploy_local() / "elasticsearch" / "elasticsearch.yml.template").read_text()
+        ).substitute(
+            port=settings.es_port,
+            transport_port=settings.es_transport_port,
+            data_dir=data_dir,
+            logs_dir=logs_dir,
+        )
+    )
+    command = [str(home / "bin" / "elasticsearch")]
+    if os.geteuid() == 0:
+        uid, gid = _ensure_es_user()
+        for path in (folder, *folder.rglob("*")):
+            os.chown(path, uid, gid)
+        command = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *command]
+    heap = settings.es_heap
+    pid = _start(
+        settings,
+        "elasticsearch",
+        command,
+        env={
+            "ES_JAVA_HOME": str(java_home),
+            "ES_PATH_CONF": str(config_dir),
+            "ES_TMPDIR": str(tmp_dir),
+            "ES_JAVA_OPTS": f"-Xms{heap} -Xmx{heap}",
+        },
+    )
+    _wait_ready(settings, "elasticsearch", pid, lambda: _es_ready(url))
+
+
+# --- the whole ----------------------------------------------------------------------
+
+
+def _deploy_local() -> Path:
+    root = jvm.project_root()
+    if root is None:
+        raise InfraError("`cdc infra` runs from a source checkout (it needs deploy/local)")
+    return root / "deploy" / "local"
+
+
+def up(settings: InfraSettings | None = None) -> Endpoints:
+    """Start Kafka and Elasticsearch (idempotent) and return their addresses."""
+    settings = settings or InfraSettings()
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    start_kafka(settings)
+    start_elasticsearch(settings)
+    served = endpoints(settings)
+    (settings.state_dir / "endpoints.json").write_text(json.dumps(served.__dict__, indent=2))
+    return served
+
+
+def down(settings: InfraSettings | None = None) -> list[str]:
+    """Stop what ``up`` started; returns the names of the servers that were running."""
+    settings = settings or InfraSettings()
+    return [name for name in ("elasticsearch", "kafka") if _stop(settings, name)]
+
+
+def running(settings: InfraSettings | None = None) -> dict[str, bool]:
+    """Which local servers are running (by their PID files)."""
+    settings = settings or InfraSettings()
+    return {name: _read_pid(settings, name) is not None for name in ("kafka", "elasticsearch")}

@@ -1,0 +1,260 @@
+"""Typed pipeline configuration: one YAML file shared by every service.
+
+The file is named by ``--config PATH`` or the ``CDC_CONFIG`` environment variable, and
+any field can be overridden by an environment variable with the ``CDC_`` prefix and
+``__`` for nesting (``CDC_KAFKA__BOOTSTRAP_SERVERS=host:9092``). Values of the form
+``${env:NAME}`` or ``${file:PATH}`` are read from the environment or a file, so secrets
+need not be written in the YAML. The configuration is validated once, at start; a bad
+field raises :class:`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_ENV_VAR = "CDC_CONFIG"
+KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
+
+_REFERENCE = re.compile(r"^\$\{(env|file):([^}]+)\}$")
+_IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
+_SECRET_WORDS = ("password", "secret", "api_key", "apikey", "token", "credential", "user.info")
+
+
+class ConfigError(ValueError):
+    """The pipeline configuration is missing, unreadable or invalid."""
+
+
+def is_secret_option(name: str) -> bool:
+    """Whether a pass-through option (e.g. ``sasl.password``) holds a secret."""
+    lowered = name.lower()
+    return any(word in lowered for word in _SECRET_WORDS) or lowered.endswith(".jaas.config")
+
+
+def redact(options: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``options`` fit for logs: secret-looking values replaced by ``***``."""
+    return {k: ("***" if is_secret_option(k) else v) for k, v in options.items()}
+
+
+def _resolve_reference(value: str) -> str:
+    match = _REFERENCE.match(value)
+    if match is None:
+        return value
+    kind, target = match.groups()
+    if kind == "env":
+        if target not in os.environ:
+            raise ValueError(f"environment variable {target!r} is not set")
+        return os.environ[target]
+    try:
+        return Path(target).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read secret file {target!r}: {exc.strerror}") from None
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SparkConfig(_Section):
+    """Where Spark runs and any Spark configuration to pass through."""
+
+    master: str = "local[*]"
+    conf: dict[str, str] = Field(default_factory=dict)
+
+
+class KafkaConfig(_Section):
+    """Kafka connection; ``options`` pass through to every client (security.*, sasl.*)."""
+
+    bootstrap_servers: str = "localhost:9092"
+    options: dict[str, str] = Field(default_factory=dict, repr=False)
+
+    @field_validator("options")
+    @classmethod
+    def _resolve_secrets(cls, options: dict[str, str]) -> dict[str, str]:
+        return {k: _resolve_reference(str(v)) for k, v in options.items()}
+
+    def redacted_options(self) -> dict[str, str]:
+        """The options with secrets masked, for logs and ``cdc status``."""
+        return redact(self.options)
+
+
+class SchemaRegistryConfig(_Section):
+    """Schemas: a Confluent-compatible registry when ``url`` is set, else .avsc files."""
+
+    url: str | None = None
+    dirs: list[Path] = Field(default_factory=lambda: [Path("schemas")])
+    options: dict[str, str] = Field(default_factory=dict, repr=False)
+
+    @field_validator("options")
+    @classmethod
+    def _resolve_secrets(cls, options: dict[str, str]) -> dict[str, str]:
+        return {k: _resolve_reference(str(v)) for k, v in options.items()}
+
+
+class ElasticsearchConfig(_Section):
+    """Elasticsearch connection; credentials are secrets and never printed."""
+
+    hosts: list[str] = Field(default_factory=lambda: ["http://localhost:9200"], min_length=1)
+    api_key: SecretStr | None = None
+    username: str | None = None
+    password: SecretStr | None = None
+    ca_certs: Path | None = None
+    verify_certs: bool = True
+    request_timeout_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("api_key", "password", mode="before")
+    @classmethod
+    def _resolve_secret(cls, value: object) -> object:
+        return _resolve_reference(value) if isinstance(value, str) else value
+
+
+class EntityConfig(_Section):
+    """One replicated table: its source topic, key, ordering and outputs."""
+
+    name: str
+    source_topic: str = Field(min_length=1)
+    key: list[str] = Field(min_length=1)
+    sequence_by: list[str] = Field(
+        default_factory=lambda: list(KAFKA_COORDINATE_SEQUENCE), min_length=1
+    )
+    key_schema: Path | None = None
+    value_schema: Path | None = None
+    change_topic: str | None = None
+    es_index: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_identifier(cls, name: str) -> str:
+        if not _IDENTIFIER.match(name):
+            raise ValueError(
+                "must be lower-case letters, digits and '_', starting with a letter "
+                f"(it names tables and folders), got {name!r}"
+            )
+        return name
+
+    @field_validator("key")
+    @classmethod
+    def _key_columns_unique(cls, key: list[str]) -> list[str]:
+        if len(set(key)) != len(key):
+            raise ValueError(f"key columns must be unique, got {key}")
+        return key
+
+    @property
+    def change_topic_name(self) -> str:
+        """The publisher-kafka output topic (default ``cdc.<name>``)."""
+        return self.change_topic or f"cdc.{self.name}"
+
+    @property
+    def es_index_name(self) -> str:
+        """The publisher-es index alias (default: the entity name)."""
+        return self.es_index or self.name
+
+
+class PipelineConfig(BaseSettings):
+    """The whole pipeline configuration (DESIGN.md, "Pipeline configuration")."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CDC_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    storage_root: str = "./data"
+    spark: SparkConfig = Field(default_factory=SparkConfig)
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    schema_registry: SchemaRegistryConfig = Field(default_factory=SchemaRegistryConfig)
+    elasticsearch: ElasticsearchConfig = Field(default_factory=ElasticsearchConfig)
+    entities: list[EntityConfig] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Environment variables override the file's values (passed as init values)."""
+        return env_settings, init_settings
+
+    @model_validator(mode="after")
+    def _entities_distinct(self) -> Self:
+        for attribute in ("name", "source_topic", "change_topic_name", "es_index_name"):
+            seen: set[str] = set()
+            for entity in self.entities:
+                value = getattr(entity, attribute)
+                if value in seen:
+                    raise ValueError(f"two entities share the {attribute} {value!r}")
+                seen.add(value)
+        return self
+
+    def entity(self, name: str) -> EntityConfig:
+        """The entity called ``name``; a clear error listing the known ones otherwise."""
+        for entity in self.entities:
+            if entity.name == name:
+                return entity
+        known = ", ".join(e.name for e in self.entities) or "none"
+        raise ConfigError(f"unknown entity {name!r}; the configuration defines: {known}")
+
+    def select_entities(self, names: list[str] | None) -> list[EntityConfig]:
+        """The entities a service should run: ``names`` if given, else all of them."""
+        if not names:
+            return list(self.entities)
+        return [self.entity(n) for n in names]
+
+    def table_path(self, layer: str, name: str) -> str:
+        """``<storage_root>/<layer>/<name>`` (bronze, silver, quarantine, ...)."""
+        return f"{self.storage_root.rstrip('/')}/{layer}/{name}"
+
+    def checkpoint_path(self, service: str, entity: str) -> str:
+        """``<storage_root>/_checkpoints/<service>/<entity>``."""
+        return self.table_path(f"_checkpoints/{service}", entity)
+
+
+def _format_validation_error(source: str, error: ValidationError) -> str:
+    lines = [f"invalid pipeline configuration in {source}:"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"  {location}: {message}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None) -> PipelineConfig:
+    """Read, resolve and validate the pipeline configuration.
+
+    ``path`` defaults to ``$CDC_CONFIG``; with neither, only defaults and ``CDC_*``
+    environment variables apply.
+    """
+    chosen = path if path is not None else os.environ.get(CONFIG_ENV_VAR)
+    data: dict[str, Any] = {}
+    source = "environment"
+    if chosen is not None:
+        file = Path(chosen)
+        source = str(file)
+        try:
+            loaded = yaml.safe_load(file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file {file} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"configuration file {file} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"configuration file {file} must hold a mapping at the top level")
+        data = loaded or {}
+    try:
+        return PipelineConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(source, exc)) from None

@@ -1,0 +1,59 @@
+"""Where the JVM artifacts live: the local cache filled from deploy/jvm/pom.xml.
+
+Versions here must match deploy/jvm/pom.xml and pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SPARK_VERSION = "4.2.0"
+DELTA_VERSION = "4.4.0"
+SCALA_BINARY = "2.13"
+KAFKA_VERSION = "4.4.0"
+ELASTICSEARCH_VERSION = "9.2.4"
+
+JVM_CACHE_ENV_VAR = "CDC_JVM_CACHE"
+
+#: Maven coordinates for ``spark.jars.packages``: the fallback when the cache is empty
+#: and the machine can reach Maven Central at run time.
+SPARK_PACKAGES = [
+    f"io.delta:delta-spark_{SPARK_VERSION.rsplit('.', 1)[0]}_{SCALA_BINARY}:{DELTA_VERSION}",
+    f"org.apache.spark:spark-sql-kafka-0-10_{SCALA_BINARY}:{SPARK_VERSION}",
+    f"org.apache.spark:spark-avro_{SCALA_BINARY}:{SPARK_VERSION}",
+]
+
+
+def project_root() -> Path | None:
+    """The source checkout this package runs from, if it is one (editable install)."""
+    candidate = Path(__file__).resolve().parents[2]
+    return candidate if (candidate / "deploy" / "jvm" / "pom.xml").is_file() else None
+
+
+def jvm_cache_dir() -> Path:
+    """``$CDC_JVM_CACHE``, else ``<checkout>/.cache/jvm``, else ``~/.cache/cdc-delta/jvm``."""
+    configured = os.environ.get(JVM_CACHE_ENV_VAR)
+    if configured:
+        return Path(configured)
+    root = project_root()
+    if root is not None:
+        return root / ".cache" / "jvm"
+    return Path.home() / ".cache" / "cdc-delta" / "jvm"
+
+
+def spark_jars() -> list[Path]:
+    """The jars every SparkSession loads (Delta, Kafka connector, Avro); empty if unfetched."""
+    folder = jvm_cache_dir() / "spark"
+    return sorted(folder.glob("*.jar")) if folder.is_dir() else []
+
+
+def kafka_classpath() -> list[Path]:
+    """The Kafka broker's runtime classpath; empty if unfetched."""
+    folder = jvm_cache_dir() / "kafka" / "libs"
+    return sorted(folder.glob("*.jar")) if folder.is_dir() else []
+
+
+def elasticsearch_home() -> Path:
+    """The unpacked Elasticsearch distribution (may not exist yet)."""
+    return jvm_cache_dir() / "elasticsearch" / f"elasticsearch-{ELASTICSEARCH_VERSION}"

@@ -1,0 +1,56 @@
+"""The SparkSession every service and test uses: Delta, the Kafka connector and Avro."""
+
+from __future__ import annotations
+
+import logging
+
+from pyspark.sql import SparkSession
+
+from cdc_shared import jvm
+from cdc_shared.config import SparkConfig
+
+log = logging.getLogger(__name__)
+
+DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+
+
+def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
+    """The Spark configuration for ``config``: project defaults, then the user's ``conf``.
+
+    Jars come from the JVM cache (``make jvm``); when it is empty, the same artifacts are
+    named in ``spark.jars.packages`` for Spark to download, which needs Maven Central.
+    """
+    conf: dict[str, str] = {
+        "spark.app.name": app_name,
+        "spark.master": config.master,
+        "spark.sql.extensions": DELTA_EXTENSION,
+        "spark.sql.catalog.spark_catalog": DELTA_CATALOG,
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": "4" if config.master.startswith("local") else "200",
+        "spark.sql.streaming.stopGracefullyOnShutdown": "true",
+        "spark.databricks.delta.schema.autoMerge.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+    }
+    jars = jvm.spark_jars()
+    if jars:
+        conf["spark.jars"] = ",".join(str(j) for j in jars)
+    else:
+        log.warning(
+            "JVM cache %s is empty; asking Spark to download %s (run `make jvm` to avoid this)",
+            jvm.jvm_cache_dir(),
+            ", ".join(jvm.SPARK_PACKAGES),
+        )
+        conf["spark.jars.packages"] = ",".join(jvm.SPARK_PACKAGES)
+    conf.update(config.conf)
+    return conf
+
+
+def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
+    """Create (or return the running) SparkSession configured for Delta and Kafka."""
+    builder = SparkSession.builder
+    for key, value in spark_conf(config, app_name).items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    return session

@@ -1,0 +1,80 @@
+"""Session-wide fixtures: real local servers, started once, and one SparkSession."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cdc_cli import infra
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig, SparkConfig
+from cdc_shared.spark import build_spark_session
+from confluent_kafka.admin import AdminClient, NewTopic
+from pyspark.sql import SparkSession
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Test servers get their own ports and state folder, so a demo left running on the
+# default ports is neither used nor disturbed.
+TEST_INFRA = infra.InfraSettings(
+    state_dir=Path(os.environ.get("CDC_TEST_INFRA_STATE", ROOT / ".state" / "test-infra")),
+    kafka_port=int(os.environ.get("CDC_TEST_KAFKA_PORT", "29092")),
+    kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
+    es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
+    es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
+)
+
+
+@pytest.fixture(scope="session")
+def local_servers() -> Iterator[infra.Endpoints]:
+    """Kafka and Elasticsearch on loopback; stopped at the end if this session started them."""
+    already = infra.running(TEST_INFRA)
+    served = infra.up(TEST_INFRA)
+    yield served
+    if not any(already.values()) and not os.environ.get("CDC_TEST_KEEP_INFRA"):
+        infra.down(TEST_INFRA)
+
+
+@pytest.fixture(scope="session")
+def kafka_config(local_servers: infra.Endpoints) -> KafkaConfig:
+    return KafkaConfig(bootstrap_servers=local_servers.kafka_bootstrap_servers)
+
+
+@pytest.fixture(scope="session")
+def es_config(local_servers: infra.Endpoints) -> ElasticsearchConfig:
+    return ElasticsearchConfig(hosts=[local_servers.elasticsearch_url])
+
+
+@pytest.fixture
+def topic(kafka_config: KafkaConfig, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A throwaway topic (3 partitions) named after the test, deleted afterwards."""
+    name = f"pytest_{request.node.name[:40]}_{uuid.uuid4().hex[:8]}".replace("[", "_")
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+    admin = AdminClient({"bootstrap.servers": kafka_config.bootstrap_servers})
+    for future in admin.create_topics([NewTopic(name, 3, 1)]).values():
+        future.result(30)
+    yield name
+    for future in admin.delete_topics([name]).values():
+        future.result(30)
+
+
+@pytest.fixture(scope="session")
+def spark() -> SparkSession:
+    """One small local SparkSession for the whole test process."""
+    return build_spark_session(
+        SparkConfig(
+            master="local[2]",
+            conf={
+                "spark.ui.enabled": "false",
+                "spark.sql.shuffle.partitions": "2",
+                "spark.default.parallelism": "2",
+                "spark.databricks.delta.snapshotPartitions": "2",
+                "spark.databricks.delta.delta.log.cacheSize": "3",
+                "spark.sql.sources.parallelPartitionDiscovery.parallelism": "2",
+                "spark.driver.memory": "2g",
+            },
+        ),
+        app_name="cdc-tests",
+    )

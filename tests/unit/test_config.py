@@ -1,0 +1,151 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cdc_shared.config import ConfigError, load_config, redact
+
+GOOD = """
+storage_root: /tmp/cdc-data
+spark: {master: "local[2]", conf: {spark.sql.shuffle.partitions: "3"}}
+kafka:
+  bootstrap_servers: "broker:9092"
+  options: {security.protocol: SASL_SSL, sasl.mechanism: PLAIN, sasl.username: app,
+            sasl.password: "${env:TEST_SASL_PASSWORD}"}
+schema_registry: {url: null, dirs: [schemas]}
+elasticsearch: {hosts: ["http://es:9200"], api_key: "${file:%(key_file)s}"}
+entities:
+  - name: customers
+    source_topic: dbserver1.inventory.customers
+    key: [id]
+    sequence_by: [source.lsn]
+    change_topic: cdc.inventory.customers
+    es_index: customers
+  - name: orders
+    source_topic: dbserver1.inventory.orders
+    key: [order_id, line_no]
+"""
+
+
+@pytest.fixture
+def good_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    key_file = tmp_path / "es.key"
+    key_file.write_text("es-api-key-value\n")
+    monkeypatch.setenv("TEST_SASL_PASSWORD", "hunter2-sasl")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(GOOD % {"key_file": key_file})
+    return path
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_good_file_loads_with_defaults(good_file: Path) -> None:
+    config = load_config(good_file)
+    assert config.storage_root == "/tmp/cdc-data"
+    assert config.spark.master == "local[2]"
+    assert config.spark.conf == {"spark.sql.shuffle.partitions": "3"}
+    assert config.kafka.options["sasl.password"] == "hunter2-sasl"
+    assert config.elasticsearch.api_key is not None
+    assert config.elasticsearch.api_key.get_secret_value() == "es-api-key-value"
+    customers, orders = config.entities
+    assert customers.sequence_by == ["source.lsn"]
+    assert customers.change_topic_name == "cdc.inventory.customers"
+    assert orders.key == ["order_id", "line_no"]
+    assert orders.sequence_by == ["kafka.partition", "kafka.offset"]
+    assert orders.change_topic_name == "cdc.orders"
+    assert orders.es_index_name == "orders"
+    assert config.table_path("bronze", "orders") == "/tmp/cdc-data/bronze/orders"
+    assert config.checkpoint_path("merger", "orders") == "/tmp/cdc-data/_checkpoints/merger/orders"
+
+
+def test_config_path_from_env(good_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_CONFIG", str(good_file))
+    assert load_config().entities[0].name == "customers"
+
+
+def test_env_overrides_file(good_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_KAFKA__BOOTSTRAP_SERVERS", "other:19092")
+    monkeypatch.setenv("CDC_STORAGE_ROOT", "s3a://bucket/cdc")
+    config = load_config(good_file)
+    assert config.kafka.bootstrap_servers == "other:19092"
+    assert config.kafka.options["sasl.mechanism"] == "PLAIN"  # the rest of the section stays
+    assert config.storage_root == "s3a://bucket/cdc"
+
+
+def test_secrets_never_in_repr_or_redacted_options(good_file: Path) -> None:
+    config = load_config(good_file)
+    text = repr(config) + str(config) + str(config.model_dump())
+    assert "hunter2-sasl" not in repr(config)
+    assert "es-api-key-value" not in text
+    assert config.kafka.redacted_options()["sasl.password"] == "***"
+    assert config.kafka.redacted_options()["sasl.username"] == "app"
+    assert redact({"basic.auth.user.info": "u:p"}) == {"basic.auth.user.info": "***"}
+
+
+def test_unknown_entity_lists_known_ones(good_file: Path) -> None:
+    config = load_config(good_file)
+    with pytest.raises(ConfigError, match=r"unknown entity 'nope'.*customers, orders"):
+        config.select_entities(["nope"])
+    assert [e.name for e in config.select_entities(None)] == ["customers", "orders"]
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "message"),
+    [
+        ("entities: [{name: c, source_topic: t, key: []}]", "entities.0.key", "at least 1"),
+        (
+            "entities: [{name: Bad-Name, source_topic: t, key: [id]}]",
+            "entities.0.name",
+            "lower-case",
+        ),
+        ("entities: [{name: c, key: [id]}]", "entities.0.source_topic", "Field required"),
+        ("entities: [{name: c, source_topic: t, key: [id, id]}]", "entities.0.key", "unique"),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], colour: red}]",
+            "entities.0.colour",
+            "Extra inputs",
+        ),
+        ("kafka: {bootstrap_servers: [1, 2]}", "kafka.bootstrap_servers", "string"),
+        ("elasticsearch: {hosts: []}", "elasticsearch.hosts", "at least 1"),
+        ("spark: {conf: {a: {b: c}}}", "spark.conf.a", "string"),
+        ("storage_rot: /x", "storage_rot", "Extra inputs"),
+        (
+            "entities: [{name: a, source_topic: t, key: [id]},"
+            " {name: a, source_topic: u, key: [id]}]",
+            "(top level)",
+            "two entities share the name 'a'",
+        ),
+        (
+            "kafka: {options: {sasl.password: '${env:CDC_TEST_UNSET_VAR}'}}",
+            "kafka.options",
+            "CDC_TEST_UNSET_VAR",
+        ),
+    ],
+)
+def test_bad_field_is_named(tmp_path: Path, text: str, field: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text))
+    assert f"{field}:" in str(error.value)
+    assert message in str(error.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_not_yaml_or_not_mapping(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "entities: [unclosed"))
+    with pytest.raises(ConfigError, match="mapping at the top level"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_bad_env_override_is_named(good_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CDC_ELASTICSEARCH__REQUEST_TIMEOUT_S", "-1")
+    with pytest.raises(ConfigError, match=r"elasticsearch.request_timeout_s: .*greater than 0"):
+        load_config(good_file)
