@@ -12,6 +12,7 @@ from cdc_cli import infra
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, SparkConfig
 from cdc_shared.spark import build_spark_session
 from confluent_kafka.admin import AdminClient, NewTopic
+from hypothesis import settings
 from pyspark.sql import SparkSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +79,8 @@ def spark() -> SparkSession:
         ),
         app_name="cdc-tests",
     )
+
+
+# Property tests: reproducible in CI, and bounded when a failure shrinks.
+settings.register_profile("default", deadline=None, database=None, max_examples=100)
+settings.load_profile("default")

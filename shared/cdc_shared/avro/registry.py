@@ -215,7 +215,8 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         options: Mapping[str, str] | None = None,
         files: FileSchemaRegistry | None = None,
     ) -> None:
-        self._client = SchemaRegistryClient({"url": url, **(options or {})})
+        # new_client: an HTTP client, or the library's in-memory one for "mock://" URLs.
+        self._client = SchemaRegistryClient.new_client({"url": url, **(options or {})})
         self._files = files or FileSchemaRegistry()
         self._by_id: dict[int, KnownSchema] = {}
 

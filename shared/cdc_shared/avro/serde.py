@@ -124,16 +124,40 @@ class AvroDecoder:
                 for position in positions:
                     batch.errors[position] = exc
                 continue
-            reader = self._reader_for(writer)
-            for position in positions:
-                data = values[position]
-                assert data is not None
-                try:
-                    batch.records[position] = self._read(data, header.size, writer, reader)
-                    batch.writers[position] = writer
-                except AvroSerdeError as exc:
-                    batch.errors[position] = exc
+            self._decode_group(batch, values, positions, header.size, writer)
         return batch
+
+    def _decode_group(
+        self,
+        batch: DecodedBatch,
+        values: Sequence[bytes | None],
+        positions: list[int],
+        offset: int,
+        writer: KnownSchema,
+    ) -> None:
+        """The hot loop: one writer schema; a failure is re-read by ``_read`` to classify it."""
+        read, parsed, reader = fastavro.schemaless_reader, writer.parsed, self._reader_for(writer)
+        records, writers = batch.records, batch.writers
+        for position in positions:
+            data = values[position]
+            assert data is not None
+            stream = io.BytesIO(data)
+            stream.seek(offset)
+            try:
+                record = read(stream, parsed, reader)
+                complete = stream.tell() == len(data) and isinstance(record, dict)
+            except Exception:
+                complete = False
+            if complete:
+                records[position] = record
+                writers[position] = writer
+                continue
+            try:
+                self._read(data, offset, writer, reader)
+            except AvroSerdeError as exc:
+                batch.errors[position] = exc
+            else:  # pragma: no cover - the fast path and _read disagree
+                raise AssertionError("a datum failed once and decoded the second time")
 
     def _reader_for(self, writer: KnownSchema) -> Any:
         if self.reader is None or self.reader.fingerprint == writer.fingerprint:
@@ -151,11 +175,18 @@ class AvroDecoder:
                 f"writer schema {writer.full_name} ({writer.fingerprint.hex()}) cannot be "
                 f"read as the reader schema: {exc}"
             ) from None
-        except EOFError:
-            raise TruncatedPayloadError(
-                f"payload of {len(data) - offset} bytes ends inside a {writer.full_name} datum"
-            ) from None
-        except (ValueError, IndexError, UnicodeDecodeError, TypeError, OverflowError) as exc:
+        except (
+            EOFError,
+            ValueError,
+            IndexError,
+            UnicodeDecodeError,
+            TypeError,
+            OverflowError,
+        ) as exc:
+            if isinstance(exc, EOFError) or stream.tell() >= len(data):
+                raise TruncatedPayloadError(
+                    f"payload of {len(data) - offset} bytes ends inside a {writer.full_name} datum"
+                ) from None
             raise CorruptPayloadError(
                 f"payload is not a valid {writer.full_name} datum: {type(exc).__name__}: {exc}"
             ) from None

@@ -1,0 +1,49 @@
+"""The change-event schemas checked in for downstream teams are the ones the code derives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fastavro
+import pytest
+from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.config import load_config
+from cdc_shared.schemas import change_event_schemas, entity_schemas
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("entity_name", ["customers", "orders"])
+def test_checked_in_change_event_schemas_match_derivation(
+    entity_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    config = load_config(ROOT / "deploy/local/pipeline.yaml")
+    entity = config.entity(entity_name)
+    key, value = change_event_schemas(
+        entity, entity_schemas(entity, FileSchemaRegistry([ROOT / "schemas"]))
+    )
+    folder = ROOT / "schemas" / "changes"
+    assert json.loads((folder / f"{entity.change_topic_name}-key.avsc").read_text()) == key
+    assert json.loads((folder / f"{entity.change_topic_name}-value.avsc").read_text()) == value
+    parsed = fastavro.parse_schema(value)
+    assert [f["name"] for f in parsed["fields"]] == [
+        "op",
+        "key",
+        "before",
+        "after",
+        "commit_version",
+        "commit_timestamp",
+        "source_sequence",
+    ]
+
+
+def test_change_event_rows_follow_the_newest_source_schema() -> None:
+    config = load_config(ROOT / "deploy/local/pipeline.yaml")
+    entity = config.entity("customers")
+    _, value = change_event_schemas(
+        entity, entity_schemas(entity, FileSchemaRegistry([ROOT / "schemas"]))
+    )
+    row = value["fields"][2]["type"][1]
+    assert "loyalty_tier" in [f["name"] for f in row["fields"]]
