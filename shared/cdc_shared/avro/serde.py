@@ -145,10 +145,9 @@ class AvroDecoder:
             stream.seek(offset)
             try:
                 record = read(stream, parsed, reader)
-                complete = stream.tell() == len(data) and isinstance(record, dict)
             except Exception:
-                complete = False
-            if complete:
+                record = None
+            if isinstance(record, dict) and stream.tell() == len(data):
                 records[position] = record
                 writers[position] = writer
                 continue
