@@ -122,6 +122,22 @@ class ElasticsearchConfig(_Section):
         return _resolve_reference(value) if isinstance(value, str) else value
 
 
+class StreamingServiceConfig(_Section):
+    """Settings every streaming service shares."""
+
+    trigger_interval: str = Field(default="5 seconds", min_length=1)
+    metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
+    metrics_host: str = "0.0.0.0"
+
+
+class IngestorConfig(StreamingServiceConfig):
+    """The ingestor: Kafka source options."""
+
+    starting_offsets: str = "earliest"  # earliest, latest, or Spark's per-partition JSON
+    max_offsets_per_trigger: int | None = Field(default=1_000_000, gt=0)
+    metrics_port: int = Field(default=9101, ge=0, lt=65536)
+
+
 class EntityConfig(_Section):
     """One replicated table: its source topic, key, ordering and outputs."""
 
@@ -177,6 +193,7 @@ class PipelineConfig(BaseSettings):
     schema_registry: SchemaRegistryConfig = Field(default_factory=SchemaRegistryConfig)
     elasticsearch: ElasticsearchConfig = Field(default_factory=ElasticsearchConfig)
     entities: list[EntityConfig] = Field(default_factory=list)
+    ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
 
     @classmethod
     def settings_customise_sources(

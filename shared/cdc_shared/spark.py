@@ -21,13 +21,17 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     Jars come from the JVM cache (``make jvm``); when it is empty, the same artifacts are
     named in ``spark.jars.packages`` for Spark to download, which needs Maven Central.
     """
+    local = config.master.startswith("local")
     conf: dict[str, str] = {
         "spark.app.name": app_name,
         "spark.master": config.master,
         "spark.sql.extensions": DELTA_EXTENSION,
         "spark.sql.catalog.spark_catalog": DELTA_CATALOG,
         "spark.sql.session.timeZone": "UTC",
-        "spark.sql.shuffle.partitions": "4" if config.master.startswith("local") else "200",
+        "spark.sql.shuffle.partitions": "4" if local else "200",
+        # Delta rebuilds table state (e.g. to check txnAppId) with this many tasks: the
+        # default of 50 costs seconds per small write on a laptop.
+        "spark.databricks.delta.snapshotPartitions": "4" if local else "50",
         "spark.sql.streaming.stopGracefullyOnShutdown": "true",
         "spark.databricks.delta.schema.autoMerge.enabled": "false",
         "spark.ui.showConsoleProgress": "false",

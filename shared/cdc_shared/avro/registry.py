@@ -120,6 +120,10 @@ class SchemaRegistry(ABC):
     def register(self, subject: str, definition: Mapping[str, Any]) -> KnownSchema:
         """Register ``definition`` under ``subject``; idempotent for an identical schema."""
 
+    def refresh(self) -> None:
+        """Look again for schemas added since start (new files)."""
+        return
+
     def latest(self, subject: str) -> KnownSchema:
         """The newest version of ``subject``."""
         versions = self.versions(subject)
@@ -147,13 +151,22 @@ class FileSchemaRegistry(SchemaRegistry):
         self._by_fingerprint: dict[bytes, KnownSchema] = {}
         self._by_subject: dict[str, dict[int, KnownSchema]] = {}
         self._write_dir = write_dir
+        self._dirs = [*dirs, *([write_dir] if write_dir else [])]
+        self._files = list(files)
+        self._loaded: set[Path] = set()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Load ``.avsc`` files that appeared in the folders since the last look."""
         paths: list[Path] = []
-        for folder in [*dirs, *([write_dir] if write_dir else [])]:
+        for folder in self._dirs:
             if folder.is_dir():
                 paths.extend(sorted(folder.glob("*.avsc")))
-        paths.extend(files)
+        paths.extend(self._files)
         for path in paths:
-            self._add(load_schema_file(path))
+            if path not in self._loaded:
+                self._add(load_schema_file(path))
+                self._loaded.add(path)
 
     def _add(self, known: KnownSchema) -> None:
         self._by_fingerprint.setdefault(known.fingerprint, known)

@@ -1,0 +1,1 @@
+"""The ingestor: Kafka CDC topics -> bronze Delta tables, exactly-once, with quarantine."""

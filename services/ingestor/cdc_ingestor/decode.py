@@ -1,0 +1,337 @@
+"""Decoding a micro-batch of Kafka records in the JVM, and splitting it into bronze and quarantine.
+
+Each record's framing header (Confluent id or single-object fingerprint) picks its writer
+schema; Spark's ``from_avro`` decodes the payload after the header with that writer schema
+and resolves it to the reader schema (``avroSchema``), in PERMISSIVE mode so a malformed
+payload yields null instead of failing the batch. A record that cannot be decoded, or
+breaks the contract, gets an ``error_kind`` and goes to quarantine with its raw bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cdc_shared.avro import KnownSchema, SchemaRegistry
+from cdc_shared.config import EntityConfig
+from cdc_shared.schemas import EntitySchemas
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+from pyspark.sql.avro.functions import from_avro
+
+KAFKA_SCHEMA = T.StructType(
+    [
+        T.StructField("key", T.BinaryType()),
+        T.StructField("value", T.BinaryType()),
+        T.StructField("topic", T.StringType()),
+        T.StructField("partition", T.IntegerType()),
+        T.StructField("offset", T.LongType()),
+        T.StructField("timestamp", T.TimestampType()),
+        T.StructField("timestampType", T.IntegerType()),
+    ]
+)
+KAFKA_SEQUENCE_COLUMNS = {"kafka.partition": "kafka_partition", "kafka.offset": "kafka_offset"}
+BRONZE_PROPERTIES = {
+    "delta.appendOnly": "true",
+    # Statistics only for the Kafka coordinates: readers stream bronze, they do not skip.
+    "delta.dataSkippingNumIndexedCols": "4",
+}
+_CONFLUENT = bytes([0x00])
+_SINGLE_OBJECT = bytes([0xC3, 0x01])
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The writer schemas a batch may use (by framing header) and the reader schemas."""
+
+    value_writers: Mapping[bytes, KnownSchema]
+    key_writers: Mapping[bytes, KnownSchema]
+    value_reader: KnownSchema
+    key_reader: KnownSchema
+
+    @classmethod
+    def from_schemas(cls, schemas: EntitySchemas, registry: SchemaRegistry) -> DecodePlan:
+        """Every known version of the entity's schemas, under each framing it may arrive in."""
+        return cls(
+            value_writers=_by_header(schemas.values),
+            key_writers=_by_header((schemas.key,)),
+            value_reader=schemas.value,
+            key_reader=schemas.key,
+        )
+
+    def with_writers(self, value: list[KnownSchema], key: list[KnownSchema]) -> DecodePlan:
+        """A copy of the plan with writer schemas found later in the registry."""
+        return DecodePlan(
+            value_writers={**self.value_writers, **_by_header(value)},
+            key_writers={**self.key_writers, **_by_header(key)},
+            value_reader=self.value_reader,
+            key_reader=self.key_reader,
+        )
+
+
+def _by_header(schemas: tuple[KnownSchema, ...] | list[KnownSchema]) -> dict[bytes, KnownSchema]:
+    headers: dict[bytes, KnownSchema] = {}
+    for schema in schemas:
+        headers[_SINGLE_OBJECT + schema.fingerprint] = schema
+        if schema.schema_id is not None:
+            headers[schema.header] = schema
+    return headers
+
+
+def header(column: Column) -> Column:
+    """The framing header at the start of ``column``; null when neither framing fits."""
+    return F.when(
+        (F.substring(column, 1, 1) == F.lit(_CONFLUENT)) & (F.length(column) >= 5),
+        F.substring(column, 1, 5),
+    ).when(
+        (F.substring(column, 1, 2) == F.lit(_SINGLE_OBJECT)) & (F.length(column) >= 10),
+        F.substring(column, 1, 10),
+    )
+
+
+def _decoded(
+    column: Column,
+    head: Column,
+    writers: Mapping[bytes, KnownSchema],
+    reader: KnownSchema,
+    reader_type: T.DataType,
+) -> Column:
+    options = {"mode": "PERMISSIVE", "avroSchema": reader.json()}
+    decoded: Column | None = None
+    for prefix, writer in writers.items():
+        payload = column.substr(F.lit(len(prefix) + 1), F.length(column))
+        branch = from_avro(payload, writer.json(), options)
+        decoded = (
+            F.when(head == F.lit(prefix), branch)
+            if decoded is None
+            else decoded.when(head == F.lit(prefix), branch)
+        )
+    return decoded if decoded is not None else F.lit(None).cast(reader_type)
+
+
+def _writer_name(head: Column, writers: Mapping[bytes, KnownSchema]) -> Column:
+    name: Column | None = None
+    for prefix, writer in writers.items():
+        label = (
+            f"id:{writer.schema_id}"
+            if prefix[:1] == _CONFLUENT
+            else f"fingerprint:{writer.fingerprint.hex()}"
+        )
+        name = (
+            F.when(head == F.lit(prefix), F.lit(label))
+            if name is None
+            else name.when(head == F.lit(prefix), F.lit(label))
+        )
+    return name if name is not None else F.lit(None).cast("string")
+
+
+def avro_type(spark: SparkSession, schema: KnownSchema) -> T.DataType:
+    """The Spark type ``from_avro`` gives for ``schema``."""
+    probe = spark.range(0).select(from_avro(F.lit(None).cast("binary"), schema.json()).alias("v"))
+    return probe.schema["v"].dataType
+
+
+def _decoded_ok(decoded: Column, decoded_type: T.DataType) -> Column:
+    """Whether a datum decoded: set, with every field its schema requires set.
+
+    ``from_avro`` in PERMISSIVE mode turns a malformed datum into a struct of nulls.
+    """
+    required = (
+        [f.name for f in decoded_type.fields if not f.nullable]
+        if isinstance(decoded_type, T.StructType)
+        else []
+    )
+    ok = decoded.isNotNull()
+    for name in required:
+        ok = ok & decoded[name].isNotNull()
+    return ok
+
+
+def _framing_errors(
+    column: Column, head: Column, writer: Column, decoded_ok: Column, what: str
+) -> list[tuple[Column, str, Column]]:
+    framed = (F.substring(column, 1, 1) == F.lit(_CONFLUENT)) | (
+        F.substring(column, 1, 2) == F.lit(_SINGLE_OBJECT)
+    )
+    return [
+        (F.length(column) == 0, "truncated", F.lit(f"{what} is empty (0 bytes)")),
+        (
+            head.isNull() & framed,
+            "truncated",
+            F.concat(
+                F.lit(f"{what} of "),
+                F.length(column).cast("string"),
+                F.lit(" bytes is shorter than its framing header"),
+            ),
+        ),
+        (
+            head.isNull(),
+            "unknown_framing",
+            F.concat(
+                F.lit(f"{what} starts with "),
+                F.hex(F.substring(column, 1, 2)),
+                F.lit(": neither Confluent (00) nor Avro single-object (C301) framing"),
+            ),
+        ),
+        (
+            writer.isNull(),
+            "unknown_schema",
+            F.concat(F.lit(f"no writer schema is known for the {what} header "), F.hex(head)),
+        ),
+        (
+            ~decoded_ok,
+            "corrupt",
+            F.concat(
+                F.lit(f"{what} payload is not a valid datum of its writer schema ("),
+                writer,
+                F.lit("); from_avro returned null"),
+            ),
+        ),
+    ]
+
+
+def decode(
+    spark: SparkSession, raw: DataFrame, plan: DecodePlan, sequence_by: list[str]
+) -> DataFrame:
+    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error."""
+    value_type = avro_type(spark, plan.value_reader)
+    key_type = avro_type(spark, plan.key_reader)
+    value_head, key_head = header(F.col("value")), header(F.col("key"))
+    step = raw.select(
+        F.col("topic").alias("kafka_topic"),
+        F.col("partition").alias("kafka_partition"),
+        F.col("offset").alias("kafka_offset"),
+        F.col("timestamp").alias("kafka_timestamp"),
+        F.col("key").alias("raw_key"),
+        F.col("value").alias("raw_value"),
+        value_head.alias("value_header"),
+        key_head.alias("key_header"),
+        _writer_name(value_head, plan.value_writers).alias("writer_schema"),
+        _writer_name(key_head, plan.key_writers).alias("key_writer_schema"),
+        _decoded(
+            F.col("value"), value_head, plan.value_writers, plan.value_reader, value_type
+        ).alias("envelope"),
+        _decoded(F.col("key"), key_head, plan.key_writers, plan.key_reader, key_type).alias(
+            "decoded_key"
+        ),
+    )
+    value, key = F.col("raw_value"), F.col("raw_key")
+    checks = [
+        (value.isNotNull() & condition, kind, message)
+        for condition, kind, message in _framing_errors(
+            value,
+            F.col("value_header"),
+            F.col("writer_schema"),
+            _decoded_ok(F.col("envelope"), value_type),
+            "value",
+        )
+    ]
+    is_truncate = F.coalesce(F.col("envelope.op") == F.lit("t"), F.lit(False))
+    checks.append(
+        (
+            key.isNull() & ~is_truncate,
+            "null_key",
+            F.lit("message has no key; only truncate events may omit it"),
+        )
+    )
+    checks += [
+        (key.isNotNull() & condition, kind, message)
+        for condition, kind, message in _framing_errors(
+            key,
+            F.col("key_header"),
+            F.col("key_writer_schema"),
+            _decoded_ok(F.col("decoded_key"), key_type),
+            "key",
+        )
+    ]
+    assert isinstance(key_type, T.StructType)
+    for field in key_type.fields:
+        checks.append(
+            (
+                key.isNotNull() & F.col(f"decoded_key.{field.name}").isNull(),
+                "null_key",
+                F.lit(f"key field {field.name} is null"),
+            )
+        )
+    kind: Column | None = None
+    message: Column | None = None
+    for condition, name, text in checks:
+        kind = F.when(condition, F.lit(name)) if kind is None else kind.when(condition, F.lit(name))
+        message = F.when(condition, text) if message is None else message.when(condition, text)
+    assert kind is not None and message is not None
+    sequence = F.array(
+        *[
+            F.col(KAFKA_SEQUENCE_COLUMNS[path]).cast("long")
+            if path in KAFKA_SEQUENCE_COLUMNS
+            else F.col(f"envelope.{path}").cast("long")
+            for path in sequence_by
+        ]
+    )
+    decoded = step.select(
+        "*", kind.alias("error_kind"), message.alias("error_message"), sequence.alias("sequence")
+    )
+    # Decode once per row and pass: the optimizer would otherwise inline the decoding into
+    # both a filter and the projection above it. A generator is a barrier it keeps.
+    return decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row")).select(
+        "_row.*"
+    )
+
+
+def bronze_rows(decoded: DataFrame) -> DataFrame:
+    """The records that decoded: one bronze row each (tombstones included, flagged)."""
+    envelope_fields = decoded.schema["envelope"].dataType
+    assert isinstance(envelope_fields, T.StructType)
+    return decoded.where(F.col("error_kind").isNull()).select(
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        F.col("decoded_key").alias("key"),
+        *[F.col(f"envelope.{f.name}").alias(f.name) for f in envelope_fields.fields],
+        F.col("raw_value").isNull().alias("is_tombstone"),
+        "sequence",
+        "writer_schema",
+        F.current_timestamp().alias("ingested_at"),
+    )
+
+
+def quarantine_rows(decoded: DataFrame, entity: EntityConfig, batch_id: int) -> DataFrame:
+    """The records that did not decode or broke the contract, with their raw bytes."""
+    return decoded.where(F.col("error_kind").isNotNull()).select(
+        F.lit("ingestor").alias("service"),
+        F.lit(entity.name).alias("entity"),
+        "error_kind",
+        "error_message",
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        "raw_key",
+        "raw_value",
+        F.lit(None).cast("string").alias("source_table"),
+        F.lit(None).cast("long").alias("source_version"),
+        F.lit(batch_id).cast("long").alias("batch_id"),
+        F.current_timestamp().alias("quarantined_at"),
+    )
+
+
+def check_sequence_paths(spark: SparkSession, entity: EntityConfig, plan: DecodePlan) -> None:
+    """Fail at start, naming the entity, when a ``sequence_by`` path is not an integer column."""
+    value_type = avro_type(spark, plan.value_reader)
+    for path in entity.sequence_by:
+        if path in KAFKA_SEQUENCE_COLUMNS:
+            continue
+        current: T.DataType = value_type
+        for part in path.split("."):
+            if not isinstance(current, T.StructType) or part not in current.fieldNames():
+                raise ValueError(
+                    f"entity {entity.name!r}: sequence_by path {path!r} is not a field of "
+                    f"{plan.value_reader.full_name}"
+                )
+            current = current[part].dataType
+        if not isinstance(current, T.IntegralType):
+            raise ValueError(
+                f"entity {entity.name!r}: sequence_by path {path!r} is {current.simpleString()}, "
+                "but sequences must be integers (e.g. source.lsn, source.ts_ms)"
+            )

@@ -1,0 +1,284 @@
+"""``cdc-ingestor``: Kafka CDC topics -> bronze Delta, exactly-once, with quarantine.
+
+Per entity: Spark's Kafka source (source) -> JVM Avro decoding and contract checks
+(transform) -> one foreachBatch writing bronze and quarantine idempotently (sink).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
+from cdc_shared.clients import spark_kafka_options
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, load_config
+from cdc_shared.observability import configure_logging
+from cdc_shared.schemas import entity_schemas, make_registry
+from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming import (
+    BatchStats,
+    QueryIdentity,
+    StreamFailedError,
+    StreamRunner,
+    with_trigger,
+)
+from cdc_shared.tables import (
+    QUARANTINE_PROPERTIES,
+    QUARANTINE_SCHEMA,
+    app_id,
+    ensure_table,
+    idempotent_append,
+)
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from cdc_ingestor.decode import (
+    BRONZE_PROPERTIES,
+    KAFKA_SCHEMA,
+    DecodePlan,
+    bronze_rows,
+    check_sequence_paths,
+    decode,
+    quarantine_rows,
+)
+
+SERVICE = "ingestor"
+#: Quarantined records of one batch collected to the driver and written from there;
+#: a batch with more is quarantined by a third pass over it instead.
+MAX_COLLECTED_QUARANTINE = 20_000
+log = logging.getLogger("cdc_ingestor")
+
+
+class EntityIngestion:
+    """One entity's stream: its source topic into ``bronze/<entity>``."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        config: PipelineConfig,
+        entity: EntityConfig,
+        registry: SchemaRegistry,
+        runner: StreamRunner,
+    ) -> None:
+        self.spark = spark
+        self.config = config
+        self.entity = entity
+        self.registry = registry
+        self.runner = runner
+        self.identity = QueryIdentity()
+        self.plan = DecodePlan.from_schemas(entity_schemas(entity, registry), registry)
+        self.bronze_path = config.table_path("bronze", entity.name)
+        self.quarantine_path = config.table_path("quarantine", SERVICE)
+        check_sequence_paths(spark, entity, self.plan)
+
+    def create_tables(self) -> None:
+        """Bronze and quarantine, with explicit schemas, unless they exist."""
+        empty = self.spark.createDataFrame([], KAFKA_SCHEMA)
+        bronze_schema = bronze_rows(
+            decode(self.spark, empty, self.plan, self.entity.sequence_by)
+        ).schema
+        ensure_table(self.spark, self.bronze_path, bronze_schema, BRONZE_PROPERTIES)
+        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+
+    def source(self) -> DataFrame:
+        """The entity's source topic through Spark's Kafka source (failOnDataLoss on)."""
+        settings = self.config.ingestor
+        reader = (
+            self.spark.readStream.format("kafka")
+            .options(**spark_kafka_options(self.config.kafka))
+            .option("subscribe", self.entity.source_topic)
+            .option("startingOffsets", settings.starting_offsets)
+            .option("failOnDataLoss", "true")
+            .option("includeHeaders", "false")
+        )
+        if settings.max_offsets_per_trigger:
+            reader = reader.option("maxOffsetsPerTrigger", settings.max_offsets_per_trigger)
+        return reader.load()
+
+    def writer(self, once: bool) -> DataStreamWriter:
+        """source -> foreachBatch(decode, write bronze + quarantine)."""
+        return with_trigger(
+            self.source()
+            .writeStream.foreachBatch(self.process_batch)
+            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+            once,
+            self.config.ingestor.trigger_interval,
+        )
+
+    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """Decode, then append bronze and quarantine idempotently (txnAppId + batch id).
+
+        Two passes over the batch, each decoding once: the first collects the (rare)
+        records to quarantine, the second writes bronze. Nothing is cached.
+        """
+        app = app_id(SERVICE, self.entity.name, self.identity.get())
+        timings: dict[str, int] = {}
+        clock = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.monotonic()
+            timings[f"{name}_ms"] = int((now - clock) * 1000)
+            clock = now
+
+        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
+        rejected = quarantine_rows(decoded, self.entity, batch_id)
+        bad = rejected.limit(MAX_COLLECTED_QUARANTINE + 1).collect()
+        if any(r.error_kind == "unknown_schema" for r in bad) and self._learn_writers(bad):
+            decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
+            rejected = quarantine_rows(decoded, self.entity, batch_id)
+            bad = rejected.limit(MAX_COLLECTED_QUARANTINE + 1).collect()
+        lap("check")
+        idempotent_append(bronze_rows(decoded), self.bronze_path, app, batch_id, merge_schema=True)
+        lap("bronze")
+        if bad:
+            few = len(bad) <= MAX_COLLECTED_QUARANTINE
+            quarantined = self.spark.createDataFrame(bad, QUARANTINE_SCHEMA) if few else rejected
+            idempotent_append(quarantined, self.quarantine_path, app, batch_id)
+            lap("quarantine")
+        errors = (
+            Counter(r.error_kind for r in bad)
+            if len(bad) <= MAX_COLLECTED_QUARANTINE
+            else {
+                "many": self.spark.read.format("delta")
+                .load(self.quarantine_path)
+                .where(F.col("batch_id") == batch_id)
+                .where(F.col("entity") == self.entity.name)
+                .count()
+            }
+        )
+        self.runner.report(
+            self.entity.name,
+            batch_id,
+            BatchStats(
+                counts={"quarantined_rows": sum(errors.values())},
+                extra={"errors": dict(errors), **timings},
+                rest="bronze_rows",
+            ),
+        )
+
+    def _learn_writers(self, rejected: list[Any]) -> bool:
+        """Ask the registry about unknown headers; True if it knew some (decode again).
+
+        The reader becomes the subject's newest schema (unless pinned), so a compatible new
+        column reaches bronze (the bronze write merges the schema).
+        """
+        headers = {
+            (part, bytes(data))
+            for row in rejected
+            if row.error_kind == "unknown_schema"
+            for part, data in (("value", row.raw_value), ("key", row.raw_key))
+            if data is not None
+        }
+        self.registry.refresh()
+        known = {"value": self.plan.value_writers, "key": self.plan.key_writers}
+        learned: dict[str, list[Any]] = {"value": [], "key": []}
+        for part, data in headers:
+            try:
+                head = read_header(data)
+            except AvroSerdeError:
+                continue
+            if data[: head.size] in known[part]:
+                continue
+            try:
+                schema = self.registry.resolve(head)
+            except UnknownSchemaError:
+                continue
+            if schema not in learned[part]:
+                learned[part].append(schema)
+        if not learned["value"] and not learned["key"]:
+            return False
+        log.info(
+            "new writer schemas",
+            extra={
+                "service": SERVICE,
+                "entity": self.entity.name,
+                "schemas": [s.fingerprint.hex() for s in learned["value"] + learned["key"]],
+            },
+        )
+        newest = DecodePlan.from_schemas(entity_schemas(self.entity, self.registry), self.registry)
+        self.plan = newest.with_writers(
+            [*self.plan.value_writers.values(), *learned["value"]],
+            [*self.plan.key_writers.values(), *learned["key"]],
+        )
+        log.info(
+            "reader schema",
+            extra={
+                "service": SERVICE,
+                "entity": self.entity.name,
+                "value_reader": self.plan.value_reader.fingerprint.hex(),
+            },
+        )
+        return True
+
+
+def kafka_lag(progress: Any) -> float | None:
+    """Offsets behind the topic's end, the largest over partitions (Kafka source metrics)."""
+    for source in progress.sources:
+        behind = (source.metrics or {}).get("maxOffsetsBehindLatest")
+        if behind is not None:
+            return float(behind)
+    return None
+
+
+def start(
+    config: PipelineConfig,
+    entity_names: list[str] | None = None,
+    once: bool = False,
+    spark: SparkSession | None = None,
+) -> StreamRunner:
+    """Create the tables and start one stream per entity; ``run()`` the result."""
+    entities = config.select_entities(entity_names)
+    if not entities:
+        raise ConfigError("the configuration defines no entities to ingest")
+    spark = spark or build_spark_session(config.spark, "cdc-ingestor")
+    registry = make_registry(config)
+    runner = StreamRunner(
+        spark, SERVICE, config.ingestor.metrics_host, config.ingestor.metrics_port, lag=kafka_lag
+    )
+    try:
+        for entity in entities:
+            ingestion = EntityIngestion(spark, config, entity, registry, runner)
+            ingestion.create_tables()
+            runner.start(entity.name, ingestion.writer(once), ingestion.identity)
+    except BaseException:
+        runner.stop_now()
+        raise
+    return runner
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line shared by every service."""
+    parser = argparse.ArgumentParser(
+        prog="cdc-ingestor", description="Kafka CDC topics -> bronze Delta tables, exactly-once."
+    )
+    parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
+    parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
+    parser.add_argument("--once", action="store_true", help="process what is available, then exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``cdc-ingestor``."""
+    args = parse_args(argv)
+    configure_logging()
+    try:
+        runner = start(load_config(args.config), args.entity, args.once)
+        runner.install_signal_handlers()
+        runner.run()
+    except (ConfigError, ValueError, UnknownSchemaError) as exc:
+        log.error("cannot start: %s", exc, extra={"service": SERVICE})
+        return 2
+    except StreamFailedError as exc:
+        log.error("%s", exc, extra={"service": SERVICE})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Running Structured Streaming queries as a service: triggers, graceful stop, progress.
+
+A service builds one query per entity and hands them to :class:`StreamRunner`, which
+serves health and metrics, logs one JSON line per micro-batch from the query listener,
+stops after the batch in flight on SIGTERM (exit 0), and surfaces a failed query as
+an error naming the entity.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.listener import StreamingQueryListener
+from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from cdc_shared.observability import BATCH_SECONDS, BATCHES, HEALTHY, LAG, ROWS, HealthServer
+
+log = logging.getLogger(__name__)
+
+
+class StreamFailedError(RuntimeError):
+    """A stream stopped with an error; the message names the service and entity."""
+
+
+def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
+    """``--once``: process what is available then stop; else a processing-time trigger."""
+    return writer.trigger(availableNow=True) if once else writer.trigger(processingTime=interval)
+
+
+@dataclass
+class BatchStats:
+    """What a micro-batch did, reported by the service's foreachBatch function."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    rest: str | None = None  # outcome of the input rows not in ``counts`` (e.g. bronze_rows)
+
+
+class QueryIdentity:
+    """The query id of a stream, known once the query started (read by foreachBatch).
+
+    The id is kept in the checkpoint, so it is stable across restarts and new for a
+    new checkpoint: the right basis for Delta's idempotent-write ``txnAppId``.
+    """
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._id = ""
+
+    def set(self, query_id: str) -> None:
+        """Record the id (called right after ``start()``)."""
+        self._id = query_id
+        self._ready.set()
+
+    def get(self, timeout_s: float = 60.0) -> str:
+        """The id; waits for ``start()`` to return when the first batch is quick."""
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError("the streaming query id was not known within 60 s")
+        return self._id
+
+
+class _ProgressLogger(StreamingQueryListener):
+    def __init__(self, runner: StreamRunner) -> None:
+        self.runner = runner
+
+    def onQueryStarted(self, event: Any) -> None:
+        """Nothing to do: the runner logs starts."""
+
+    def onQueryProgress(self, event: Any) -> None:
+        """Log the batch with the counts its foreachBatch reported."""
+        progress = event.progress
+        entity = self.runner.entity_of.get(str(progress.id))
+        if entity is None or (progress.numInputRows == 0 and progress.batchId > 0):
+            return
+        stats = self.runner.take_stats(entity, progress.batchId)
+        if stats.rest is not None:
+            stats.counts[stats.rest] = progress.numInputRows - sum(stats.counts.values())
+        lag = self.runner.lag_of(progress)
+        duration_ms = int(progress.batchDuration)
+        BATCH_SECONDS.labels(self.runner.service, entity).observe(duration_ms / 1000)
+        BATCHES.labels(self.runner.service, entity).inc()
+        if lag is not None:
+            LAG.labels(self.runner.service, entity).set(lag)
+        for outcome, count in stats.counts.items():
+            ROWS.labels(self.runner.service, entity, outcome).inc(count)
+        log.info(
+            "batch",
+            extra={
+                "service": self.runner.service,
+                "entity": entity,
+                "batch_id": progress.batchId,
+                "input_rows": progress.numInputRows,
+                **stats.counts,
+                **stats.extra,
+                "duration_ms": duration_ms,
+                "input_rows_per_s": round(progress.processedRowsPerSecond or 0, 1),
+                "lag": lag,
+            },
+        )
+
+    def onQueryIdle(self, event: Any) -> None:
+        """Idle triggers are not logged."""
+
+    def onQueryTerminated(self, event: Any) -> None:
+        """The runner reports terminations."""
+
+
+class StreamRunner:
+    """Owns a service's queries: health, progress logs, SIGTERM, failures."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        service: str,
+        metrics_host: str = "0.0.0.0",
+        metrics_port: int = 0,
+        lag: Callable[[Any], float | None] | None = None,
+    ) -> None:
+        self.spark = spark
+        self.service = service
+        self.queries: dict[str, StreamingQuery] = {}
+        self.entity_of: dict[str, str] = {}
+        self._stats: dict[tuple[str, int], BatchStats] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._lag = lag
+        self._listener: _ProgressLogger | None = _ProgressLogger(self)
+        spark.streams.addListener(self._listener)
+        self._server = (
+            HealthServer(metrics_host, metrics_port, self.health).start() if metrics_port else None
+        )
+        if self._server is not None:
+            log.info("serving /metrics and /health", extra={"port": self._server.port})
+
+    # --- wiring --------------------------------------------------------------------
+
+    def start(self, entity: str, writer: DataStreamWriter, identity: QueryIdentity) -> None:
+        """Start one entity's query."""
+        query = writer.queryName(f"{self.service}-{entity}").start()
+        identity.set(str(query.id))
+        self.queries[entity] = query
+        self.entity_of[str(query.id)] = entity
+        log.info(
+            "stream started",
+            extra={"service": self.service, "entity": entity, "query_id": str(query.id)},
+        )
+
+    def report(self, entity: str, batch_id: int, stats: BatchStats) -> None:
+        """Called by foreachBatch: counts to log with the batch's progress."""
+        with self._lock:
+            self._stats[(entity, batch_id)] = stats
+
+    def take_stats(self, entity: str, batch_id: int) -> BatchStats:
+        """The counts reported for a batch (empty when none were)."""
+        with self._lock:
+            return self._stats.pop((entity, batch_id), BatchStats())
+
+    def lag_of(self, progress: Any) -> float | None:
+        """The service-specific lag of a progress event, if it can tell."""
+        return self._lag(progress) if self._lag else None
+
+    def health(self) -> dict[str, Any]:
+        """Status of every query, for ``/health``."""
+        streams = {}
+        for entity, query in self.queries.items():
+            error = query.exception()
+            streams[entity] = {
+                "active": query.isActive,
+                "error": str(error)[:500] if error else None,
+                "message": query.status.get("message"),
+            }
+        ok = bool(streams) and all(s["active"] and not s["error"] for s in streams.values())
+        HEALTHY.labels(self.service).set(1 if ok else 0)
+        return {"status": "ok" if ok else "failing", "service": self.service, "streams": streams}
+
+    # --- running ---------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT ask for a stop after the micro-batch in flight."""
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("stop requested", extra={"service": self.service, "signal": signum})
+            self._stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def request_stop(self) -> None:
+        """Ask ``run()`` to stop after the micro-batches in flight (what SIGTERM does)."""
+        self._stop.set()
+
+    def stop_now(self) -> None:
+        """Stop every query at once and release the server (start-up failed)."""
+        for query in self.queries.values():
+            if query.isActive:
+                query.stop()
+        self.close()
+
+    def run(self) -> None:
+        """Wait until every query ends (``--once``) or a stop is requested, then stop them.
+
+        Raises StreamFailedError if a query failed.
+        """
+        try:
+            while not self._stop.is_set():
+                if all(not q.isActive for q in self.queries.values()):
+                    break
+                for entity, query in self.queries.items():
+                    self._raise_if_failed(entity, query)
+                self._stop.wait(0.5)
+            self._stop_gracefully()
+            for entity, query in self.queries.items():
+                self._raise_if_failed(entity, query)
+        finally:
+            self.close()
+
+    def _stop_gracefully(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for entity, query in self.queries.items():
+            while (
+                query.isActive
+                and query.status.get("isTriggerActive")
+                and (time.monotonic() < deadline)
+            ):
+                time.sleep(0.2)  # let the batch in flight finish and commit
+            if query.isActive:
+                query.stop()
+                log.info("stream stopped", extra={"service": self.service, "entity": entity})
+
+    def _raise_if_failed(self, entity: str, query: StreamingQuery) -> None:
+        error = query.exception()
+        if error is not None:
+            for other in self.queries.values():
+                if other.isActive:
+                    other.stop()
+            raise StreamFailedError(f"{self.service} stream for entity {entity!r} failed: {error}")
+
+    def close(self) -> None:
+        """Stop serving health and drop the listener (idempotent)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._listener is not None:
+            self.spark.streams.removeListener(self._listener)
+            self._listener = None

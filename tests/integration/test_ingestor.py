@@ -1,0 +1,231 @@
+"""The ingestor on real Kafka and Delta: exactly-once bronze, quarantine, replays, evolution."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cdc_cli.workload import (
+    GeneratedMessage,
+    ProduceReport,
+    WorkloadGenerator,
+    WorkloadSpec,
+    produce,
+)
+from cdc_ingestor.main import start
+from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.clients import make_consumer
+from cdc_shared.config import KafkaConfig
+from confluent_kafka import TopicPartition
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from support.pipelines import SCHEMAS, Pipeline, PipelineFactory
+
+pytestmark = pytest.mark.integration
+
+
+def generate(
+    pipeline: Pipeline, registry: FileSchemaRegistry | None = None, **spec: object
+) -> list[GeneratedMessage]:
+    config = pipeline.config
+    registry = registry or FileSchemaRegistry([pipeline.schema_dir])
+    return list(WorkloadGenerator(config.entities, registry, WorkloadSpec(**spec)).messages())
+
+
+def ingest_once(pipeline: Pipeline, spark: SparkSession) -> None:
+    start(pipeline.config, once=True, spark=spark).run()
+
+
+def bronze(spark: SparkSession, pipeline: Pipeline, entity: str):  # type: ignore[no-untyped-def]
+    return spark.read.format("delta").load(pipeline.config.table_path("bronze", entity))
+
+
+def quarantine(spark: SparkSession, pipeline: Pipeline):  # type: ignore[no-untyped-def]
+    return spark.read.format("delta").load(pipeline.config.table_path("quarantine", "ingestor"))
+
+
+def topic_offsets(kafka: KafkaConfig, topic: str) -> set[tuple[int, int]]:
+    """Every (partition, offset) the topic holds, from the broker's watermarks."""
+    consumer = make_consumer(kafka, group_id=f"offsets-{topic}")
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        offsets = set()
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            offsets.update((p, o) for o in range(low, high))
+        return offsets
+    finally:
+        consumer.close()
+
+
+def assert_bronze_exactly_once(
+    spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig, report: ProduceReport
+) -> None:
+    """Bronze + quarantine hold each Kafka record once: no duplicate, no gap."""
+    for entity in pipeline.config.entities:
+        rows = bronze(spark, pipeline, entity.name).select("kafka_partition", "kafka_offset")
+        landed = [(r.kafka_partition, r.kafka_offset) for r in rows.collect()]
+        poisoned = {(p, o) for t, p, o, _ in report.poison if t == entity.source_topic}
+        assert len(landed) == len(set(landed)), "duplicate offsets in bronze"
+        assert set(landed) | poisoned == topic_offsets(kafka, entity.source_topic)
+        assert not set(landed) & poisoned
+
+
+def test_workload_lands_exactly_once_with_poison_in_quarantine(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
+) -> None:
+    pipeline = make_pipeline()
+    messages = generate(pipeline, events=6000, keys=400, poison_share=0.01)
+    report = produce(kafka_config, iter(messages), partitions=3)
+    ingest_once(pipeline, spark)
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+
+    expected = Counter((topic, kind) for topic, _, _, kind in report.poison)
+    quarantined = (
+        quarantine(spark, pipeline)
+        .select("kafka_topic", "kafka_partition", "kafka_offset", "error_kind", "error_message")
+        .collect()
+    )
+    assert Counter((r.kafka_topic, r.error_kind) for r in quarantined) == expected
+    assert all(r.error_message for r in quarantined)
+    coordinates = {(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in quarantined}
+    assert len(coordinates) == len(quarantined)
+
+    customers = bronze(spark, pipeline, "customers")
+    tombstones = customers.where("is_tombstone").count()
+    assert tombstones == sum(  # tombstones, and their re-deliveries
+        1 for m in messages if m.value is None and m.kind != "poison" and m.entity == "customers"
+    )
+    assert customers.where("is_tombstone and op is not null").count() == 0
+    assert {r.op for r in customers.select("op").distinct().collect()} == {"r", "c", "u", "d", None}
+    assert (
+        customers.where("size(sequence) != 1 or sequence[0] is null and not is_tombstone").count()
+        == 0
+    )
+
+    before = customers.count()
+    ingest_once(pipeline, spark)  # nothing new: nothing written
+    assert bronze(spark, pipeline, "customers").count() == before
+
+
+def test_replayed_batch_writes_nothing_twice(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
+) -> None:
+    """A crash after the Delta commits, before the checkpoint commit, replays the batch."""
+    pipeline = make_pipeline(entities=("customers",))
+    report = produce(
+        kafka_config, iter(generate(pipeline, events=2000, keys=200, poison_share=0.01))
+    )
+    ingest_once(pipeline, spark)
+    checkpoint = Path(pipeline.config.checkpoint_path("ingestor", "customers"))
+    commits = sorted(
+        (p for p in (checkpoint / "commits").iterdir() if p.name.isdigit()),
+        key=lambda p: int(p.name),
+    )
+    last = commits[-1]  # as if the process died before committing the batch:
+    last.unlink()
+    last.with_name(f".{last.name}.crc").unlink(missing_ok=True)
+    bronze_before = bronze(spark, pipeline, "customers").count()
+    quarantine_before = quarantine(spark, pipeline).count()
+    ingest_once(pipeline, spark)
+    assert bronze(spark, pipeline, "customers").count() == bronze_before
+    assert quarantine(spark, pipeline).count() == quarantine_before
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+
+
+def test_new_checkpoint_gets_a_new_app_id_and_writes(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
+) -> None:
+    """Resetting the checkpoint must not make Delta skip the new stream's writes."""
+    pipeline = make_pipeline(entities=("customers",))
+    produce(kafka_config, iter(generate(pipeline, events=1000, keys=100, poison_share=0)))
+    ingest_once(pipeline, spark)
+    first = bronze(spark, pipeline, "customers").count()
+    shutil.rmtree(pipeline.config.checkpoint_path("ingestor", "customers"))
+    ingest_once(pipeline, spark)  # starts from the earliest offsets again
+    assert bronze(spark, pipeline, "customers").count() == 2 * first
+    app_ids = (
+        spark.sql(f"DESCRIBE HISTORY delta.`{pipeline.config.table_path('bronze', 'customers')}`")
+        .where("operation = 'WRITE'")
+        .count()
+    )
+    assert app_ids == 2
+
+
+def test_schema_evolution_midway_without_restart(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",), ingestor={"trigger_interval": "1 second", "metrics_port": 0}
+    )
+    # The producer knows version 2 from the start; the ingestor learns it from the registry.
+    producer_dir = tmp_path / "producer-schemas"
+    producer_dir.mkdir()
+    topic = pipeline.topic("customers")
+    shutil.copy(
+        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
+        producer_dir / f"{topic}-value.v2.avsc",
+    )
+    messages = generate(
+        pipeline,
+        FileSchemaRegistry([pipeline.schema_dir, producer_dir]),
+        events=2000,
+        keys=200,
+        poison_share=0,
+        redelivery_share=0,
+    )
+    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
+    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
+
+    produce(kafka_config, iter(messages[:switch]))
+    runner = start(pipeline.config, once=False, spark=spark)
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    try:
+        wait_for(lambda: table_count(spark, pipeline) == switch)
+        assert "loyalty_tier" not in bronze(spark, pipeline, "customers").select("after.*").columns
+        pipeline.add_schema_version("customers", 2)  # deployed while the ingestor runs
+        produce(kafka_config, iter(messages[switch:]))
+        wait_for(lambda: table_count(spark, pipeline) == len(messages))
+    finally:
+        runner.request_stop()
+        thread.join(120)
+    table = bronze(spark, pipeline, "customers")
+    assert "loyalty_tier" in table.select("after.*").columns
+    tiers = (
+        table.where(F.col("writer_schema") == f"fingerprint:{v2.hex()}")
+        .where("after.loyalty_tier is not null")
+        .count()
+    )
+    assert tiers > 0
+    assert (
+        table.where(F.col("writer_schema") != f"fingerprint:{v2.hex()}")
+        .where("after.loyalty_tier is not null")
+        .count()
+        == 0
+    )
+    assert quarantine_count(spark, pipeline) == 0
+
+
+def table_count(spark: SparkSession, pipeline: Pipeline) -> int:
+    try:
+        return bronze(spark, pipeline, "customers").count()
+    except Exception:
+        return -1
+
+
+def quarantine_count(spark: SparkSession, pipeline: Pipeline) -> int:
+    return quarantine(spark, pipeline).count()
+
+
+def wait_for(condition, timeout_s: float = 180.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(1)
+    raise AssertionError("condition not met in time")

@@ -1,0 +1,93 @@
+"""Pipelines on throwaway topics: a config file and its topic-named schema folder."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from cdc_shared.config import KafkaConfig, PipelineConfig, load_config
+
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
+ENTITIES = {
+    "customers": {"key": ["id"], "sequence_by": ["source.lsn"], "source": "customers"},
+    "orders": {
+        "key": ["order_id", "line_no"],
+        "sequence_by": ["source.ts_ms", "source.lsn"],
+        "source": "orders",
+    },
+}
+
+
+@dataclass
+class Pipeline:
+    """A pipeline configuration written to disk, with topic-named schema files."""
+
+    path: Path
+    root: Path
+    schema_dir: Path
+    run: str
+
+    @property
+    def config(self) -> PipelineConfig:
+        return load_config(self.path)
+
+    def topic(self, entity: str) -> str:
+        return f"pytest_{self.run}.inventory.{ENTITIES[entity]['source']}"
+
+    def add_schema_version(self, entity: str, version: int) -> None:
+        """Make a newer value schema known, as a producer deploying it would."""
+        source = f"dbserver1.inventory.{ENTITIES[entity]['source']}-value.v{version}.avsc"
+        shutil.copy(
+            SCHEMAS / source, self.schema_dir / f"{self.topic(entity)}-value.v{version}.avsc"
+        )
+
+
+PipelineFactory = Callable[..., Pipeline]
+
+
+@pytest.fixture
+def make_pipeline(tmp_path: Path, kafka_config: KafkaConfig) -> PipelineFactory:
+    """Build a pipeline over fresh topics; only version 1 of each value schema is known."""
+
+    def build(entities: tuple[str, ...] = ("customers", "orders"), **sections: object) -> Pipeline:
+        run = uuid.uuid4().hex[:8]
+        schema_dir = tmp_path / f"schemas-{run}"
+        schema_dir.mkdir()
+        pipeline = Pipeline(
+            tmp_path / f"pipeline-{run}.yaml", tmp_path / f"data-{run}", schema_dir, run
+        )
+        for name in entities:
+            source = ENTITIES[name]["source"]
+            for part in ("key", "value"):
+                shutil.copy(
+                    SCHEMAS / f"dbserver1.inventory.{source}-{part}.avsc",
+                    schema_dir / f"{pipeline.topic(name)}-{part}.avsc",
+                )
+        document = {
+            "storage_root": str(pipeline.root),
+            "spark": {
+                "master": "local[2]",
+                "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
+            },
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "schema_registry": {"dirs": [str(schema_dir)]},
+            "entities": [
+                {
+                    "name": name,
+                    "source_topic": pipeline.topic(name),
+                    "key": ENTITIES[name]["key"],
+                    "sequence_by": ENTITIES[name]["sequence_by"],
+                }
+                for name in entities
+            ],
+            **sections,
+        }
+        pipeline.path.write_text(yaml.safe_dump(document))
+        return pipeline
+
+    return build
