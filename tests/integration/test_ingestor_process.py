@@ -1,0 +1,100 @@
+"""The ingestor as a separate process: SIGKILL at random moments, SIGTERM after a batch."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cdc_cli.workload import ProduceReport, produce
+from cdc_shared.config import KafkaConfig
+from pyspark.sql import SparkSession
+from support.pipelines import Pipeline, PipelineFactory
+from test_ingestor import assert_bronze_exactly_once, generate
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+INGESTOR = str(Path(sys.executable).with_name("cdc-ingestor"))
+
+
+def launch(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """The service in its own process group, so a kill takes its JVM with it."""
+    return subprocess.Popen(
+        [INGESTOR, "--config", str(pipeline.path), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+        start_new_session=True,
+    )
+
+
+def bronze_commits(pipeline: Pipeline) -> int:
+    log_dir = Path(pipeline.config.table_path("bronze", "customers")) / "_delta_log"
+    return len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0
+
+
+def test_exactly_once_under_sigkill(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",),
+        ingestor={"trigger_interval": "500 milliseconds", "max_offsets_per_trigger": 2000,
+                  "metrics_port": 0},
+    )
+    messages = generate(pipeline, events=30_000, keys=2000, poison_share=0.005)
+    reports: list[ProduceReport] = []
+    load = threading.Thread(
+        target=lambda: reports.append(produce(kafka_config, iter(messages), rate=1500))
+    )
+    load.start()
+    rng = random.Random(20261125)
+    log = tmp_path / "ingestor.log"
+    kills = 0
+    try:
+        while kills < 6 or load.is_alive():
+            process = launch(pipeline, log)
+            if kills % 2 == 0:
+                # The dangerous window: right after a bronze commit, before the checkpoint's.
+                seen = bronze_commits(pipeline)
+                deadline = time.monotonic() + 90
+                while bronze_commits(pipeline) == seen and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            else:
+                time.sleep(rng.uniform(6, 20))
+            assert process.poll() is None, f"ingestor died by itself; see {log}"
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+            kills += 1
+    finally:
+        load.join()
+    drain = launch(pipeline, log, "--once")
+    assert drain.wait(300) == 0, f"the draining run failed; see {log}"
+    assert kills >= 6
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, reports[0])
+
+
+def test_sigterm_finishes_the_batch_and_exits_zero(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",),
+        ingestor={"trigger_interval": "1 second", "max_offsets_per_trigger": 1000,
+                  "metrics_port": 0},
+    )
+    report = produce(kafka_config, iter(generate(pipeline, events=6000, keys=500)))
+    log = tmp_path / "ingestor.log"
+    process = launch(pipeline, log)
+    deadline = time.monotonic() + 120
+    while '"msg": "batch"' not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(120) == 0
+    text = log.read_text()
+    assert '"msg": "stop requested"' in text and '"msg": "stream stopped"' in text
+    drain = launch(pipeline, log, "--once")
+    assert drain.wait(300) == 0
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
