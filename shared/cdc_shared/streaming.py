@@ -42,7 +42,6 @@ class BatchStats:
 
     counts: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    rest: str | None = None  # outcome of the input rows not in ``counts`` (e.g. bronze_rows)
 
 
 class QueryIdentity:
@@ -82,10 +81,11 @@ class _ProgressLogger(StreamingQueryListener):
         if entity is None or (progress.numInputRows == 0 and progress.batchId > 0):
             return
         stats = self.runner.take_stats(entity, progress.batchId)
-        if stats.rest is not None:
-            stats.counts[stats.rest] = progress.numInputRows - sum(stats.counts.values())
         lag = self.runner.lag_of(progress)
         duration_ms = int(progress.batchDuration)
+        # Spark counts every read of the source; a foreachBatch reading its batch twice
+        # reports the true count itself.
+        input_rows = stats.counts.pop("input_rows", progress.numInputRows)
         BATCH_SECONDS.labels(self.runner.service, entity).observe(duration_ms / 1000)
         BATCHES.labels(self.runner.service, entity).inc()
         if lag is not None:
@@ -98,11 +98,11 @@ class _ProgressLogger(StreamingQueryListener):
                 "service": self.runner.service,
                 "entity": entity,
                 "batch_id": progress.batchId,
-                "input_rows": progress.numInputRows,
+                "input_rows": input_rows,
                 **stats.counts,
                 **stats.extra,
                 "duration_ms": duration_ms,
-                "input_rows_per_s": round(progress.processedRowsPerSecond or 0, 1),
+                "input_rows_per_s": round(input_rows / max(duration_ms, 1) * 1000, 1),
                 "lag": lag,
             },
         )

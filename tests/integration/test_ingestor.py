@@ -10,69 +10,23 @@ from pathlib import Path
 
 import pytest
 from cdc_cli.workload import (
-    GeneratedMessage,
-    ProduceReport,
-    WorkloadGenerator,
-    WorkloadSpec,
     produce,
 )
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.clients import make_consumer
 from cdc_shared.config import KafkaConfig
-from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
+from support.ingestion import (
+    assert_bronze_exactly_once,
+    bronze,
+    generate,
+    ingest_once,
+    quarantine,
+)
 from support.pipelines import SCHEMAS, Pipeline, PipelineFactory
 
 pytestmark = pytest.mark.integration
-
-
-def generate(
-    pipeline: Pipeline, registry: FileSchemaRegistry | None = None, **spec: object
-) -> list[GeneratedMessage]:
-    config = pipeline.config
-    registry = registry or FileSchemaRegistry([pipeline.schema_dir])
-    return list(WorkloadGenerator(config.entities, registry, WorkloadSpec(**spec)).messages())
-
-
-def ingest_once(pipeline: Pipeline, spark: SparkSession) -> None:
-    start(pipeline.config, once=True, spark=spark).run()
-
-
-def bronze(spark: SparkSession, pipeline: Pipeline, entity: str):  # type: ignore[no-untyped-def]
-    return spark.read.format("delta").load(pipeline.config.table_path("bronze", entity))
-
-
-def quarantine(spark: SparkSession, pipeline: Pipeline):  # type: ignore[no-untyped-def]
-    return spark.read.format("delta").load(pipeline.config.table_path("quarantine", "ingestor"))
-
-
-def topic_offsets(kafka: KafkaConfig, topic: str) -> set[tuple[int, int]]:
-    """Every (partition, offset) the topic holds, from the broker's watermarks."""
-    consumer = make_consumer(kafka, group_id=f"offsets-{topic}")
-    try:
-        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        offsets = set()
-        for p in partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            offsets.update((p, o) for o in range(low, high))
-        return offsets
-    finally:
-        consumer.close()
-
-
-def assert_bronze_exactly_once(
-    spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig, report: ProduceReport
-) -> None:
-    """Bronze + quarantine hold each Kafka record once: no duplicate, no gap."""
-    for entity in pipeline.config.entities:
-        rows = bronze(spark, pipeline, entity.name).select("kafka_partition", "kafka_offset")
-        landed = [(r.kafka_partition, r.kafka_offset) for r in rows.collect()]
-        poisoned = {(p, o) for t, p, o, _ in report.poison if t == entity.source_topic}
-        assert len(landed) == len(set(landed)), "duplicate offsets in bronze"
-        assert set(landed) | poisoned == topic_offsets(kafka, entity.source_topic)
-        assert not set(landed) & poisoned
 
 
 def test_workload_lands_exactly_once_with_poison_in_quarantine(

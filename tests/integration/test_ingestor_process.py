@@ -15,8 +15,8 @@ import pytest
 from cdc_cli.workload import ProduceReport, produce
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
+from support.ingestion import assert_bronze_exactly_once, generate
 from support.pipelines import Pipeline, PipelineFactory
-from test_ingestor import assert_bronze_exactly_once, generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 INGESTOR = str(Path(sys.executable).with_name("cdc-ingestor"))
@@ -42,8 +42,11 @@ def test_exactly_once_under_sigkill(
 ) -> None:
     pipeline = make_pipeline(
         entities=("customers",),
-        ingestor={"trigger_interval": "500 milliseconds", "max_offsets_per_trigger": 2000,
-                  "metrics_port": 0},
+        ingestor={
+            "trigger_interval": "500 milliseconds",
+            "max_offsets_per_trigger": 2000,
+            "metrics_port": 0,
+        },
     )
     messages = generate(pipeline, events=30_000, keys=2000, poison_share=0.005)
     reports: list[ProduceReport] = []
@@ -82,8 +85,11 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
 ) -> None:
     pipeline = make_pipeline(
         entities=("customers",),
-        ingestor={"trigger_interval": "1 second", "max_offsets_per_trigger": 1000,
-                  "metrics_port": 0},
+        ingestor={
+            "trigger_interval": "1 second",
+            "max_offsets_per_trigger": 1000,
+            "metrics_port": 0,
+        },
     )
     report = produce(kafka_config, iter(generate(pipeline, events=6000, keys=500)))
     log = tmp_path / "ingestor.log"

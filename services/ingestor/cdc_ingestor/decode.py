@@ -296,23 +296,30 @@ def bronze_rows(decoded: DataFrame) -> DataFrame:
     )
 
 
-def quarantine_rows(decoded: DataFrame, entity: EntityConfig, batch_id: int) -> DataFrame:
-    """The records that did not decode or broke the contract, with their raw bytes."""
-    return decoded.where(F.col("error_kind").isNotNull()).select(
+def quarantine_columns(entity: EntityConfig, batch_id: int) -> list[Column]:
+    """The quarantine table's columns for a decoded record (QUARANTINE_SCHEMA's order)."""
+    return [
         F.lit("ingestor").alias("service"),
         F.lit(entity.name).alias("entity"),
-        "error_kind",
-        "error_message",
-        "kafka_topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
-        "raw_key",
-        "raw_value",
+        F.col("error_kind"),
+        F.col("error_message"),
+        F.col("kafka_topic"),
+        F.col("kafka_partition"),
+        F.col("kafka_offset"),
+        F.col("kafka_timestamp"),
+        F.col("raw_key"),
+        F.col("raw_value"),
         F.lit(None).cast("string").alias("source_table"),
         F.lit(None).cast("long").alias("source_version"),
         F.lit(batch_id).cast("long").alias("batch_id"),
         F.current_timestamp().alias("quarantined_at"),
+    ]
+
+
+def quarantine_rows(decoded: DataFrame, entity: EntityConfig, batch_id: int) -> DataFrame:
+    """The records that did not decode or broke the contract, with their raw bytes."""
+    return decoded.where(F.col("error_kind").isNotNull()).select(
+        *quarantine_columns(entity, batch_id)
     )
 
 

@@ -10,7 +10,6 @@ import argparse
 import logging
 import sys
 import time
-from collections import Counter
 from typing import Any
 
 from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
@@ -44,6 +43,7 @@ from cdc_ingestor.decode import (
     bronze_rows,
     check_sequence_paths,
     decode,
+    quarantine_columns,
     quarantine_rows,
 )
 
@@ -113,8 +113,8 @@ class EntityIngestion:
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Decode, then append bronze and quarantine idempotently (txnAppId + batch id).
 
-        Two passes over the batch, each decoding once: the first collects the (rare)
-        records to quarantine, the second writes bronze. Nothing is cached.
+        Two passes over the batch, each decoding once: the first counts the outcomes and
+        collects the (rare) records to quarantine, the second writes bronze. No cache.
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
         timings: dict[str, int] = {}
@@ -127,40 +127,57 @@ class EntityIngestion:
             clock = now
 
         decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
-        rejected = quarantine_rows(decoded, self.entity, batch_id)
-        bad = rejected.limit(MAX_COLLECTED_QUARANTINE + 1).collect()
-        if any(r.error_kind == "unknown_schema" for r in bad) and self._learn_writers(bad):
+        counts, rejected = self._check(decoded, batch_id)
+        if counts.get("unknown_schema") and self._learn_writers(rejected):
             decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
-            rejected = quarantine_rows(decoded, self.entity, batch_id)
-            bad = rejected.limit(MAX_COLLECTED_QUARANTINE + 1).collect()
+            counts, rejected = self._check(decoded, batch_id)
         lap("check")
         idempotent_append(bronze_rows(decoded), self.bronze_path, app, batch_id, merge_schema=True)
         lap("bronze")
-        if bad:
-            few = len(bad) <= MAX_COLLECTED_QUARANTINE
-            quarantined = self.spark.createDataFrame(bad, QUARANTINE_SCHEMA) if few else rejected
+        errors = {kind: n for kind, n in counts.items() if kind != "ok"}
+        if errors:
+            collected = len(rejected) == sum(errors.values())
+            quarantined = (
+                self.spark.createDataFrame(rejected, QUARANTINE_SCHEMA)
+                if collected
+                else quarantine_rows(decoded, self.entity, batch_id)  # too many: a third pass
+            )
             idempotent_append(quarantined, self.quarantine_path, app, batch_id)
             lap("quarantine")
-        errors = (
-            Counter(r.error_kind for r in bad)
-            if len(bad) <= MAX_COLLECTED_QUARANTINE
-            else {
-                "many": self.spark.read.format("delta")
-                .load(self.quarantine_path)
-                .where(F.col("batch_id") == batch_id)
-                .where(F.col("entity") == self.entity.name)
-                .count()
-            }
-        )
         self.runner.report(
             self.entity.name,
             batch_id,
             BatchStats(
-                counts={"quarantined_rows": sum(errors.values())},
-                extra={"errors": dict(errors), **timings},
-                rest="bronze_rows",
+                counts={
+                    "input_rows": sum(counts.values()),
+                    "bronze_rows": counts.get("ok", 0),
+                    "quarantined_rows": sum(errors.values()),
+                },
+                extra={"errors": errors, **timings},
             ),
         )
+
+    def _check(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
+        """One pass: records per outcome, and up to a limit of the records to quarantine."""
+        outcome = F.coalesce(F.col("error_kind"), F.lit("ok"))
+        record = F.struct(*quarantine_columns(self.entity, batch_id))
+        rows = (
+            decoded.select(
+                outcome.alias("outcome"),
+                F.when(F.col("error_kind").isNotNull(), record).alias("rejected"),
+            )
+            .groupBy("outcome")
+            .agg(
+                F.count("*").alias("n"),
+                F.slice(F.collect_list("rejected"), 1, MAX_COLLECTED_QUARANTINE).alias("rows"),
+            )
+            .collect()
+        )
+        counts = {r.outcome: int(r.n) for r in rows}
+        collected = [row for r in rows for row in r.rows]
+        if sum(n for k, n in counts.items() if k != "ok") > MAX_COLLECTED_QUARANTINE:
+            collected = []  # written by a pass of their own
+        return counts, collected
 
     def _learn_writers(self, rejected: list[Any]) -> bool:
         """Ask the registry about unknown headers; True if it knew some (decode again).
