@@ -76,7 +76,12 @@ class _ProgressLogger(StreamingQueryListener):
 
     def onQueryProgress(self, event: Any) -> None:
         """Log the batch with the counts its foreachBatch reported."""
-        progress = event.progress
+        try:
+            self._log(event.progress)
+        finally:
+            self.runner.saw_progress(str(event.progress.id), event.progress.batchId)
+
+    def _log(self, progress: Any) -> None:
         entity = self.runner.entity_of.get(str(progress.id))
         if entity is None or (progress.numInputRows == 0 and progress.batchId > 0):
             return
@@ -130,6 +135,7 @@ class StreamRunner:
         self.queries: dict[str, StreamingQuery] = {}
         self.entity_of: dict[str, str] = {}
         self._stats: dict[tuple[str, int], BatchStats] = {}
+        self._logged: dict[str, int] = {}  # query id -> last batch id the listener saw
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._lag = lag
@@ -158,6 +164,11 @@ class StreamRunner:
         """Called by foreachBatch: counts to log with the batch's progress."""
         with self._lock:
             self._stats[(entity, batch_id)] = stats
+
+    def saw_progress(self, query_id: str, batch_id: int) -> None:
+        """The listener got the progress of ``batch_id``."""
+        with self._lock:
+            self._logged[query_id] = max(batch_id, self._logged.get(query_id, -1))
 
     def take_stats(self, entity: str, batch_id: int) -> BatchStats:
         """The counts reported for a batch (empty when none were)."""
@@ -220,8 +231,20 @@ class StreamRunner:
             self._stop_gracefully()
             for entity, query in self.queries.items():
                 self._raise_if_failed(entity, query)
+            self._wait_for_progress_logs()
         finally:
             self.close()
+
+    def _wait_for_progress_logs(self, timeout_s: float = 10.0) -> None:
+        """Progress events arrive on Spark's listener bus after the batch: let the last log."""
+        deadline = time.monotonic() + timeout_s
+        for query in self.queries.values():
+            last = query.lastProgress
+            while last is not None and time.monotonic() < deadline:
+                with self._lock:
+                    if self._logged.get(str(query.id), -1) >= last["batchId"]:
+                        break
+                time.sleep(0.1)
 
     def _stop_gracefully(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
