@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from cdc_cli.workload import ProduceReport, produce
 from cdc_shared.config import KafkaConfig
@@ -80,15 +82,23 @@ def test_exactly_once_under_sigkill(
     assert_bronze_exactly_once(spark, pipeline, kafka_config, reports[0])
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def test_sigterm_finishes_the_batch_and_exits_zero(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
+    port = free_port()
     pipeline = make_pipeline(
         entities=("customers",),
         ingestor={
             "trigger_interval": "1 second",
             "max_offsets_per_trigger": 1000,
-            "metrics_port": 0,
+            "metrics_port": port,
+            "metrics_host": "127.0.0.1",
         },
     )
     report = produce(kafka_config, iter(generate(pipeline, events=6000, keys=500)))
@@ -97,6 +107,11 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
     deadline = time.monotonic() + 120
     while '"msg": "batch"' not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
+    health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+    assert health.status_code == 200
+    assert health.json()["streams"]["customers"]["active"] is True
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert 'cdc_rows_total{entity="customers",outcome="bronze_rows",service="ingestor"}' in metrics
     process.send_signal(signal.SIGTERM)
     assert process.wait(120) == 0
     text = log.read_text()
