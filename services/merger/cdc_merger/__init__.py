@@ -1,0 +1,1 @@
+"""The merger: bronze change log -> silver current state (MERGE), deletes, order-safe."""
