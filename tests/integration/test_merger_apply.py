@@ -59,7 +59,7 @@ class Silver:
             "kafka_topic": self.entity.source_topic,
             "kafka_partition": 0,
             "kafka_offset": self.offset,
-            "kafka_timestamp": dt.datetime(2026, 1, 1),
+            "kafka_timestamp": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
             "key": key,
             "before": None,
             "after": None if op == "d" else image,
@@ -81,7 +81,7 @@ class Silver:
             "is_tombstone": False,
             "sequence": sequence,
             "writer_schema": "test",
-            "ingested_at": dt.datetime(2026, 1, 1),
+            "ingested_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         }
 
     def apply(self, *events: dict[str, Any]) -> None:
@@ -111,7 +111,7 @@ def customer(name: str) -> dict[str, Any]:
         "last_name": "x",
         "email": "e",
         "phone": None,
-        "created_at": dt.datetime(2024, 1, 1),
+        "created_at": dt.datetime(2024, 1, 1, tzinfo=dt.UTC),
     }
 
 
