@@ -138,6 +138,14 @@ class IngestorConfig(StreamingServiceConfig):
     metrics_port: int = Field(default=9101, ge=0, lt=65536)
 
 
+class MergerConfig(StreamingServiceConfig):
+    """The merger: Delta source limits per micro-batch."""
+
+    max_files_per_trigger: int | None = Field(default=1000, gt=0)
+    max_bytes_per_trigger: str | None = None  # e.g. "512m"; with files, the first limit wins
+    metrics_port: int = Field(default=9102, ge=0, lt=65536)
+
+
 class EntityConfig(_Section):
     """One replicated table: its source topic, key, ordering and outputs."""
 
@@ -194,6 +202,7 @@ class PipelineConfig(BaseSettings):
     elasticsearch: ElasticsearchConfig = Field(default_factory=ElasticsearchConfig)
     entities: list[EntityConfig] = Field(default_factory=list)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
+    merger: MergerConfig = Field(default_factory=MergerConfig)
 
     @classmethod
     def settings_customise_sources(

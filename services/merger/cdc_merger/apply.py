@@ -104,7 +104,15 @@ def _newer(left: str, right: str) -> Column:
     return F.expr(f"{left}.{SEQUENCE} > {right}.{SEQUENCE}")
 
 
-def apply_batch(spark: SparkSession, events: DataFrame, layout: SilverLayout) -> None:
+@dataclass(frozen=True)
+class ApplyResult:
+    """What a batch offered to silver: keys with a newer event, and how many were deletes."""
+
+    keys: int
+    deletes: int
+
+
+def apply_batch(spark: SparkSession, events: DataFrame, layout: SilverLayout) -> ApplyResult:
     """Apply one batch of bronze events to silver and the tombstones; idempotent."""
     key = layout.key
     latest = latest_per_key(events, key)
@@ -117,12 +125,14 @@ def apply_batch(spark: SparkSession, events: DataFrame, layout: SilverLayout) ->
         .withColumn(COMMIT_TS, F.current_timestamp())
     ).persist()
     try:
-        if candidates.isEmpty():
-            return
-        _merge_silver(spark, candidates, layout)
-        _record_tombstones(spark, candidates, layout)
+        counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
+        if counts:
+            _merge_silver(spark, candidates, layout)
+        if counts.get("d"):
+            _record_tombstones(spark, candidates, layout)
     finally:
         candidates.unpersist()
+    return ApplyResult(keys=sum(counts.values()), deletes=counts.get("d", 0))
 
 
 def _on(key: list[str], target: str, source: str) -> str:
@@ -149,8 +159,6 @@ def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: Silve
     deletes = candidates.where(F.col(OP) == "d").select(
         *layout.key, SEQUENCE, F.col(COMMIT_TS).alias("deleted_at")
     )
-    if deletes.isEmpty():
-        return
     (
         DeltaTable.forPath(spark, layout.tombstone_path)
         .alias("t")

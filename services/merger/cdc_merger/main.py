@@ -1,0 +1,173 @@
+"""``cdc-merger``: bronze change log -> silver current state, order-safe and idempotent.
+
+Per entity: a Delta stream over ``bronze/<entity>`` (source) -> latest event per key,
+tombstone filter (transform) -> one MERGE into ``silver/<entity>`` plus tombstones (sink).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, load_config
+from cdc_shared.observability import configure_logging
+from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming import (
+    BatchStats,
+    QueryIdentity,
+    StreamFailedError,
+    StreamRunner,
+    with_trigger,
+)
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from cdc_merger.apply import SilverLayout, apply_batch, ensure_tables
+
+SERVICE = "merger"
+log = logging.getLogger("cdc_merger")
+
+
+def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
+    """``silver/<entity>`` and its tombstones at ``silver/_tombstones/<entity>``."""
+    return SilverLayout(
+        silver_path=config.table_path("silver", entity.name),
+        tombstone_path=config.table_path("silver/_tombstones", entity.name),
+        key=list(entity.key),
+    )
+
+
+class EntityMerge:
+    """One entity's stream: ``bronze/<entity>`` into ``silver/<entity>``."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        config: PipelineConfig,
+        entity: EntityConfig,
+        runner: StreamRunner,
+    ) -> None:
+        self.spark = spark
+        self.config = config
+        self.entity = entity
+        self.runner = runner
+        self.identity = QueryIdentity()
+        self.bronze_path = config.table_path("bronze", entity.name)
+        self.layout = silver_layout(config, entity)
+
+    def create_tables(self, wait_s: float) -> None:
+        """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
+        deadline = time.monotonic() + wait_s
+        while not DeltaTable.isDeltaTable(self.spark, self.bronze_path):
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"{self.bronze_path} is not a Delta table yet: start the ingestor for "
+                    f"entity {self.entity.name!r} first"
+                )
+            log.info("waiting for bronze", extra={"service": SERVICE, "entity": self.entity.name})
+            time.sleep(5)
+        bronze_schema = self.spark.read.format("delta").load(self.bronze_path).schema
+        ensure_tables(self.spark, bronze_schema, self.layout)
+
+    def source(self) -> DataFrame:
+        """Bronze as a Delta stream, limited per micro-batch."""
+        settings = self.config.merger
+        reader = self.spark.readStream.format("delta")
+        if settings.max_files_per_trigger:
+            reader = reader.option("maxFilesPerTrigger", settings.max_files_per_trigger)
+        if settings.max_bytes_per_trigger:
+            reader = reader.option("maxBytesPerTrigger", settings.max_bytes_per_trigger)
+        return reader.load(self.bronze_path)
+
+    def writer(self, once: bool) -> DataStreamWriter:
+        """source -> foreachBatch(apply to silver)."""
+        return with_trigger(
+            self.source()
+            .writeStream.foreachBatch(self.process_batch)
+            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+            once,
+            self.config.merger.trigger_interval,
+        )
+
+    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """Apply the batch; replaying it changes nothing (every step compares sequences)."""
+        started = time.monotonic()
+        result = apply_batch(self.spark, batch, self.layout)
+        self.runner.report(
+            self.entity.name,
+            batch_id,
+            BatchStats(
+                counts={"applied_keys": result.keys, "deletes": result.deletes},
+                extra={"merge_ms": int((time.monotonic() - started) * 1000)},
+            ),
+        )
+
+
+def delta_lag(progress: Any) -> float | None:
+    """Bronze files not yet merged (Delta source metrics)."""
+    for source in progress.sources:
+        outstanding = (source.metrics or {}).get("numFilesOutstanding")
+        if outstanding is not None:
+            return float(outstanding)
+    return None
+
+
+def start(
+    config: PipelineConfig,
+    entity_names: list[str] | None = None,
+    once: bool = False,
+    spark: SparkSession | None = None,
+) -> StreamRunner:
+    """Create the tables and start one stream per entity; ``run()`` the result."""
+    entities = config.select_entities(entity_names)
+    if not entities:
+        raise ConfigError("the configuration defines no entities to merge")
+    spark = spark or build_spark_session(config.spark, "cdc-merger")
+    runner = StreamRunner(
+        spark, SERVICE, config.merger.metrics_host, config.merger.metrics_port, lag=delta_lag
+    )
+    try:
+        for entity in entities:
+            merge = EntityMerge(spark, config, entity, runner)
+            merge.create_tables(wait_s=0 if once else 3600)
+            runner.start(entity.name, merge.writer(once), merge.identity)
+    except BaseException:
+        runner.stop_now()
+        raise
+    return runner
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line shared by every service."""
+    parser = argparse.ArgumentParser(
+        prog="cdc-merger", description="bronze Delta change logs -> silver Delta tables."
+    )
+    parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
+    parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
+    parser.add_argument("--once", action="store_true", help="merge what is available, then exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``cdc-merger``."""
+    args = parse_args(argv)
+    configure_logging()
+    try:
+        runner = start(load_config(args.config), args.entity, args.once)
+        runner.install_signal_handlers()
+        runner.run()
+    except (ConfigError, ValueError) as exc:
+        log.error("cannot start: %s", exc, extra={"service": SERVICE})
+        return 2
+    except StreamFailedError as exc:
+        log.error("%s", exc, extra={"service": SERVICE})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

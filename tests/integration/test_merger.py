@@ -1,0 +1,118 @@
+"""The merger service: generated load -> ingestor -> merger; silver equals the oracle."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cdc_cli.workload import produce
+from cdc_merger.main import silver_layout
+from cdc_merger.main import start as start_merger
+from cdc_shared.config import KafkaConfig
+from pyspark.sql import SparkSession
+from support.ingestion import generate, ingest_once
+from support.pipelines import Pipeline, PipelineFactory
+from support.silver import assert_change_feed_has_no_repeats, assert_silver_equals_oracle
+
+pytestmark = pytest.mark.integration
+MERGER = str(Path(sys.executable).with_name("cdc-merger"))
+
+
+def merge_once(pipeline: Pipeline, spark: SparkSession) -> None:
+    start_merger(pipeline.config, once=True, spark=spark).run()
+
+
+def silver_version(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:
+    path = silver_layout(pipeline.config, pipeline.config.entity(entity)).silver_path
+    return int(spark.sql(f"DESCRIBE HISTORY delta.`{path}` LIMIT 1").collect()[0].version)
+
+
+def test_workload_through_ingestor_and_merger_equals_oracle(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
+) -> None:
+    pipeline = make_pipeline(
+        merger={"max_files_per_trigger": 4, "metrics_port": 0},
+        ingestor={"max_offsets_per_trigger": 1500, "metrics_port": 0},
+    )
+    produce(
+        kafka_config,
+        iter(
+            generate(
+                pipeline,
+                events=6000,
+                keys=300,
+                delete_share=0.2,
+                redelivery_share=0.05,
+                poison_share=0.005,
+            )
+        ),
+    )
+    ingest_once(pipeline, spark)
+    merge_once(pipeline, spark)
+    assert_silver_equals_oracle(spark, pipeline, kafka_config)
+    assert_change_feed_has_no_repeats(spark, pipeline)
+
+    versions = {e.name: silver_version(spark, pipeline, e.name) for e in pipeline.config.entities}
+    merge_once(pipeline, spark)  # nothing new in bronze: silver untouched
+    assert versions == {
+        e.name: silver_version(spark, pipeline, e.name) for e in pipeline.config.entities
+    }
+
+
+@pytest.mark.slow
+def test_exactly_once_effect_under_sigkill(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",),
+        merger={
+            "max_files_per_trigger": 2,
+            "trigger_interval": "200 milliseconds",
+            "metrics_port": 0,
+        },
+        ingestor={"max_offsets_per_trigger": 400, "metrics_port": 0},
+    )
+    produce(
+        kafka_config,
+        iter(generate(pipeline, events=8000, keys=400, delete_share=0.2, redelivery_share=0.05)),
+    )
+    ingest_once(pipeline, spark)  # many small bronze files: many merger batches
+    log_dir = (
+        Path(silver_layout(pipeline.config, pipeline.config.entity("customers")).silver_path)
+        / "_delta_log"
+    )
+    rng = random.Random(11)
+    log = tmp_path / "merger.log"
+    for kill in range(6):
+        process = subprocess.Popen(
+            [MERGER, "--config", str(pipeline.path)],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+            start_new_session=True,
+        )
+        if kill % 2 == 0:  # right after a silver commit, before the checkpoint commit
+            seen = len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and (
+                not log_dir.is_dir() or len(list(log_dir.glob("*.json"))) == seen
+            ):
+                time.sleep(0.02)
+        else:
+            time.sleep(rng.uniform(6, 12))
+        assert process.poll() is None, f"merger died by itself; see {log}"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+    drain = subprocess.Popen(
+        [MERGER, "--config", str(pipeline.path), "--once"],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+    )
+    assert drain.wait(600) == 0, f"draining run failed; see {log}"
+    assert_silver_equals_oracle(spark, pipeline, kafka_config)
+    assert_change_feed_has_no_repeats(spark, pipeline)
