@@ -72,15 +72,15 @@ def test_exactly_once_effect_under_sigkill(
     pipeline = make_pipeline(
         entities=("customers",),
         merger={
-            "max_files_per_trigger": 2,
+            "max_files_per_trigger": 3,
             "trigger_interval": "200 milliseconds",
             "metrics_port": 0,
         },
-        ingestor={"max_offsets_per_trigger": 400, "metrics_port": 0},
+        ingestor={"max_offsets_per_trigger": 600, "metrics_port": 0},
     )
     produce(
         kafka_config,
-        iter(generate(pipeline, events=8000, keys=400, delete_share=0.2, redelivery_share=0.05)),
+        iter(generate(pipeline, events=5000, keys=400, delete_share=0.2, redelivery_share=0.05)),
     )
     ingest_once(pipeline, spark)  # many small bronze files: many merger batches
     log_dir = (
