@@ -6,19 +6,17 @@ tombstone filter (transform) -> one MERGE into ``silver/<entity>`` plus tombston
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import time
 from typing import Any
 
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, load_config
-from cdc_shared.observability import configure_logging
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.service import service_main
 from cdc_shared.spark import build_spark_session
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
-    StreamFailedError,
     StreamRunner,
     with_trigger,
 )
@@ -141,32 +139,9 @@ def start(
     return runner
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line shared by every service."""
-    parser = argparse.ArgumentParser(
-        prog="cdc-merger", description="bronze Delta change logs -> silver Delta tables."
-    )
-    parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
-    parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
-    parser.add_argument("--once", action="store_true", help="merge what is available, then exit")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cdc-merger``."""
-    args = parse_args(argv)
-    configure_logging()
-    try:
-        runner = start(load_config(args.config), args.entity, args.once)
-        runner.install_signal_handlers()
-        runner.run()
-    except (ConfigError, ValueError) as exc:
-        log.error("cannot start: %s", exc, extra={"service": SERVICE})
-        return 2
-    except StreamFailedError as exc:
-        log.error("%s", exc, extra={"service": SERVICE})
-        return 1
-    return 0
+    return service_main(SERVICE, "bronze Delta change logs -> silver Delta tables.", start, argv)
 
 
 if __name__ == "__main__":

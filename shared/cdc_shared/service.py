@@ -1,0 +1,40 @@
+"""The command line every streaming service shares: ``--config``, ``--entity``, ``--once``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+
+from cdc_shared.config import ConfigError, PipelineConfig, load_config
+from cdc_shared.observability import configure_logging
+from cdc_shared.streaming import StreamFailedError, StreamRunner
+
+StartStreams = Callable[[PipelineConfig, list[str] | None, bool], StreamRunner]
+
+
+def service_main(
+    service: str, description: str, start: StartStreams, argv: list[str] | None = None
+) -> int:
+    """Parse the arguments, start the service's streams, run them until done or SIGTERM.
+
+    Exit codes: 0 done or stopped, 1 a stream failed, 2 bad configuration or schemas.
+    """
+    parser = argparse.ArgumentParser(prog=f"cdc-{service}", description=description)
+    parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
+    parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
+    parser.add_argument("--once", action="store_true", help="process what is available, then exit")
+    args = parser.parse_args(argv)
+    configure_logging()
+    log = logging.getLogger(f"cdc_{service}")
+    try:
+        runner = start(load_config(args.config), args.entity, args.once)
+        runner.install_signal_handlers()
+        runner.run()
+    except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
+        log.error("cannot start: %s", exc, extra={"service": service})
+        return 2
+    except StreamFailedError as exc:
+        log.error("%s", exc, extra={"service": service})
+        return 1
+    return 0
