@@ -22,7 +22,14 @@ from pyspark.sql.streaming.listener import StreamingQueryListener
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
+from cdc_shared.config import (
+    ConfigError,
+    EntityConfig,
+    PipelineConfig,
+    StreamingServiceConfig,
+)
 from cdc_shared.observability import BATCH_SECONDS, BATCHES, HEALTHY, LAG, ROWS, HealthServer
+from cdc_shared.spark import build_spark_session
 
 log = logging.getLogger(__name__)
 
@@ -275,3 +282,48 @@ class StreamRunner:
         if self._listener is not None:
             self.spark.streams.removeListener(self._listener)
             self._listener = None
+
+
+def source_metric(name: str) -> Callable[[Any], float | None]:
+    """A lag reader: the named metric of the query's source (e.g. Kafka offsets behind)."""
+
+    def read(progress: Any) -> float | None:
+        for source in progress.sources:
+            value = (source.metrics or {}).get(name)
+            if value is not None:
+                return float(value)
+        return None
+
+    return read
+
+
+OpenStream = Callable[
+    [SparkSession, EntityConfig, StreamRunner], tuple[DataStreamWriter, QueryIdentity]
+]
+
+
+def start_streams(
+    service: str,
+    config: PipelineConfig,
+    settings: StreamingServiceConfig,
+    entity_names: list[str] | None,
+    spark: SparkSession | None,
+    lag_metric: str,
+    open_stream: OpenStream,
+) -> StreamRunner:
+    """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result."""
+    entities = config.select_entities(entity_names)
+    if not entities:
+        raise ConfigError(f"the configuration defines no entities for the {service}")
+    spark = spark or build_spark_session(config.spark, f"cdc-{service}")
+    runner = StreamRunner(
+        spark, service, settings.metrics_host, settings.metrics_port, source_metric(lag_metric)
+    )
+    try:
+        for entity in entities:
+            writer, identity = open_stream(spark, entity, runner)
+            runner.start(entity.name, writer, identity)
+    except BaseException:
+        runner.stop_now()
+        raise
+    return runner

@@ -15,21 +15,9 @@ from cdc_shared.config import EntityConfig
 from cdc_shared.schemas import entity_schemas
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
+from support.entities import CUSTOMERS, ORDERS, SCHEMAS
 
 pytestmark = pytest.mark.integration
-SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
-CUSTOMERS = EntityConfig(
-    name="customers",
-    source_topic="dbserver1.inventory.customers",
-    key=["id"],
-    sequence_by=["source.lsn"],
-)
-ORDERS = EntityConfig(
-    name="orders",
-    source_topic="dbserver1.inventory.orders",
-    key=["order_id", "line_no"],
-    sequence_by=["source.ts_ms", "source.lsn"],
-)
 
 
 class Silver:

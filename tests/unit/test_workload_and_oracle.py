@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,23 +18,8 @@ from cdc_shared.avro import (
     NullKeyError,
     UnknownSchemaError,
 )
-from cdc_shared.config import EntityConfig
 from cdc_shared.schemas import entity_schemas
-
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMAS = ROOT / "schemas"
-CUSTOMERS = EntityConfig(
-    name="customers",
-    source_topic="dbserver1.inventory.customers",
-    key=["id"],
-    sequence_by=["source.lsn"],
-)
-ORDERS = EntityConfig(
-    name="orders",
-    source_topic="dbserver1.inventory.orders",
-    key=["order_id", "line_no"],
-    sequence_by=["source.ts_ms", "source.lsn"],
-)
+from support.entities import CUSTOMERS, ORDERS, SCHEMAS
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,14 @@ from typing import Any
 
 from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
 from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
-from cdc_shared.spark import build_spark_session
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    start_streams,
     with_trigger,
 )
 from cdc_shared.tables import (
@@ -241,15 +241,6 @@ class EntityIngestion:
         return True
 
 
-def kafka_lag(progress: Any) -> float | None:
-    """Offsets behind the topic's end, the largest over partitions (Kafka source metrics)."""
-    for source in progress.sources:
-        behind = (source.metrics or {}).get("maxOffsetsBehindLatest")
-        if behind is not None:
-            return float(behind)
-    return None
-
-
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -257,23 +248,24 @@ def start(
     spark: SparkSession | None = None,
 ) -> StreamRunner:
     """Create the tables and start one stream per entity; ``run()`` the result."""
-    entities = config.select_entities(entity_names)
-    if not entities:
-        raise ConfigError("the configuration defines no entities to ingest")
-    spark = spark or build_spark_session(config.spark, "cdc-ingestor")
     registry = make_registry(config)
-    runner = StreamRunner(
-        spark, SERVICE, config.ingestor.metrics_host, config.ingestor.metrics_port, lag=kafka_lag
+
+    def open_stream(
+        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
+    ) -> tuple[DataStreamWriter, QueryIdentity]:
+        ingestion = EntityIngestion(spark, config, entity, registry, runner)
+        ingestion.create_tables()
+        return ingestion.writer(once), ingestion.identity
+
+    return start_streams(
+        SERVICE,
+        config,
+        config.ingestor,
+        entity_names,
+        spark,
+        "maxOffsetsBehindLatest",
+        open_stream,
     )
-    try:
-        for entity in entities:
-            ingestion = EntityIngestion(spark, config, entity, registry, runner)
-            ingestion.create_tables()
-            runner.start(entity.name, ingestion.writer(once), ingestion.identity)
-    except BaseException:
-        runner.stop_now()
-        raise
-    return runner
 
 
 def main(argv: list[str] | None = None) -> int:

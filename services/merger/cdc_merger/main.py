@@ -9,15 +9,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
 
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.service import service_main
-from cdc_shared.spark import build_spark_session
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    start_streams,
     with_trigger,
 )
 from delta.tables import DeltaTable
@@ -105,15 +104,6 @@ class EntityMerge:
         )
 
 
-def delta_lag(progress: Any) -> float | None:
-    """Bronze files not yet merged (Delta source metrics)."""
-    for source in progress.sources:
-        outstanding = (source.metrics or {}).get("numFilesOutstanding")
-        if outstanding is not None:
-            return float(outstanding)
-    return None
-
-
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -121,22 +111,18 @@ def start(
     spark: SparkSession | None = None,
 ) -> StreamRunner:
     """Create the tables and start one stream per entity; ``run()`` the result."""
-    entities = config.select_entities(entity_names)
-    if not entities:
-        raise ConfigError("the configuration defines no entities to merge")
-    spark = spark or build_spark_session(config.spark, "cdc-merger")
-    runner = StreamRunner(
-        spark, SERVICE, config.merger.metrics_host, config.merger.metrics_port, lag=delta_lag
+
+    def open_stream(
+        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
+    ) -> tuple[DataStreamWriter, QueryIdentity]:
+        merge = EntityMerge(spark, config, entity, runner)
+        merge.create_tables(wait_s=0 if once else 3600)
+        return merge.writer(once), merge.identity
+
+    # Lag: bronze files not yet merged.
+    return start_streams(
+        SERVICE, config, config.merger, entity_names, spark, "numFilesOutstanding", open_stream
     )
-    try:
-        for entity in entities:
-            merge = EntityMerge(spark, config, entity, runner)
-            merge.create_tables(wait_s=0 if once else 3600)
-            runner.start(entity.name, merge.writer(once), merge.identity)
-    except BaseException:
-        runner.stop_now()
-        raise
-    return runner
 
 
 def main(argv: list[str] | None = None) -> int:
