@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import (
@@ -146,6 +146,56 @@ class MergerConfig(StreamingServiceConfig):
     metrics_port: int = Field(default=9102, ge=0, lt=65536)
 
 
+class ChangeFeedConfig(StreamingServiceConfig):
+    """Publishers: where to start reading silver's Change Data Feed, and batch limits.
+
+    Without a starting version or timestamp, a first start publishes every change since
+    the table was created (version 0); later starts resume from the checkpoint.
+    """
+
+    starting_version: int | None = Field(default=None, ge=0)
+    starting_timestamp: str | None = None  # e.g. "2026-01-31 00:00:00"
+    max_files_per_trigger: int | None = Field(default=1000, gt=0)
+    max_bytes_per_trigger: str | None = None
+
+    @model_validator(mode="after")
+    def _one_start(self) -> Self:
+        if self.starting_version is not None and self.starting_timestamp is not None:
+            raise ValueError("set starting_version or starting_timestamp, not both")
+        return self
+
+
+class PublisherKafkaConfig(ChangeFeedConfig):
+    """publisher-kafka: change topics, transactions, and the event's optional parts."""
+
+    metrics_port: int = Field(default=9103, ge=0, lt=65536)
+    include_before: bool = False  # fill ``before`` on updates and deletes
+    delete_tombstones: bool = False  # a null-value record after each delete (compaction)
+    topic_partitions: int = Field(default=3, gt=0)
+    topic_replication_factor: int = Field(default=1, gt=0)
+    progress_topic: str = Field(default="_cdc_publisher_progress", min_length=1)
+    transaction_timeout_ms: int = Field(default=60_000, gt=0)
+    retry_attempts: int = Field(default=10, gt=0)  # per transaction, on retriable errors
+    max_backoff_s: float = Field(default=30.0, gt=0)
+
+
+class PublisherEsConfig(ChangeFeedConfig):
+    """publisher-es: index settings, mapping choices, bulk sizes and retries."""
+
+    metrics_port: int = Field(default=9104, ge=0, lt=65536)
+    text_fields: list[str] = Field(default_factory=list)  # strings analysed as text
+    decimal_as: Literal["scaled_float", "string"] = "scaled_float"
+    refresh_interval: str = "1s"
+    gc_deletes: str = "1h"  # how long a delete's version is remembered (replay window)
+    shards: int = Field(default=1, gt=0)
+    replicas: int = Field(default=0, ge=0)
+    chunk_size: int = Field(default=1000, gt=0)
+    max_chunk_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    max_retries: int = Field(default=8, ge=0)  # per chunk, on 429 and 5xx
+    initial_backoff_s: float = Field(default=0.5, gt=0)
+    max_backoff_s: float = Field(default=30.0, gt=0)
+
+
 class EntityConfig(_Section):
     """One replicated table: its source topic, key, ordering and outputs."""
 
@@ -203,6 +253,8 @@ class PipelineConfig(BaseSettings):
     entities: list[EntityConfig] = Field(default_factory=list)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
+    publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
+    publisher_es: PublisherEsConfig = Field(default_factory=PublisherEsConfig)
 
     @classmethod
     def settings_customise_sources(

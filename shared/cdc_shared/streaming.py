@@ -8,6 +8,7 @@ an error naming the entity.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -93,7 +94,9 @@ class _ProgressLogger(StreamingQueryListener):
         if entity is None or (progress.numInputRows == 0 and progress.batchId > 0):
             return
         stats = self.runner.take_stats(entity, progress.batchId)
-        lag = self.runner.lag_of(progress)
+        lag = stats.extra.pop("lag", None)  # a foreachBatch may know better than the source
+        if lag is None:
+            lag = self.runner.lag_of(progress)
         duration_ms = int(progress.batchDuration)
         # Spark counts every read of the source; a foreachBatch reading its batch twice
         # reports the true count itself.
@@ -297,6 +300,19 @@ def source_metric(name: str) -> Callable[[Any], float | None]:
     return read
 
 
+def delta_version_lag(progress: Any) -> float | None:
+    """Lag of a Delta source in table versions: latest available minus processed."""
+    for source in progress.sources:
+        try:
+            end = json.loads(source.endOffset or "null")
+            latest = json.loads(source.latestOffset or "null")
+        except (TypeError, ValueError):
+            continue
+        if isinstance(end, dict) and isinstance(latest, dict) and "reservoirVersion" in end:
+            return float(max(0, latest["reservoirVersion"] - end["reservoirVersion"]))
+    return None
+
+
 OpenStream = Callable[
     [SparkSession, EntityConfig, StreamRunner], tuple[DataStreamWriter, QueryIdentity]
 ]
@@ -308,7 +324,7 @@ def start_streams(
     settings: StreamingServiceConfig,
     entity_names: list[str] | None,
     spark: SparkSession | None,
-    lag_metric: str,
+    lag: str | Callable[[Any], float | None],
     open_stream: OpenStream,
 ) -> StreamRunner:
     """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result."""
@@ -317,7 +333,11 @@ def start_streams(
         raise ConfigError(f"the configuration defines no entities for the {service}")
     spark = spark or build_spark_session(config.spark, f"cdc-{service}")
     runner = StreamRunner(
-        spark, service, settings.metrics_host, settings.metrics_port, source_metric(lag_metric)
+        spark,
+        service,
+        settings.metrics_host,
+        settings.metrics_port,
+        source_metric(lag) if isinstance(lag, str) else lag,
     )
     try:
         for entity in entities:

@@ -7,11 +7,15 @@ after the Delta commit, before the checkpoint commit) writes nothing twice.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
+
+from cdc_shared.config import ConfigError
 
 #: What could not be processed, from any service (DESIGN.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
@@ -70,3 +74,18 @@ def idempotent_append(
 def app_id(service: str, entity: str, query_id: str) -> str:
     """The ``txnAppId`` of a service's stream: new with every new checkpoint (query id)."""
     return f"cdc-{service}-{entity}-{query_id}"
+
+
+def wait_for_table(
+    spark: SparkSession, path: str, wait_s: float, hint: str, log: logging.Logger
+) -> None:
+    """Wait until ``path`` is a Delta table (its writer creates it); ConfigError on timeout.
+
+    ``hint`` tells the operator what creates the table (e.g. "start the merger").
+    """
+    deadline = time.monotonic() + wait_s
+    while not DeltaTable.isDeltaTable(spark, path):
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"{path} is not a Delta table yet: {hint}")
+        log.info("waiting for table", extra={"path": path})
+        time.sleep(5)

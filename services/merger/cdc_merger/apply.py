@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-SEQUENCE = "_cdc_seq"
-OP = "_cdc_op"
-SOURCE_TS = "_cdc_source_ts"
-COMMIT_TS = "_cdc_commit_ts"
-METADATA = (SEQUENCE, OP, SOURCE_TS, COMMIT_TS)
 APPLIED_OPS = ("c", "u", "r", "d")
 
 SILVER_PROPERTIES = {

@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
@@ -19,7 +19,7 @@ from cdc_shared.streaming import (
     start_streams,
     with_trigger,
 )
-from delta.tables import DeltaTable
+from cdc_shared.tables import wait_for_table
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
@@ -58,15 +58,8 @@ class EntityMerge:
 
     def create_tables(self, wait_s: float) -> None:
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
-        deadline = time.monotonic() + wait_s
-        while not DeltaTable.isDeltaTable(self.spark, self.bronze_path):
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"{self.bronze_path} is not a Delta table yet: start the ingestor for "
-                    f"entity {self.entity.name!r} first"
-                )
-            log.info("waiting for bronze", extra={"service": SERVICE, "entity": self.entity.name})
-            time.sleep(5)
+        hint = f"start the ingestor for entity {self.entity.name!r} first"
+        wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
         bronze_schema = self.spark.read.format("delta").load(self.bronze_path).schema
         ensure_tables(self.spark, bronze_schema, self.layout)
 

@@ -1,0 +1,1 @@
+"""publisher-es: silver Change Data Feed -> one Elasticsearch index per entity."""

@@ -1,0 +1,1 @@
+"""publisher-kafka: silver Change Data Feed -> Avro change topics, exactly-once."""
