@@ -149,6 +149,7 @@ class StreamRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._lag = lag
+        self._problems: dict[str, str] = {}  # entity -> what keeps it from progressing
         self._listener: _ProgressLogger | None = _ProgressLogger(self)
         spark.streams.addListener(self._listener)
         self._server = (
@@ -185,6 +186,18 @@ class StreamRunner:
         with self._lock:
             return self._stats.pop((entity, batch_id), BatchStats())
 
+    def set_problem(self, entity: str, problem: str | None) -> None:
+        """Report (or clear, with None) what keeps an entity from progressing.
+
+        While a problem is set, ``/health`` answers 503 with it (e.g. "Elasticsearch
+        unavailable, retrying"), although the stream itself is still running.
+        """
+        with self._lock:
+            if problem is None:
+                self._problems.pop(entity, None)
+            else:
+                self._problems[entity] = problem
+
     def lag_of(self, progress: Any) -> float | None:
         """The service-specific lag of a progress event, if it can tell."""
         return self._lag(progress) if self._lag else None
@@ -194,12 +207,17 @@ class StreamRunner:
         streams = {}
         for entity, query in self.queries.items():
             error = query.exception()
+            with self._lock:
+                problem = self._problems.get(entity)
             streams[entity] = {
                 "active": query.isActive,
                 "error": str(error)[:500] if error else None,
+                "problem": problem,
                 "message": query.status.get("message"),
             }
-        ok = bool(streams) and all(s["active"] and not s["error"] for s in streams.values())
+        ok = bool(streams) and all(
+            s["active"] and not s["error"] and not s["problem"] for s in streams.values()
+        )
         HEALTHY.labels(self.service).set(1 if ok else 0)
         return {"status": "ok" if ok else "failing", "service": self.service, "streams": streams}
 
