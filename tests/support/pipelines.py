@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cdc_shared.config import KafkaConfig, PipelineConfig, load_config
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 ENTITIES = {
@@ -51,8 +51,11 @@ PipelineFactory = Callable[..., Pipeline]
 
 
 @pytest.fixture
-def make_pipeline(tmp_path: Path, kafka_config: KafkaConfig) -> PipelineFactory:
-    """Build a pipeline over fresh topics; only version 1 of each value schema is known."""
+def make_pipeline(
+    tmp_path: Path, kafka_config: KafkaConfig, es_config: ElasticsearchConfig
+) -> PipelineFactory:
+    """Build a pipeline over fresh topics and indexes; only version 1 of each value schema
+    is known."""
 
     def build(entities: tuple[str, ...] = ("customers", "orders"), **sections: object) -> Pipeline:
         run = uuid.uuid4().hex[:8]
@@ -75,6 +78,7 @@ def make_pipeline(tmp_path: Path, kafka_config: KafkaConfig) -> PipelineFactory:
                 "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
             },
             "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "elasticsearch": {"hosts": es_config.hosts},
             "schema_registry": {"dirs": [str(schema_dir)]},
             "entities": [
                 {
@@ -82,6 +86,8 @@ def make_pipeline(tmp_path: Path, kafka_config: KafkaConfig) -> PipelineFactory:
                     "source_topic": pipeline.topic(name),
                     "key": ENTITIES[name]["key"],
                     "sequence_by": ENTITIES[name]["sequence_by"],
+                    "change_topic": f"pytest_{run}.changes.{name}",
+                    "es_index": f"pytest_{run}_{name}",
                 }
                 for name in entities
             ],
