@@ -150,6 +150,7 @@ class StreamRunner:
         self._stop = threading.Event()
         self._lag = lag
         self._problems: dict[str, str] = {}  # entity -> what keeps it from progressing
+        self._on_close: list[Callable[[], object]] = []
         self._listener: _ProgressLogger | None = _ProgressLogger(self)
         spark.streams.addListener(self._listener)
         self._server = (
@@ -295,8 +296,17 @@ class StreamRunner:
                     other.stop()
             raise StreamFailedError(f"{self.service} stream for entity {entity!r} failed: {error}")
 
+    def on_close(self, release: Callable[[], object]) -> None:
+        """Run ``release`` (e.g. close a producer) when the runner closes."""
+        self._on_close.append(release)
+
     def close(self) -> None:
         """Stop serving health and drop the listener (idempotent)."""
+        while self._on_close:
+            try:
+                self._on_close.pop()()
+            except Exception:
+                log.exception("releasing a resource failed", extra={"service": self.service})
         if self._server is not None:
             self._server.stop()
             self._server = None

@@ -13,19 +13,18 @@ from pathlib import Path
 import pytest
 from cdc_cli.workload import produce
 from cdc_merger.main import silver_layout
-from cdc_merger.main import start as start_merger
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from support.ingestion import generate, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
-from support.silver import assert_change_feed_has_no_repeats, assert_silver_equals_oracle
+from support.silver import (
+    assert_change_feed_has_no_repeats,
+    assert_silver_equals_oracle,
+    merge_once,
+)
 
 pytestmark = pytest.mark.integration
 MERGER = str(Path(sys.executable).with_name("cdc-merger"))
-
-
-def merge_once(pipeline: Pipeline, spark: SparkSession) -> None:
-    start_merger(pipeline.config, once=True, spark=spark).run()
 
 
 def silver_version(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:

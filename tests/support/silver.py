@@ -8,6 +8,7 @@ from typing import Any
 
 from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_merger.main import silver_layout
+from cdc_merger.main import start as start_merger
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 
@@ -57,3 +58,7 @@ def assert_change_feed_has_no_repeats(spark: SparkSession, pipeline: Pipeline) -
         )
         repeated = [change for change, n in changes.items() if n > 1]
         assert not repeated, f"changes applied twice in silver/{entity.name}: {repeated[:5]}"
+
+
+def merge_once(pipeline: Pipeline, spark: SparkSession) -> None:
+    start_merger(pipeline.config, once=True, spark=spark).run()

@@ -426,3 +426,14 @@ def running(settings: InfraSettings | None = None) -> dict[str, bool]:
     """Which local servers are running (by their PID files)."""
     settings = settings or InfraSettings()
     return {name: _read_pid(settings, name) is not None for name in ("kafka", "elasticsearch")}
+
+
+def stop(settings: InfraSettings, name: str) -> bool:
+    """Stop one server (``kafka`` or ``elasticsearch``); True if it was running.
+
+    Its data stays: starting it again (``up``) resumes where it stopped. Used by the
+    fault injection of the chaos run and the restart tests.
+    """
+    if name not in ("kafka", "elasticsearch"):
+        raise InfraError(f"unknown server {name!r}: kafka or elasticsearch")
+    return _stop(settings, name)

@@ -1,0 +1,224 @@
+"""Publishing a micro-batch to Kafka in one transaction, together with its progress.
+
+The progress (the last silver commit version published, and the Spark batch that did
+it) is committed as a consumer-group offset on a progress topic inside the same Kafka
+transaction as the events: either both become visible or neither does. After a crash,
+the new producer's ``init_transactions`` fences the old one and resolves its open
+transaction, and the progress read back tells which batches and versions are already
+out, so a replayed micro-batch publishes nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cdc_shared.clients import kafka_client_config
+from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+log = logging.getLogger(__name__)
+
+Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
+
+
+class PublisherFatalError(RuntimeError):
+    """The producer cannot go on (fenced by another instance, or a fatal Kafka error)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the last committed transaction published: up to ``version``, by which batch."""
+
+    version: int
+    query_id: str
+    batch_id: int
+
+    def covers(self, query_id: str, batch_id: int) -> bool:
+        """Whether batch ``batch_id`` of query ``query_id`` was already published in full."""
+        return query_id == self.query_id and batch_id <= self.batch_id
+
+
+def ensure_topics(admin: AdminClient, topics: Sequence[NewTopic]) -> None:
+    """Create the topics that do not exist yet (existing ones are left as they are)."""
+    existing = set(admin.list_topics(timeout=30).topics)
+    missing = [t for t in topics if t.topic not in existing]
+    if not missing:
+        return
+    for name, future in admin.create_topics(missing, operation_timeout=30).items():
+        try:
+            future.result(60)
+            log.info("created topic", extra={"topic": name})
+        except KafkaException as exc:
+            if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                raise
+
+
+class TransactionalPublisher:
+    """One transactional producer per change topic, with its progress on a progress topic."""
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        settings: PublisherKafkaConfig,
+        change_topic: str,
+        on_problem: Callable[[str | None], None] = lambda _: None,
+    ) -> None:
+        self.settings = settings
+        self.change_topic = change_topic
+        self.transactional_id = f"cdc-publisher-kafka.{change_topic}"
+        self._progress_partition = TopicPartition(settings.progress_topic, 0)
+        self._on_problem = on_problem
+        self._producer = Producer(
+            kafka_client_config(
+                kafka,
+                **{
+                    "transactional.id": self.transactional_id,
+                    "transaction.timeout.ms": settings.transaction_timeout_ms,
+                    "enable.idempotence": True,
+                    "linger.ms": 20,
+                    "batch.size": 1_000_000,
+                    "queue.buffering.max.messages": 1_000_000,
+                    "queue.buffering.max.kbytes": 1_048_576,
+                },
+            )
+        )
+        # Only a holder of the group metadata; it never subscribes or polls.
+        self._group = Consumer(
+            kafka_client_config(
+                kafka,
+                **{
+                    "group.id": self.transactional_id,
+                    "enable.auto.commit": False,
+                    "isolation.level": "read_committed",
+                },
+            )
+        )
+        self.progress: Progress | None = None
+
+    def start(self) -> Progress | None:
+        """Fence any older instance, then read what is already published."""
+        self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
+        self.progress = self._read_progress()
+        log.info(
+            "publisher ready",
+            extra={
+                "topic": self.change_topic,
+                "published_up_to_version": self.progress.version if self.progress else None,
+            },
+        )
+        return self.progress
+
+    def _read_progress(self) -> Progress | None:
+        def read() -> list[TopicPartition]:
+            result: list[TopicPartition] = self._group.committed(
+                [self._progress_partition], timeout=30
+            )
+            return result
+
+        (committed,) = self._with_retries("read progress", read)
+        if committed.offset < 0 or not committed.metadata:
+            return None
+        state = json.loads(committed.metadata)
+        return Progress(int(state["version"]), str(state["query_id"]), int(state["batch_id"]))
+
+    def publish(self, messages: Sequence[Message], progress: Progress) -> None:
+        """Send ``messages`` in order and record ``progress``, all in one transaction.
+
+        Retries a transaction that must be aborted (e.g. the broker went away) with
+        exponential backoff; raises PublisherFatalError when the producer is fenced or
+        hit a fatal error, and KafkaException when the retries are exhausted.
+        """
+        attempts = self.settings.retry_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                self._transaction(messages, progress)
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal():
+                    raise PublisherFatalError(self._fatal_message(error)) from None
+                if attempt == attempts or not (error.txn_requires_abort() or error.retriable()):
+                    self._on_problem(f"Kafka transaction failing: {error.str()}")
+                    raise
+                self._abort_quietly()
+                self._backoff(attempt, f"transaction failed, retrying: {error.str()}")
+            else:
+                self.progress = progress
+                self._on_problem(None)
+                return
+
+    def _transaction(self, messages: Sequence[Message], progress: Progress) -> None:
+        producer = self._producer
+        producer.begin_transaction()
+        for key, value in messages:
+            while True:
+                try:
+                    producer.produce(self.change_topic, value=value, key=key)
+                    break
+                except BufferError:
+                    producer.poll(0.05)  # the local queue is full: let deliveries drain
+            producer.poll(0)
+        marker = TopicPartition(
+            self.settings.progress_topic,
+            0,
+            progress.version + 1,
+            metadata=json.dumps(
+                {
+                    "version": progress.version,
+                    "query_id": progress.query_id,
+                    "batch_id": progress.batch_id,
+                }
+            ),
+        )
+        producer.send_offsets_to_transaction([marker], self._group.consumer_group_metadata(), 60)
+        producer.commit_transaction(self.settings.transaction_timeout_ms / 1000)
+
+    def _abort_quietly(self) -> None:
+        try:
+            self._producer.abort_transaction(60)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                raise PublisherFatalError(self._fatal_message(error)) from None
+            log.warning("abort failed", extra={"topic": self.change_topic, "error": error.str()})
+
+    def _with_retries(self, what: str, call: Callable[[], Any]) -> Any:
+        attempts = self.settings.retry_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return call()
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal():
+                    raise PublisherFatalError(self._fatal_message(error)) from None
+                if attempt == attempts or not error.retriable():
+                    self._on_problem(f"Kafka {what} failing: {error.str()}")
+                    raise
+                self._backoff(attempt, f"{what} failed, retrying: {error.str()}")
+        raise AssertionError("unreachable")
+
+    def _backoff(self, attempt: int, problem: str) -> None:
+        delay = min(self.settings.max_backoff_s, 0.5 * 2 ** (attempt - 1))
+        delay *= random.uniform(0.5, 1.0)  # jitter: restarted publishers do not retry in step
+        self._on_problem(problem)
+        log.warning(problem, extra={"topic": self.change_topic, "retry_in_s": round(delay, 2)})
+        time.sleep(delay)
+
+    def _fatal_message(self, error: KafkaError) -> str:
+        if error.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
+            return (
+                f"publisher for {self.change_topic} was fenced: another instance with "
+                f"transactional.id {self.transactional_id!r} started; this one stops"
+            )
+        return f"fatal Kafka producer error on {self.change_topic}: {error.str()}"
+
+    def close(self) -> None:
+        """Release the clients (an open transaction is aborted by the broker's timeout)."""
+        self._producer.flush(10)
+        self._group.close()
