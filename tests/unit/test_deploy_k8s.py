@@ -1,0 +1,333 @@
+"""The Kubernetes manifests in deploy/k8s are valid and agree with the code (offline).
+
+Every manifest is checked against the Kubernetes OpenAPI schemas (kubernetes-validate,
+strict: unknown fields fail), then against the project: one single-replica Deployment
+per service script that runs the image's entrypoint with the mounted pipeline file,
+probes /health on the port its configuration serves, gets the Secret keys its pipeline
+file references, has resources above its JVM heap, and runs as the image's user.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cdc_shared.config import ConfigError, PipelineConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+DOCKER = ROOT / "deploy" / "docker"
+LOCAL_PIPELINE = ROOT / "deploy" / "local" / "pipeline.yaml"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+SCRIPTS = sorted(name for name in PYPROJECT["project"]["scripts"] if name != "cdc")
+# The oldest Kubernetes the manifests are meant for (1.30, or the oldest schema this
+# kubernetes-validate still ships), and the newest it knows.
+_KNOWN = sorted(
+    set(kubernetes_validate.utils.all_versions()), key=lambda v: tuple(map(int, v.split(".")))
+)
+KUBERNETES_VERSIONS = sorted(
+    {next(v for v in _KNOWN if tuple(map(int, v.split("."))) >= (1, 30)), _KNOWN[-1]}
+)
+# Benchmark: the ingestor peaked at 2.4 GiB RSS with a 2g driver heap.
+INGESTOR_PEAK_RSS = 2.4 * 2**30
+PLACEHOLDER = "CHANGE-ME"
+
+
+def service_of(script: str) -> str:
+    return script.removeprefix("cdc-")
+
+
+def metrics_port(config: PipelineConfig, script: str) -> int:
+    return int(getattr(config, service_of(script).replace("-", "_")).metrics_port)
+
+
+def load_manifests() -> dict[str, list[dict[str, Any]]]:
+    """File name -> its documents, for every manifest but the kustomization."""
+    found = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+            found[path.name] = docs
+    return found
+
+
+MANIFESTS = load_manifests()
+DOCS = [doc for docs in MANIFESTS.values() for doc in docs]
+KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
+
+
+def of_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in DOCS if d["kind"] == kind}
+
+
+def deployment(script: str) -> dict[str, Any]:
+    deployments = of_kind("Deployment")
+    assert script in deployments, f"no Deployment {script}; have {sorted(deployments)}"
+    return deployments[script]
+
+
+def container(script: str) -> dict[str, Any]:
+    containers = deployment(script)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1, "one container per pod: the service"
+    return dict(containers[0])
+
+
+def dockerfile_instruction(script: str, keyword: str, name: str | None = None) -> str:
+    """The last ``keyword`` line of an image's Dockerfile (continuations joined)."""
+    name = name or f"{service_of(script)}.Dockerfile"
+    text = (DOCKER / name).read_text(encoding="utf-8").replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(f"{keyword} ")]
+    assert lines, f"{name} has no {keyword}"
+    return lines[-1].removeprefix(f"{keyword} ").strip()
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes quantity (``3Gi``, ``500m``, ``2``) as a number."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|m)?", str(value))
+    assert match, f"cannot read quantity {value!r}"
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "m":
+        return number / 1000
+    return number * units.get(unit or "", 1)
+
+
+def java_size(value: str) -> float:
+    match = re.fullmatch(r"(\d+)([kmgt]?)", value.lower())
+    assert match, f"cannot read JVM size {value!r}"
+    return (
+        int(match.group(1))
+        * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[match.group(2)]
+    )
+
+
+def configmap_pipeline() -> tuple[str, str, str]:
+    """(ConfigMap name, key, text) of the pipeline file."""
+    entries = [
+        (name, key, text)
+        for name, cm in of_kind("ConfigMap").items()
+        for key, text in cm.get("data", {}).items()
+        if key.endswith((".yaml", ".yml"))
+    ]
+    assert len(entries) == 1, f"expected one pipeline file in the ConfigMaps: {entries}"
+    return entries[0]
+
+
+def secret_keys() -> dict[str, dict[str, str]]:
+    return {
+        name: {**s.get("stringData", {}), **s.get("data", {})}
+        for name, s in of_kind("Secret").items()
+    }
+
+
+@pytest.fixture
+def k8s_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineConfig:
+    """The ConfigMap's pipeline, loaded as a pod would (the Secret's keys in the env)."""
+    for name in [n for n in os.environ if n.startswith("CDC_")]:
+        monkeypatch.delenv(name)
+    for values in secret_keys().values():
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+    _, key, text = configmap_pipeline()
+    path = tmp_path / key
+    path.write_text(text, encoding="utf-8")
+    return load_config(path)
+
+
+def test_kustomization_applies_every_manifest_in_one_namespace() -> None:
+    assert KUSTOMIZATION["kind"] == "Kustomization"
+    assert KUSTOMIZATION["apiVersion"].startswith("kustomize.config.k8s.io/")
+    assert sorted(KUSTOMIZATION["resources"]) == sorted(MANIFESTS)
+    namespaces = of_kind("Namespace")
+    assert list(namespaces) == [KUSTOMIZATION["namespace"]]
+    for doc in DOCS:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"].get("namespace") == KUSTOMIZATION["namespace"], doc["kind"]
+
+
+def test_kustomization_images_name_every_service_at_the_project_version() -> None:
+    images = {i["name"]: i for i in KUSTOMIZATION["images"]}
+    for script in SCRIPTS:
+        name, _, tag = container(script)["image"].rpartition(":")
+        assert name == script
+        assert tag == PYPROJECT["project"]["version"]
+        assert images[name]["newTag"] == PYPROJECT["project"]["version"]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("doc", DOCS, ids=[f"{d['kind']}-{d['metadata']['name']}" for d in DOCS])
+def test_manifest_is_valid_kubernetes(doc: dict[str, Any], version: str) -> None:
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        pytest.fail(f"{doc['kind']} {doc['metadata']['name']} (k8s {version}): {exc.message}")
+
+
+def test_one_deployment_per_service_script_and_nothing_else() -> None:
+    assert sorted(of_kind("Deployment")) == SCRIPTS
+    kinds = {d["kind"] for d in DOCS}
+    assert kinds == {
+        "Namespace",
+        "ConfigMap",
+        "Secret",
+        "PersistentVolumeClaim",
+        "Deployment",
+    }
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_single_writer_deployment(script: str) -> None:
+    spec = deployment(script)["spec"]
+    assert spec["replicas"] == 1, "each table has one writer"
+    assert spec["strategy"] == {"type": "Recreate"}, "old and new pod must not overlap"
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    grace = spec["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert 60 <= grace <= 300, "room for a micro-batch (~15 s under load) to finish"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_container_runs_the_image_entrypoint_with_the_mounted_pipeline(script: str) -> None:
+    main = container(script)
+    entrypoint = json.loads(dockerfile_instruction(script, "ENTRYPOINT"))
+    cmd = json.loads(dockerfile_instruction(script, "CMD"))
+    assert main["command"] == entrypoint
+    assert main["command"][-1] == script
+    assert main["args"] == cmd
+    config_path = main["args"][main["args"].index("--config") + 1]
+    env = {e["name"]: e.get("value") for e in main.get("env", [])}
+    assert env.get("CDC_CONFIG", config_path) == config_path
+
+    # The ConfigMap key is mounted at exactly the path the command reads.
+    cm_name, key, _ = configmap_pipeline()
+    volumes = {v["name"]: v for v in deployment(script)["spec"]["template"]["spec"]["volumes"]}
+    mounted = []
+    for mount in main["volumeMounts"]:
+        source = volumes[mount["name"]].get("configMap")
+        if source is None:
+            continue
+        assert source["name"] == cm_name
+        assert mount.get("readOnly") is True
+        for item in source.get("items", [{"key": key, "path": key}]):
+            assert item["key"] in of_kind("ConfigMap")[cm_name]["data"]
+            mounted.append(str(PurePosixPath(mount["mountPath"]) / item["path"]))
+    assert config_path in mounted
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_probes_ask_health_on_the_configured_port(script: str, k8s_config: PipelineConfig) -> None:
+    main = container(script)
+    port = metrics_port(k8s_config, script)
+    assert port == metrics_port(PipelineConfig(), script)
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert port in ports.values()
+    assert dockerfile_instruction(script, "EXPOSE") == str(port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        http = main[probe]["httpGet"]
+        assert http["path"] == "/health", probe
+        assert ports.get(http["port"], http["port"]) == port, probe
+    annotations = deployment(script)["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port)
+    # Liveness gives a slow micro-batch and a restart of Spark more than a minute.
+    live = main["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_resources_leave_room_above_the_driver_heap(script: str) -> None:
+    main = container(script)
+    resources = main["resources"]
+    for kind in ("cpu", "memory"):
+        request = quantity(resources["requests"][kind])
+        limit = quantity(resources["limits"][kind])
+        assert 0 < request <= limit, kind
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    heap = java_size(env["SPARK_DRIVER_MEMORY"])
+    memory = quantity(resources["limits"]["memory"])
+    assert memory >= 1.25 * heap, "the JVM needs off-heap room (2.4 GiB RSS at a 2g heap)"
+    assert quantity(resources["requests"]["memory"]) == memory, "no overcommit for a JVM"
+    if script == "cdc-ingestor":
+        assert memory >= INGESTOR_PEAK_RSS * 1.1
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_runs_as_the_image_user_without_privileges(script: str) -> None:
+    pod = deployment(script)["spec"]["template"]["spec"]
+    main = container(script)
+    uid = dockerfile_instruction(script, "USER", "base.Dockerfile").split(":")[0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert str(pod["securityContext"]["runAsUser"]) == uid
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    security = main["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    if security.get("readOnlyRootFilesystem"):
+        # Then everything Spark writes outside the tables must be on a volume.
+        writable = {m["mountPath"] for m in main["volumeMounts"] if not m.get("readOnly", False)}
+        defaults = (DOCKER / "spark-defaults.conf").read_text(encoding="utf-8")
+        for line in defaults.splitlines():
+            if line.strip() and not line.startswith("#"):
+                path = PurePosixPath(line.split()[1])
+                assert any(path.is_relative_to(w) for w in writable), f"{path} not writable"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_storage_root_is_the_shared_claim(script: str, k8s_config: PipelineConfig) -> None:
+    pod = deployment(script)["spec"]["template"]["spec"]
+    claims = of_kind("PersistentVolumeClaim")
+    by_volume = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container(script)["volumeMounts"]}
+    volume = mounts[k8s_config.storage_root]  # tables and _checkpoints under it
+    claim = claims[by_volume[volume]]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"], "four pods share it"
+
+
+def test_configmap_pipeline_has_the_example_entities(k8s_config: PipelineConfig) -> None:
+    local = load_config(LOCAL_PIPELINE)
+    assert [e.model_dump() for e in k8s_config.entities] == [e.model_dump() for e in local.entities]
+    assert k8s_config.schema_registry.dirs == [Path("/app/schemas")]
+    assert k8s_config.elasticsearch.api_key is not None
+
+
+def test_every_secret_reference_reaches_every_pod(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, key, text = configmap_pipeline()
+    active = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
+    references = set(re.findall(r"\$\{env:([^}]+)\}", active))
+    assert references, "the pipeline file should take its credentials from the Secret"
+    secrets = secret_keys()
+    for script in SCRIPTS:
+        main = container(script)
+        provided = {e["name"] for e in main.get("env", [])}
+        for source in main.get("envFrom", []):
+            provided |= set(secrets[source["secretRef"]["name"]])
+        missing = references - provided
+        assert not missing, f"{script} cannot resolve ${{env:...}} for {missing}"
+    # The references are live: without the Secret the configuration does not load.
+    for name in references:
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / key
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match="is not set"):
+        load_config(path)
+
+
+def test_secret_values_are_marked_placeholders() -> None:
+    secrets = secret_keys()
+    assert secrets
+    for name, values in secrets.items():
+        assert values, f"Secret {name} is empty"
+        for key, value in values.items():
+            assert PLACEHOLDER in value, f"{name}.{key} does not look like a placeholder"
