@@ -184,7 +184,9 @@ class PublisherEsConfig(ChangeFeedConfig):
 
     metrics_port: int = Field(default=9104, ge=0, lt=65536)
     text_fields: list[str] = Field(default_factory=list)  # strings analysed as text
-    decimal_as: Literal["scaled_float", "string"] = "scaled_float"
+    # string: exact keyword strings (any cluster); scaled_float: numbers, exact up to 15
+    # digits, needs the mapper-extras module (in the default distribution)
+    decimal_as: Literal["scaled_float", "string"] = "string"
     refresh_interval: str = "1s"
     gc_deletes: str = "1h"  # how long a delete's version is remembered (replay window)
     shards: int = Field(default=1, gt=0)

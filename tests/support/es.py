@@ -1,0 +1,144 @@
+"""Helpers for publisher-es tests: read an index whole, compare it with the oracle, restart ES."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import os
+import signal
+import time
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from cdc_cli import infra
+from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_shared.clients import make_elasticsearch
+from cdc_shared.config import KafkaConfig
+from elasticsearch import Elasticsearch
+from elasticsearch.helpers import scan
+
+from support.pipelines import Pipeline
+
+
+def index_documents(es: Elasticsearch, alias: str) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Every document behind ``alias`` after a refresh: id -> (version, source)."""
+    es.indices.refresh(index=alias)
+    return {
+        hit["_id"]: (hit["_version"], hit["_source"])
+        for hit in scan(es, index=alias, query={"query": {"match_all": {}}}, version=True)
+    }
+
+
+def expected_id(key: tuple[Any, ...]) -> str:
+    """The document id the publisher must give a key (written here independently)."""
+    if len(key) == 1:
+        return str(key[0])
+    return "|".join(str(p).replace("\\", "\\\\").replace("|", "\\|") for p in key)
+
+
+def _as_expected(expected: Any, got: Any) -> Any:
+    """``got`` (JSON from Elasticsearch) in the Python type the oracle decoded."""
+    if got is None:
+        return None
+    if isinstance(expected, dt.datetime):
+        parsed = dt.datetime.fromisoformat(got)
+        return parsed if expected.tzinfo is not None else parsed.replace(tzinfo=None)
+    if isinstance(expected, dt.date):
+        return dt.date.fromisoformat(got)
+    if isinstance(expected, Decimal):
+        return Decimal(repr(got)) if isinstance(got, float) else Decimal(str(got))
+    if isinstance(expected, bytes):
+        return base64.b64decode(got)
+    return got
+
+
+def normalize_source(expected: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """``got`` with the oracle row's field set; absent fields count as null."""
+    return {name: _as_expected(value, got.get(name)) for name, value in expected.items()}
+
+
+def oracle_of(pipeline: Pipeline, kafka: KafkaConfig, entity: str) -> EntityOracle:
+    """The independent oracle's final state of ``entity``, from the source topic."""
+    config = pipeline.config
+    fingerprints = load_fingerprints([pipeline.schema_dir])
+    spec = config.entity(entity)
+    return read_topic(kafka, EntityOracle(spec, list(spec.key), fingerprints))
+
+
+def assert_index_equals_oracle(
+    pipeline: Pipeline,
+    kafka: KafkaConfig,
+    *,
+    skip_ids: frozenset[str] = frozenset(),
+) -> dict[str, dict[str, tuple[int, dict[str, Any]]]]:
+    """Every entity's index holds exactly the oracle's rows: same ids, same field values.
+
+    ``skip_ids`` are ids allowed to differ (e.g. quarantined). Returns the indexes read.
+    """
+    config = pipeline.config
+    es = make_elasticsearch(config.elasticsearch)
+    read: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {}
+    for entity in config.entities:
+        oracle = oracle_of(pipeline, kafka, entity.name)
+        documents = index_documents(es, entity.es_index_name)
+        read[entity.name] = documents
+        expected = {expected_id(k): row for k, row in oracle.rows.items()}
+        assert oracle.rows, f"the oracle of {entity.name} is empty: the test proves nothing"
+        got_ids = set(documents) - skip_ids
+        assert got_ids == set(expected) - skip_ids, (
+            f"index of {entity.name}: missing {sorted(set(expected) - got_ids)[:10]}, "
+            f"extra {sorted(got_ids - set(expected))[:10]}"
+        )
+        deleted = {expected_id(k) for k in oracle.deleted_keys}
+        assert deleted, f"no deleted key in the {entity.name} workload: the test proves little"
+        assert not deleted & got_ids, f"deleted keys present in {entity.name}"
+        wrong = [
+            (doc_id, row, documents[doc_id][1])
+            for doc_id, row in expected.items()
+            if doc_id not in skip_ids and normalize_source(row, documents[doc_id][1]) != row
+        ]
+        assert not wrong, f"{len(wrong)} documents of {entity.name} differ, e.g. {wrong[:2]}"
+        extra_fields = {
+            name
+            for doc_id, (_v, source) in documents.items()
+            if doc_id in expected
+            for name, value in source.items()
+            if name not in expected[doc_id] and value is not None
+        }
+        assert not extra_fields, f"fields the oracle does not know: {extra_fields}"
+    return read
+
+
+# --- restarting Elasticsearch ------------------------------------------------------------
+
+
+def stop_elasticsearch(settings: infra.InfraSettings, timeout_s: float = 60.0) -> None:
+    """Stop only the test Elasticsearch (SIGTERM to its process group, from infra's pid file)."""
+    pid = int((settings.state_dir / "elasticsearch.pid").read_text().strip())
+    os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _group_alive(pid):
+            return
+        time.sleep(0.2)
+    os.killpg(pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of group ``pgid`` remains."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def start_elasticsearch(settings: infra.InfraSettings) -> None:
+    """Start the test Elasticsearch again (same data folder) and wait until it answers."""
+    infra.start_elasticsearch(settings)
