@@ -42,26 +42,13 @@ def build_silver(
 ) -> None:
     """Generated workload -> Kafka -> ingestor once -> merger once (several silver versions)."""
     spec = {"delete_share": 0.2, "redelivery_share": 0.05, "poison_share": 0.005, **workload}
-    import time
-
-    t = time.monotonic()
     produce(kafka, iter(generate(pipeline, **spec)))
-    print("TIMING produce", time.monotonic() - t)
-    t = time.monotonic()
     ingest_once(pipeline, spark)
-    print("TIMING ingest", time.monotonic() - t)
-    t = time.monotonic()
     start_merger(pipeline.config, once=True, spark=spark).run()
-    print("TIMING merge", time.monotonic() - t)
-    t = time.monotonic()
 
 
 def publish_once(config: PipelineConfig, spark: SparkSession) -> None:
-    import time
-
-    t = time.monotonic()
     start_publisher(config, once=True, spark=spark).run()
-    print("TIMING publish", time.monotonic() - t)
 
 
 def with_publisher(config: PipelineConfig, **settings: object) -> PipelineConfig:
