@@ -11,21 +11,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cdc_cli.workload import produce
-from cdc_merger.main import start as start_merger
 from cdc_publisher_es.main import start as start_publisher
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import KafkaConfig, PipelineConfig
 from pyspark.sql import SparkSession
 from support.es import (
     assert_index_equals_oracle,
+    build_silver,
     expected_id,
     index_documents,
     normalize_source,
     oracle_of,
 )
-from support.ingestion import generate, ingest_once
-from support.pipelines import Pipeline, PipelineFactory
+from support.pipelines import PipelineFactory
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +33,6 @@ SMALL_BATCHES = {
     "ingestor": {"max_offsets_per_trigger": 1000, "metrics_port": 0},
     "merger": {"max_files_per_trigger": 2, "metrics_port": 0},
 }
-
-
-def build_silver(
-    pipeline: Pipeline, spark: SparkSession, kafka: KafkaConfig, **workload: object
-) -> None:
-    """Generated workload -> Kafka -> ingestor once -> merger once (several silver versions)."""
-    spec = {"delete_share": 0.2, "redelivery_share": 0.05, "poison_share": 0.005, **workload}
-    produce(kafka, iter(generate(pipeline, **spec)))
-    ingest_once(pipeline, spark)
-    start_merger(pipeline.config, once=True, spark=spark).run()
 
 
 def publish_once(config: PipelineConfig, spark: SparkSession) -> None:
@@ -94,14 +82,17 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     assert assert_index_equals_oracle(pipeline, kafka_config) == first
 
 
-def _truncate_checkpoint(checkpoint: Path, keep_batches: int) -> int:
-    """Forget every batch after the first ``keep_batches``; how many were forgotten."""
+def forget_batches(checkpoint: Path, first_forgotten: int) -> int:
+    """Set the checkpoint back: drop the offsets and commits of every batch from
+    ``first_forgotten`` on (with Hadoop's ``.N.crc`` files); how many commits were dropped.
+    """
     forgotten = 0
     for folder in ("offsets", "commits"):
-        for entry in (checkpoint / folder).iterdir():
-            if entry.name.isdigit() and int(entry.name) >= keep_batches:
+        for entry in list((checkpoint / folder).iterdir()):
+            number = entry.name.removeprefix(".").removesuffix(".crc")
+            if number.isdigit() and int(number) >= first_forgotten:
                 entry.unlink()
-                forgotten += folder == "commits"
+                forgotten += folder == "commits" and entry.name == number
     return forgotten
 
 
@@ -120,7 +111,7 @@ def test_replay_of_old_versions_leaves_index_unchanged(
 
     # 1. The checkpoint set back to its second batch: the same query replays the rest.
     checkpoint = Path(config.checkpoint_path("publisher_es", "customers"))
-    assert _truncate_checkpoint(checkpoint, keep_batches=2) >= 3
+    assert forget_batches(checkpoint, first_forgotten=2) >= 3
     publish_once(config, spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == before  # versions too
 
@@ -185,8 +176,9 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     # writes its quarantine rows once: txnAppId/txnVersion.
     count = quarantine.count()
     commits = Path(config.checkpoint_path("publisher_es", "customers")) / "commits"
-    last = max((e for e in commits.iterdir() if e.name.isdigit()), key=lambda e: int(e.name))
-    last.unlink()
+    last = max(int(e.name) for e in commits.iterdir() if e.name.isdigit())
+    (commits / str(last)).unlink()  # the batch's offsets stay: Spark reruns it as is
+    (commits / f".{last}.crc").unlink(missing_ok=True)
     publish_once(config, spark)
     again = spark.read.format("delta").load(config.table_path("quarantine", "publisher_es"))
     assert again.count() == count

@@ -13,12 +13,29 @@ from typing import Any
 
 from cdc_cli import infra
 from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_cli.workload import produce
+from cdc_merger.main import start as start_merger
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import KafkaConfig
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import scan
+from pyspark.sql import SparkSession
 
+from support.ingestion import generate, ingest_once
 from support.pipelines import Pipeline
+
+
+def build_silver(
+    pipeline: Pipeline, spark: SparkSession, kafka: KafkaConfig, **workload: object
+) -> None:
+    """Generated workload -> Kafka -> ingestor once -> merger once (several silver versions).
+
+    Deletes and re-deliveries are on by default; ``workload`` overrides the WorkloadSpec.
+    """
+    spec = {"delete_share": 0.2, "redelivery_share": 0.05, "poison_share": 0.005, **workload}
+    produce(kafka, iter(generate(pipeline, **spec)))
+    ingest_once(pipeline, spark)
+    start_merger(pipeline.config, once=True, spark=spark).run()
 
 
 def index_documents(es: Elasticsearch, alias: str) -> dict[str, tuple[int, dict[str, Any]]]:

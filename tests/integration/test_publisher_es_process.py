@@ -1,0 +1,151 @@
+"""publisher-es as a process: SIGKILLs at random moments and an Elasticsearch restart.
+
+The publisher runs as ``cdc-publisher-es`` in its own process group; it is killed with
+SIGKILL six times (mid-batch and at random), and once Elasticsearch is stopped under it
+and started again. A final ``--once`` run drains silver; the index must equal the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cdc_shared.config import KafkaConfig
+from conftest import TEST_INFRA
+from pyspark.sql import SparkSession
+from support.es import (
+    assert_index_equals_oracle,
+    build_silver,
+    start_elasticsearch,
+    stop_elasticsearch,
+)
+from support.pipelines import PipelineFactory
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-es"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def committed_batches(checkpoint: Path) -> int:
+    commits = checkpoint / "commits"
+    return len([e for e in commits.iterdir() if e.name.isdigit()]) if commits.is_dir() else 0
+
+
+def wait_for_commit_after(checkpoint: Path, seen: int, timeout_s: float) -> bool:
+    """Wait until the checkpoint holds more than ``seen`` committed batches."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if committed_batches(checkpoint) > seen:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def health(port: int) -> tuple[int, dict[str, Any]]:
+    try:
+        response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    except httpx.HTTPError:
+        return 0, {}
+    return response.status_code, response.json()
+
+
+def wait_for_health(port: int, status: int, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code, body = health(port)
+        if code == status:
+            return body
+        time.sleep(0.25)
+    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
+
+
+def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    port = free_port()
+    pipeline = make_pipeline(
+        entities=("customers",),
+        ingestor={"max_offsets_per_trigger": 600, "metrics_port": 0},
+        merger={"max_files_per_trigger": 1, "metrics_port": 0},
+        publisher_es={
+            "max_files_per_trigger": 1,  # many small batches: kills land mid-batch
+            "trigger_interval": "200 milliseconds",
+            "chunk_size": 25,
+            "initial_backoff_s": 0.2,
+            "max_backoff_s": 2.0,
+            "metrics_port": port,
+            "metrics_host": "127.0.0.1",
+        },
+    )
+    build_silver(pipeline, spark, kafka_config, events=3000, keys=300, poison_share=0.0)
+    checkpoint = Path(pipeline.config.checkpoint_path("publisher_es", "customers"))
+    log = tmp_path / "publisher-es.log"
+    rng = random.Random(7)
+    kills = 0
+    restarted_es = False
+    for run in range(6):
+        process = subprocess.Popen(
+            [PUBLISHER, "--config", str(pipeline.path)],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+            start_new_session=True,
+        )
+        try:
+            seen = committed_batches(checkpoint)
+            if run == 1:  # Elasticsearch goes away while batches are being written
+                assert wait_for_commit_after(checkpoint, seen, 180), f"no progress; see {log}"
+                stop_elasticsearch(TEST_INFRA)
+                try:
+                    body = wait_for_health(port, 503, 120)
+                    problem = body["streams"]["customers"]["problem"]
+                    assert problem and "Elasticsearch" in problem, body
+                    time.sleep(3)
+                    assert process.poll() is None, f"publisher gave up on a down ES; see {log}"
+                    stalled = committed_batches(checkpoint)
+                finally:
+                    start_elasticsearch(TEST_INFRA)
+                restarted_es = True
+                assert wait_for_commit_after(checkpoint, stalled, 180), f"no resume; see {log}"
+                wait_for_health(port, 200, 120)
+                time.sleep(2)  # let the listener log the retried batch
+            elif run % 2 == 0:  # mid-batch: just after a batch committed, the next one runs
+                wait_for_commit_after(checkpoint, seen, 120)
+                time.sleep(rng.uniform(0.0, 1.0))
+            else:
+                time.sleep(rng.uniform(4, 12))
+            assert process.poll() is None, f"publisher died by itself; see {log}"
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+        kills += 1
+    assert kills >= 5 and restarted_es
+
+    drain = subprocess.Popen(
+        [PUBLISHER, "--config", str(pipeline.path), "--once"],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+        env={**os.environ, "CDC_PUBLISHER_ES__METRICS_PORT": "0"},
+    )
+    assert drain.wait(600) == 0, f"draining run failed; see {log}"
+    assert_index_equals_oracle(pipeline, kafka_config)
+    batches = [
+        json.loads(line)
+        for line in log.read_text().splitlines()
+        if line.startswith("{") and '"msg": "batch"' in line
+    ]
+    assert any(b.get("retried", 0) > 0 for b in batches), "no batch retried: ES never failed it"
