@@ -6,15 +6,26 @@ decodes the source topic itself and shares no code with the services.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
+from cdc_publisher_es.bulk import BulkWriter, Scrubber
+from cdc_publisher_es.documents import Action
 from cdc_publisher_es.main import start as start_publisher
+from cdc_publisher_es.mapping import ensure_index, index_mappings
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import KafkaConfig, PipelineConfig
+from cdc_shared.config import (
+    ElasticsearchConfig,
+    KafkaConfig,
+    PipelineConfig,
+    PublisherEsConfig,
+)
 from pyspark.sql import SparkSession
+from support.entities import CUSTOMERS
 from support.es import (
     assert_index_equals_oracle,
     build_silver,
@@ -182,3 +193,82 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     publish_once(config, spark)
     again = spark.read.format("delta").load(config.table_path("quarantine", "publisher_es"))
     assert again.count() == count
+
+
+# --- the bulk writer alone, against the real Elasticsearch --------------------------------
+
+
+def _action(doc_id: str, version: int, source: object = None, op: str = "index") -> Action:
+    body = None if op == "delete" else json.dumps(source)
+    return Action(op, doc_id, version, body, 1, dt.datetime.now(dt.UTC))
+
+
+def test_bulk_outcome_of_every_document(es_config: ElasticsearchConfig) -> None:
+    es = make_elasticsearch(es_config)
+    alias = f"pytest_bulk_{uuid.uuid4().hex[:8]}"
+    settings = PublisherEsConfig(chunk_size=2)
+    mappings = index_mappings(CUSTOMERS, {"n": {"type": "long"}}, "test")
+    ensure_index(es, alias, settings, mappings)
+    writer = BulkWriter(es, alias, settings)
+    try:
+        outcome = writer.write(
+            [
+                _action("1", 10, {"n": 1}),
+                _action("2", 10, {"n": "not a number"}),  # parse error: quarantine
+                _action("3", 10, {"n": 3}),
+                _action("4", 5, op="delete"),  # nothing to delete: applied, version kept
+                _action("5", 10, {"unknown": 1}),  # strict mapping: quarantine
+                _action("6", 2, {"n": 2}),
+                _action("6", 3, {"n": 3}),  # same window: only the newest is sent
+            ]
+        )
+        assert (outcome.indexed, outcome.deleted, outcome.already_applied) == (3, 0, 1)
+        assert outcome.superseded == 1 and outcome.total == 7
+        assert sorted((f.action.doc_id, f.kind, f.status) for f in outcome.failures) == [
+            ("2", "document_parsing_exception", 400),
+            ("5", "strict_dynamic_mapping_exception", 400),
+        ]
+
+        # Replays and reordering never make a document older: 409 counts as applied.
+        stale = writer.write([_action("1", 9, {"n": 99}), _action("4", 4, {"n": 4})])
+        assert (stale.already_applied, stale.indexed, stale.failures) == (2, 0, [])
+        documents = index_documents(es, alias)
+        assert documents["1"] == (10, {"n": 1})
+        assert "4" not in documents  # the delete's version outranks the older insert
+        assert documents["6"] == (3, {"n": 3})
+    finally:
+        es.indices.delete(index=f"{alias}-000001", ignore_unavailable=True)
+
+
+class _GaveUp(Exception):
+    pass
+
+
+def test_bulk_waits_with_backoff_while_elasticsearch_is_unreachable() -> None:
+    secret = "pytest-secret-api-key"
+    es = make_elasticsearch(
+        ElasticsearchConfig(hosts=["http://127.0.0.1:9"], api_key=secret, request_timeout_s=2)
+    )
+    settings = PublisherEsConfig(initial_backoff_s=0.5, max_backoff_s=2.0, max_retries=1)
+    problems: list[str | None] = []
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 6:
+            raise _GaveUp  # the writer itself never gives up: the test stops it here
+
+    writer = BulkWriter(
+        es,
+        "nowhere",
+        settings,
+        on_problem=problems.append,
+        scrub=Scrubber([secret]),
+        sleep=sleep,
+        jitter=lambda: 1.0,
+    )
+    with pytest.raises(_GaveUp):
+        writer.write([_action("1", 2, {"n": 1})])
+    assert waits == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0]  # exponential, capped
+    assert problems and all(p and "Elasticsearch unavailable" in p for p in problems)
+    assert not any(secret in (p or "") for p in problems)

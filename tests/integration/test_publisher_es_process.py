@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from cdc_shared.config import KafkaConfig
-from conftest import TEST_INFRA
 from pyspark.sql import SparkSession
 from support.es import (
     assert_index_equals_oracle,
     build_silver,
+    infra_settings,
     start_elasticsearch,
     stop_elasticsearch,
 )
@@ -109,7 +109,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
             seen = committed_batches(checkpoint)
             if run == 1:  # Elasticsearch goes away while batches are being written
                 assert wait_for_commit_after(checkpoint, seen, 180), f"no progress; see {log}"
-                stop_elasticsearch(TEST_INFRA)
+                stop_elasticsearch(infra_settings())
                 try:
                     body = wait_for_health(port, 503, 120)
                     problem = body["streams"]["customers"]["problem"]
@@ -118,7 +118,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
                     assert process.poll() is None, f"publisher gave up on a down ES; see {log}"
                     stalled = committed_batches(checkpoint)
                 finally:
-                    start_elasticsearch(TEST_INFRA)
+                    start_elasticsearch(infra_settings())
                 restarted_es = True
                 assert wait_for_commit_after(checkpoint, stalled, 180), f"no resume; see {log}"
                 wait_for_health(port, 200, 120)

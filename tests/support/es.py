@@ -130,6 +130,18 @@ def assert_index_equals_oracle(
 # --- restarting Elasticsearch ------------------------------------------------------------
 
 
+def infra_settings() -> infra.InfraSettings:
+    """The test servers' settings, from the same variables the session fixture reads."""
+    root = Path(__file__).resolve().parents[2]
+    return infra.InfraSettings(
+        state_dir=Path(os.environ.get("CDC_TEST_INFRA_STATE", root / ".state" / "test-infra")),
+        kafka_port=int(os.environ.get("CDC_TEST_KAFKA_PORT", "29092")),
+        kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
+        es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
+        es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
+    )
+
+
 def stop_elasticsearch(settings: infra.InfraSettings, timeout_s: float = 60.0) -> None:
     """Stop only the test Elasticsearch (SIGTERM to its process group, from infra's pid file)."""
     pid = int((settings.state_dir / "elasticsearch.pid").read_text().strip())

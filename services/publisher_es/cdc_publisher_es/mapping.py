@@ -121,6 +121,8 @@ def _avro_type_mapping(
         }
         return {"properties": {k: v for k, v in members.items() if v is not None}}
     if isinstance(schema, str):
+        if schema == "null":
+            return None
         if schema in named:
             return _avro_type_mapping(named[schema], path, settings, named)
         return _avro_primitive(schema, None, {}, path, settings)

@@ -1,0 +1,72 @@
+"""The Spark side of publisher-es (no servers): change rows -> ids and exact JSON documents."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from decimal import Decimal
+
+from cdc_publisher_es.documents import document_frame, document_id, to_action
+from cdc_shared.config import PublisherEsConfig
+from pyspark.sql import SparkSession
+from pyspark.sql import types as T
+
+ROW = T.StructType(
+    [
+        T.StructField("a", T.StringType()),
+        T.StructField("b", T.IntegerType()),
+        T.StructField("amount", T.DecimalType(20, 4)),
+        T.StructField("small", T.DecimalType(10, 2)),
+        T.StructField("at", T.TimestampType()),
+        T.StructField("day", T.DateType()),
+        T.StructField("nested", T.StructType([T.StructField("d", T.DecimalType(30, 2))])),
+        T.StructField("note", T.StringType()),
+    ]
+)
+CHANGES = T.StructType(
+    [
+        T.StructField("op", T.StringType()),
+        T.StructField("key", T.StructType([ROW["a"], ROW["b"]])),
+        T.StructField("before", ROW),
+        T.StructField("after", ROW),
+        T.StructField("commit_version", T.LongType()),
+        T.StructField("commit_timestamp", T.TimestampType()),
+        T.StructField("source_sequence", T.ArrayType(T.LongType())),
+    ]
+)
+
+
+def test_documents_have_unambiguous_ids_and_exact_values(spark: SparkSession) -> None:
+    at = dt.datetime(2024, 2, 29, 23, 59, 58, 123456, tzinfo=dt.UTC)
+    after = (
+        "x|y",
+        7,
+        Decimal("12345678901234.5678"),
+        Decimal("0.10"),
+        at,
+        dt.date(2024, 2, 29),
+        (Decimal("1234567890123456789012345678.91"),),
+        None,
+    )
+    now = dt.datetime.now(dt.UTC)
+    rows = [
+        ("c", ("x|y", 7), None, after, 3, now, [5, 1]),
+        ("d", ("a\\", 1), None, None, 4, now, [6, 2]),
+    ]
+    changes = spark.createDataFrame(rows, CHANGES)
+    settings = PublisherEsConfig(decimal_as="scaled_float")
+    got = [to_action(r) for r in document_frame(changes, ["a", "b"], settings).collect()]
+    index, delete = sorted(got, key=lambda a: a.op, reverse=True)
+
+    assert index.doc_id == document_id(["x|y", 7]) == "x\\|y|7"
+    assert delete.doc_id == document_id(["a\\", 1]) == "a\\\\|1"
+    assert (index.version, delete.version) == (3, 4)  # composite sequence: commit version
+    assert delete.op == "delete" and delete.source is None
+
+    source = json.loads(index.source or "", parse_float=Decimal)
+    assert source["amount"] == "12345678901234.5678"  # 20 digits: a string, exact
+    assert source["small"] == Decimal("0.10")  # a JSON number, exact
+    assert source["nested"]["d"] == "1234567890123456789012345678.91"
+    assert dt.datetime.fromisoformat(source["at"]) == at  # UTC, microseconds kept
+    assert source["day"] == "2024-02-29"
+    assert "note" in source and source["note"] is None  # the full row, nulls included
