@@ -1,0 +1,287 @@
+"""Operator sub-commands of ``cdc``: status, quarantine, maintenance, verify.
+
+Each command loads the pipeline configuration, calls one function of its module (which
+returns a typed result) and prints it as text, or as JSON with ``--json``. Exit codes:
+0 fine, 1 a problem was found or an operation was refused, 2 bad usage or configuration.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from cdc_shared.config import ConfigError, PipelineConfig, load_config
+
+ConfigPath = typer.Option(
+    ..., "--config", envvar="CDC_CONFIG", help="Pipeline YAML (or set $CDC_CONFIG)."
+)
+AsJson = typer.Option(False, "--json", help="Print machine-readable JSON instead of text.")
+Entities = typer.Option(
+    None, "--entity", "-e", help="Entity to include (repeatable; default: all).", show_default=False
+)
+
+quarantine_app = typer.Typer(
+    help="List, show and replay what the services quarantined.", no_args_is_help=True
+)
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _config(path: Path) -> PipelineConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+
+
+@contextmanager
+def _problems(*expected: type[Exception]) -> Iterator[None]:
+    """Configuration errors exit 2; the ``expected`` operational errors exit 1."""
+    try:
+        yield
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except expected as exc:
+        _fail(str(exc), 1)
+
+
+def _emit(as_json: bool, data: Callable[[], dict[str, Any]], text: Callable[[], str]) -> None:
+    typer.echo(json.dumps(data(), indent=2, default=str) if as_json else text())
+
+
+def status_command(
+    config: Path = ConfigPath,
+    entity: list[str] = Entities,
+    as_json: bool = AsJson,
+) -> None:
+    """Per entity: table versions, each service's lag, and quarantine counts.
+
+    Lag is read from what the services persist (checkpoints, the publisher's progress
+    offset), so it is right whether the services run or not: ingestor in Kafka records,
+    merger in bronze versions, publishers in silver versions. "not started" means the
+    table or checkpoint does not exist yet. Exit 0 unless the configuration is bad.
+    """
+    from cdc_cli import status
+
+    pipeline = _config(config)
+    with _problems():
+        report = status.collect_status(pipeline, entity or None)
+    _emit(as_json, report.to_dict, lambda: status.render(report))
+
+
+def quarantine_list(
+    config: Path = ConfigPath,
+    service: str | None = typer.Option(
+        None, help="ingestor, merger or publisher_es (default: all)."
+    ),
+    entity: str | None = typer.Option(None, help="Only this entity."),
+    as_json: bool = AsJson,
+) -> None:
+    """Quarantined rows counted by service, entity and error kind (and how many replayed)."""
+    from dataclasses import asdict
+
+    from cdc_cli import quarantine
+
+    pipeline = _config(config)
+    with _problems():
+        groups = quarantine.list_groups(pipeline, service, entity)
+
+    def text() -> str:
+        if not groups:
+            return "quarantine is empty"
+        lines = [f"{'SERVICE':<14} {'ENTITY':<20} {'ERROR KIND':<22} {'ROWS':>8} {'REPLAYED':>9}"]
+        lines.extend(
+            f"{g.service:<14} {g.entity:<20} {g.error_kind:<22} {g.rows:>8,} {g.replayed:>9,}"
+            for g in groups
+        )
+        return "\n".join(lines)
+
+    _emit(as_json, lambda: {"groups": [asdict(g) for g in groups]}, text)
+
+
+def quarantine_show(
+    config: Path = ConfigPath,
+    service: str = typer.Option(..., help="ingestor, merger or publisher_es."),
+    entity: str | None = typer.Option(None, help="Only this entity."),
+    limit: int = typer.Option(20, min=1, help="Rows to show, newest first."),
+    where: str | None = typer.Option(
+        None, help="Spark SQL filter over the quarantine columns, e.g. \"error_kind = 'corrupt'\"."
+    ),
+    as_json: bool = AsJson,
+) -> None:
+    """Quarantined rows: where they came from, the error, and a preview of the raw bytes."""
+    from cdc_cli import quarantine
+
+    pipeline = _config(config)
+    with _problems():
+        records = quarantine.show_records(pipeline, service, entity, limit, where)
+
+    def text() -> str:
+        if not records:
+            return "no quarantined rows match"
+        lines = []
+        for r in records:
+            replayed = "  [replayed]" if r.replayed else ""
+            lines.append(f"{r.quarantined_at}  {r.entity}  {r.coordinates}{replayed}")
+            lines.append(f"  {r.error_kind}: {r.error_message}")
+            lines.append(f"  key   {quarantine.preview(r.raw_key)}")
+            lines.append(f"  value {quarantine.preview(r.raw_value)}")
+        return "\n".join(lines)
+
+    _emit(as_json, lambda: {"records": [r.to_dict() for r in records]}, text)
+
+
+def quarantine_replay(
+    config: Path = ConfigPath,
+    service: str = typer.Option("ingestor", help="Only the ingestor's quarantine replays."),
+    entity: str = typer.Option(..., help="The entity whose records to replay."),
+    where: str | None = typer.Option(
+        None,
+        help="Spark SQL filter over the quarantine columns, e.g. "
+        "\"error_kind = 'unknown_schema' AND quarantined_at > '2026-01-31'\".",
+    ),
+    recover: bool = typer.Option(
+        False,
+        "--recover",
+        help="Take over a replay that is still pending although younger than 10 minutes "
+        "(only when you know that run crashed).",
+    ),
+    as_json: bool = AsJson,
+) -> None:
+    """Produce quarantined source records again, unchanged, so the ingestor re-reads them.
+
+    Fix the cause first (e.g. deploy the missing writer schema). Each quarantined record
+    is re-injected exactly once, however often replay runs: what was replayed is recorded
+    in the Delta table quarantine/_replayed, keyed by the record's original
+    topic/partition/offset, and never selected again. A run records its selection as
+    pending before producing and marks it done after; a run that finds pending rows of a
+    crashed run looks for them in the topic (by their header cdc.replay.of) and produces
+    only what is not there. Records go back to the partition they came from, so per-key
+    order is kept relative to later events. A record that fails again is quarantined anew
+    under its new offset.
+    """
+    from cdc_cli import quarantine
+
+    pipeline = _config(config)
+    with _problems(quarantine.QuarantineError):
+        result = quarantine.replay(pipeline, entity, where, service=service, recover=recover)
+
+    def text() -> str:
+        return (
+            f"{result.entity}: {result.selected:,} quarantined records match, "
+            f"{result.already_replayed:,} already replayed, "
+            f"{result.recovered:,} recovered from an interrupted run, "
+            f"{result.produced:,} produced to {result.topic}"
+        )
+
+    from dataclasses import asdict
+
+    _emit(as_json, lambda: asdict(result), text)
+
+
+def maintenance_command(
+    config: Path = ConfigPath,
+    entity: list[str] = Entities,
+    optimize: bool = typer.Option(True, "--optimize/--no-optimize", help="OPTIMIZE (compact)."),
+    vacuum_hours: float = typer.Option(
+        168.0, min=0, help="VACUUM retention in hours; refused if a stream still needs more."
+    ),
+    no_vacuum: bool = typer.Option(False, "--no-vacuum", help="Skip VACUUM."),
+    tombstone_retention_hours: float = typer.Option(
+        168.0, min=0, help="Expire merger tombstones older than this many hours."
+    ),
+    no_tombstones: bool = typer.Option(False, "--no-tombstone-expiry", help="Keep tombstones."),
+    ignore_service: list[str] = typer.Option(
+        None,
+        "--ignore-service",
+        help="A service that is not deployed (publisher_es, publisher_kafka, merger): its "
+        "checkpoint, or its absence, does not hold VACUUM back. Repeatable.",
+    ),
+    as_json: bool = AsJson,
+) -> None:
+    """OPTIMIZE bronze and silver, VACUUM them safely, expire old tombstones.
+
+    The VACUUM retention is checked first against every stream reading the table (merger
+    on bronze; both publishers on silver): each stream's checkpoint names the oldest table
+    version it has not read, and a retention that would delete files of that version or a
+    later one is refused with exit 1, before anything runs. A publisher that has not
+    started will read silver from its starting version (default 0) and so holds VACUUM
+    back, unless named with --ignore-service. Tombstone expiry is refused while the merger
+    lags by more than the tombstone retention.
+    """
+    from cdc_cli import maintenance
+
+    pipeline = _config(config)
+    ignored = tuple(ignore_service or ())
+    unknown = [s for s in ignored if s not in ("merger", *maintenance.SILVER_READERS)]
+    if unknown:
+        _fail(f"--ignore-service: unknown services {unknown}", 2)
+    with _problems(maintenance.RetentionTooShortError):
+        report = maintenance.run_maintenance(
+            pipeline,
+            entity or None,
+            optimize=optimize,
+            vacuum_hours=None if no_vacuum else vacuum_hours,
+            tombstone_retention_hours=None if no_tombstones else tombstone_retention_hours,
+            ignore_services=ignored,
+        )
+    _emit(as_json, report.to_dict, lambda: maintenance.render(report))
+
+
+def verify_command(
+    config: Path = ConfigPath,
+    entity: list[str] = Entities,
+    target: list[str] = typer.Option(
+        None,
+        "--target",
+        help="elasticsearch or change_topic (repeatable; default: both).",
+    ),
+    examples: int = typer.Option(5, min=0, help="Example keys to print per difference."),
+    as_json: bool = AsJson,
+) -> None:
+    """Reconcile silver with Elasticsearch and the change topics; exit 1 on any difference.
+
+    Per entity: silver's rows against the documents behind the index alias (keys read
+    from _source) and against the change topic's last committed event per key (keys whose
+    last event is a delete do not count). Each row is reduced to a content hash of the
+    entity's columns, so keys missing, extra or different are listed with examples.
+    Lagging publishers show as differences: run it when `cdc status` shows lag 0.
+    """
+    from cdc_cli import verify
+
+    pipeline = _config(config)
+    with _problems(ValueError):
+        report = verify.verify(
+            pipeline, entity or None, targets=tuple(target or verify.TARGETS), examples=examples
+        )
+    _emit(as_json, report.to_dict, lambda: verify.render(report))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _help(command: Callable[..., None]) -> str:
+    """The docstring with each paragraph on one line, so the terminal wraps it, not us."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the operator commands to the ``cdc`` app."""
+    for name, command in (
+        ("list", quarantine_list),
+        ("show", quarantine_show),
+        ("replay", quarantine_replay),
+    ):
+        quarantine_app.command(name, help=_help(command))(command)
+    app.command("status", help=_help(status_command))(status_command)
+    app.add_typer(quarantine_app, name="quarantine")
+    app.command("maintenance", help=_help(maintenance_command))(maintenance_command)
+    app.command("verify", help=_help(verify_command))(verify_command)

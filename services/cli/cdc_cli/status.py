@@ -1,0 +1,261 @@
+"""``cdc status``: how far each service got, per entity, read from what the services persist.
+
+Nothing here asks a running service: lag is computed from the same state a restarted
+service would resume from, so it is right whether the services run or not.
+
+- ingestor: Kafka end offsets minus the offsets of the checkpoint's last committed batch;
+- merger: bronze versions not read completely by its checkpoint;
+- publisher-kafka: silver versions after the last one it published (its progress offset,
+  committed in the same Kafka transaction as the events), or after its checkpoint's
+  position when that is further (versions without changes publish nothing);
+- publisher-es: silver versions not read completely by its checkpoint;
+- quarantine: rows per service and entity.
+
+Versions count only when they change data: an OPTIMIZE or VACUUM commit is skipped by
+streams, so it is not lag. A table or checkpoint that does not exist yet shows as "not
+started", never as an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cdc_shared.clients import make_consumer
+from cdc_shared.config import EntityConfig, PipelineConfig
+from confluent_kafka import KafkaException, TopicPartition
+from pyspark.sql import SparkSession
+
+from cdc_cli.checkpoints import (
+    Commit,
+    data_commits_from,
+    delta_position,
+    is_delta_table,
+    last_committed_batch,
+    table_history,
+)
+
+NOT_STARTED = "not started"
+QUARANTINE_SERVICES = ("ingestor", "merger", "publisher_es")
+KAFKA_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class StreamLag:
+    """One service's position for one entity; ``lag`` is None when it cannot be told."""
+
+    service: str
+    lag: int | None
+    unit: str  # "records" (Kafka) or "versions" (Delta)
+    note: str  # where it is, or why the lag is unknown ("not started", an error)
+
+    @property
+    def started(self) -> bool:
+        """Whether the service left a position to measure from."""
+        return self.lag is not None
+
+
+@dataclass(frozen=True)
+class EntityStatus:
+    """Table versions and every service's lag for one entity."""
+
+    entity: str
+    bronze_version: int | None
+    silver_version: int | None
+    streams: tuple[StreamLag, ...]
+
+    def stream(self, service: str) -> StreamLag:
+        """The lag of ``service`` (KeyError for an unknown service)."""
+        for lag in self.streams:
+            if lag.service == service:
+                return lag
+        raise KeyError(service)
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """Everything ``cdc status`` shows."""
+
+    entities: tuple[EntityStatus, ...]
+    #: service -> entity -> rows; a service whose quarantine table does not exist is absent.
+    quarantine: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready form (``cdc status --json``)."""
+        return {
+            "entities": [asdict(e) for e in self.entities],
+            "quarantine": self.quarantine,
+        }
+
+
+def _delta_stream_lag(
+    spark: SparkSession,
+    service: str,
+    checkpoint: str,
+    history: dict[int, Commit] | None,
+    table: str,
+) -> StreamLag:
+    """Lag of a Delta-source stream: data-changing versions of ``table`` not read yet."""
+    batch = last_committed_batch(spark, checkpoint)
+    if batch is None or not batch.sources:
+        return StreamLag(service, None, "versions", NOT_STARTED)
+    position = delta_position(batch.sources[0])
+    if history is None:
+        return StreamLag(service, None, "versions", f"{table} table is missing")
+    lag = len(data_commits_from(history, position.next_version))
+    note = f"batch {batch.batch_id}, next {table} version {position.next_version}"
+    return StreamLag(service, lag, "versions", note)
+
+
+def kafka_end_offsets(config: PipelineConfig, topic: str) -> dict[int, tuple[int, int]]:
+    """Low and high watermark per partition of ``topic`` (empty if the topic does not exist)."""
+    consumer = make_consumer(config.kafka, group_id="cdc-cli-status")
+    try:
+        metadata = consumer.list_topics(topic, timeout=KAFKA_TIMEOUT_S).topics.get(topic)
+        if metadata is None or metadata.error is not None:
+            return {}
+        return {
+            p: consumer.get_watermark_offsets(
+                TopicPartition(topic, p), timeout=KAFKA_TIMEOUT_S, cached=False
+            )
+            for p in sorted(metadata.partitions)
+        }
+    finally:
+        consumer.close()
+
+
+def ingestor_lag(config: PipelineConfig, entity: EntityConfig, spark: SparkSession) -> StreamLag:
+    """Records in the source topic after the offsets of the ingestor's last committed batch."""
+    service = "ingestor"
+    try:
+        watermarks = kafka_end_offsets(config, entity.source_topic)
+    except KafkaException as exc:
+        return StreamLag(service, None, "records", f"Kafka unavailable: {exc.args[0].str()}")
+    batch = last_committed_batch(spark, config.checkpoint_path(service, entity.name))
+    waiting = sum(high - low for low, high in watermarks.values())
+    if batch is None or not batch.sources:
+        return StreamLag(service, None, "records", f"{NOT_STARTED} ({waiting} records in topic)")
+    offsets = batch.sources[0].get(entity.source_topic, {}) if batch.sources[0] else {}
+    # A partition absent from the checkpoint is read from its start.
+    lag = sum(max(0, high - int(offsets.get(str(p), low))) for p, (low, high) in watermarks.items())
+    return StreamLag(service, lag, "records", f"batch {batch.batch_id}")
+
+
+def published_version(config: PipelineConfig, entity: EntityConfig) -> int | None:
+    """The last silver version publisher-kafka committed to the change topic, if any.
+
+    Its progress is the offset of consumer group ``cdc-publisher-kafka.<change topic>`` on
+    partition 0 of the progress topic: the last published version + 1.
+    """
+    group = f"cdc-publisher-kafka.{entity.change_topic_name}"
+    consumer = make_consumer(config.kafka, group_id=group)
+    try:
+        (committed,) = consumer.committed(
+            [TopicPartition(config.publisher_kafka.progress_topic, 0)], timeout=KAFKA_TIMEOUT_S
+        )
+    finally:
+        consumer.close()
+    return int(committed.offset) - 1 if committed.offset >= 1 else None
+
+
+def publisher_kafka_lag(
+    config: PipelineConfig,
+    entity: EntityConfig,
+    spark: SparkSession,
+    silver: dict[int, Commit] | None,
+) -> StreamLag:
+    """Silver versions after the furthest of the published progress and the checkpoint."""
+    service = "publisher_kafka"
+    checkpointed = _delta_stream_lag(
+        spark, service, config.checkpoint_path(service, entity.name), silver, "silver"
+    )
+    try:
+        published = published_version(config, entity)
+    except KafkaException as exc:
+        return StreamLag(service, None, "versions", f"Kafka unavailable: {exc.args[0].str()}")
+    if published is None or silver is None:
+        return checkpointed
+    lag = len(data_commits_from(silver, published + 1))
+    if checkpointed.lag is not None:
+        lag = min(lag, checkpointed.lag)
+    return StreamLag(service, lag, "versions", f"published up to silver version {published}")
+
+
+def quarantine_counts(config: PipelineConfig, spark: SparkSession) -> dict[str, dict[str, int]]:
+    """Rows per entity in each service's quarantine table that exists."""
+    counts: dict[str, dict[str, int]] = {}
+    for service in QUARANTINE_SERVICES:
+        path = config.table_path("quarantine", service)
+        if not is_delta_table(spark, path):
+            continue
+        rows = spark.read.format("delta").load(path).groupBy("entity").count().collect()
+        counts[service] = {str(r["entity"]): int(r["count"]) for r in rows}
+    return counts
+
+
+def _history(spark: SparkSession, path: str) -> dict[int, Commit] | None:
+    return table_history(spark, path) if is_delta_table(spark, path) else None
+
+
+def _latest(history: dict[int, Commit] | None) -> int | None:
+    return max(history) if history else None
+
+
+def collect_status(
+    config: PipelineConfig, entity_names: list[str] | None = None, spark: SparkSession | None = None
+) -> StatusReport:
+    """Versions, lags and quarantine counts for the selected entities (default: all)."""
+    from cdc_shared.spark import build_spark_session
+
+    entities = config.select_entities(entity_names)
+    spark = spark or build_spark_session(config.spark, "cdc-status")
+    statuses = []
+    for entity in entities:
+        bronze = _history(spark, config.table_path("bronze", entity.name))
+        silver = _history(spark, config.table_path("silver", entity.name))
+        streams = (
+            ingestor_lag(config, entity, spark),
+            _delta_stream_lag(
+                spark, "merger", config.checkpoint_path("merger", entity.name), bronze, "bronze"
+            ),
+            publisher_kafka_lag(config, entity, spark, silver),
+            _delta_stream_lag(
+                spark,
+                "publisher_es",
+                config.checkpoint_path("publisher_es", entity.name),
+                silver,
+                "silver",
+            ),
+        )
+        statuses.append(EntityStatus(entity.name, _latest(bronze), _latest(silver), streams))
+    return StatusReport(tuple(statuses), quarantine_counts(config, spark))
+
+
+def render(report: StatusReport) -> str:
+    """The report as aligned text, one block per entity."""
+    lines: list[str] = []
+    for status in report.entities:
+        versions = ", ".join(
+            f"{layer} {'v' + str(v) if v is not None else NOT_STARTED}"
+            for layer, v in (("bronze", status.bronze_version), ("silver", status.silver_version))
+        )
+        lines.append(f"{status.entity}  ({versions})")
+        for stream in status.streams:
+            lag = f"lag {stream.lag:,} {stream.unit}" if stream.lag is not None else "-"
+            lines.append(f"  {stream.service:<16} {lag:<22} {stream.note}")
+    lines.append("quarantine")
+    for service in QUARANTINE_SERVICES:
+        per_entity = report.quarantine.get(service)
+        if per_entity is None:
+            lines.append(f"  {service:<16} {NOT_STARTED}")
+            continue
+        names = [s.entity for s in report.entities]
+        shown = ", ".join(f"{name} {per_entity.get(name, 0):,}" for name in names)
+        lines.append(f"  {service:<16} {sum(per_entity.values()):,} rows ({shown})")
+    return "\n".join(lines)
+
+
+def to_json(report: StatusReport) -> str:
+    """``--json`` output."""
+    return json.dumps(report.to_dict(), indent=2)
