@@ -143,3 +143,13 @@ def generate(
         f"produced {report.produced:,} messages in {report.seconds:.1f} s "
         f"({report.rate:,.0f}/s): {kinds}"
     )
+
+
+def _register_operator_commands() -> None:
+    """Add status, quarantine, maintenance and verify (cdc_cli.commands)."""
+    from cdc_cli.commands import register
+
+    register(app)
+
+
+_register_operator_commands()
