@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from cdc_cli import infra
@@ -14,18 +13,7 @@ from cdc_shared.spark import build_spark_session
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import settings
 from pyspark.sql import SparkSession
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# Test servers get their own ports and state folder, so a demo left running on the
-# default ports is neither used nor disturbed.
-TEST_INFRA = infra.InfraSettings(
-    state_dir=Path(os.environ.get("CDC_TEST_INFRA_STATE", ROOT / ".state" / "test-infra")),
-    kafka_port=int(os.environ.get("CDC_TEST_KAFKA_PORT", "29092")),
-    kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
-    es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
-    es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
-)
+from support.servers import TEST_INFRA
 
 
 @pytest.fixture(scope="session")

@@ -276,14 +276,24 @@ class StreamRunner:
                 time.sleep(0.1)
 
     def _stop_gracefully(self, timeout_s: float = 600.0) -> None:
+        """Let each query finish the micro-batch in flight, then stop it.
+
+        Under a backlog the next batch starts at once, so "no trigger active" may never be
+        seen: wait for the batch that was in flight to be reported complete instead. A
+        batch begun after that is interrupted, and replayed idempotently on restart.
+        """
         deadline = time.monotonic() + timeout_s
         for entity, query in self.queries.items():
-            while (
-                query.isActive
-                and query.status.get("isTriggerActive")
-                and (time.monotonic() < deadline)
-            ):
-                time.sleep(0.2)  # let the batch in flight finish and commit
+            if query.isActive and query.status.get("isTriggerActive"):
+                last = query.lastProgress
+                in_flight = (last["batchId"] if last else -1) + 1
+                while query.isActive and time.monotonic() < deadline:
+                    last = query.lastProgress
+                    if (last and last["batchId"] >= in_flight) or not query.status.get(
+                        "isTriggerActive"
+                    ):
+                        break
+                    time.sleep(0.2)
             if query.isActive:
                 query.stop()
                 log.info("stream stopped", extra={"service": self.service, "entity": entity})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from cdc_shared.config import ConfigError, ElasticsearchConfig, KafkaConfig, load_config
+from cdc_shared.config import ConfigError, load_config
 
 from cdc_cli import infra
 
@@ -52,42 +52,40 @@ def infra_status() -> None:
 
 @app.command("demo")
 def demo(
-    events: int = typer.Option(2000, help="Events to push through the smoke pipeline."),
-    storage_root: Path = typer.Option(Path("data"), help="Where the demo's tables go."),
-    down: bool = typer.Option(False, "--down", help="Stop the local servers afterwards."),
+    events: int = typer.Option(20_000, min=100, help="Change events to generate."),
+    rate: float = typer.Option(2_000.0, min=1, help="Messages per second offered to Kafka."),
+    keys: int = typer.Option(2_000, min=10, help="Key space per entity."),
+    workdir: Path = typer.Option(Path("data/demo"), help="Tables, logs and report (wiped)."),
+    timeout: float = typer.Option(600.0, min=10, help="Seconds to wait for the catch-up."),
+    down: bool = typer.Option(False, "--down", help="Stop Kafka and Elasticsearch at the end."),
 ) -> None:
-    """Bring up the local servers and push events Kafka -> Delta -> Elasticsearch.
+    """Run the four services on a generated load and check every output against the oracle.
 
-    Until the four services exist this runs the smoke pipeline (cdc_cli.smoke).
+    Exits 0 when silver, the change topics and the indexes all equal the oracle and every
+    service stopped cleanly on SIGTERM; 1 otherwise.
     """
-    from cdc_cli.smoke import run_smoke
+    from cdc_cli.demo import DemoOptions, run_demo, summary_rows
 
+    options = DemoOptions(
+        events=events, rate=rate, keys=keys, workdir=workdir, catch_up_timeout_s=timeout
+    )
     try:
-        served = infra.up()
+        result = run_demo(options, typer.echo)
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"kafka {served.kafka_bootstrap_servers}, elasticsearch {served.elasticsearch_url}")
-    result = run_smoke(
-        KafkaConfig(bootstrap_servers=served.kafka_bootstrap_servers),
-        ElasticsearchConfig(hosts=[served.elasticsearch_url]),
-        storage_root,
-        events,
-    )
-    typer.echo(f"events produced      {result.produced}")
-    typer.echo(f"bronze rows          {result.bronze_rows}")
-    typer.echo(
-        f"silver rows          {result.silver_rows} (expected {result.expected_silver_rows})"
-    )
-    typer.echo(f"change feed rows     {result.change_feed_rows}")
-    typer.echo(f"indexed documents    {result.indexed_documents}")
-    typer.echo(f"wall time            {result.seconds:.1f} s")
-    typer.echo("all stages agree" if result.ok else "MISMATCH between stages")
+    typer.echo("")
+    for label, value in summary_rows(result):
+        typer.echo(f"  {label:<34} {value}")
+    typer.echo(f"\nreport: {result.report}")
     if down:
         infra.down()
     else:
-        typer.echo("servers left running; stop them with `cdc infra down`")
-    if not result.ok:
+        typer.echo(
+            f"servers left running. Look around: `cdc status --config {workdir}/pipeline.yaml`, "
+            "then `cdc infra down`"
+        )
+    if not result.agrees:
         raise typer.Exit(1)
 
 

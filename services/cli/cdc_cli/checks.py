@@ -1,0 +1,191 @@
+"""What each output of the pipeline holds, per key, compared with the oracle's final state.
+
+Three readers, each independent of the service that wrote the output: silver read with
+Spark, the change topics read with a plain read_committed consumer, and the index read
+with a scroll. Each returns ``{key: row}``; :func:`compare` says where two such maps differ.
+Values are compared by meaning, not by representation (``Decimal("1.50")`` equals the
+Elasticsearch string ``"1.50"``; a date equals its ISO string).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from cdc_shared.clients import make_consumer, make_elasticsearch
+from cdc_shared.config import EntityConfig, PipelineConfig
+from confluent_kafka import TopicPartition
+from elasticsearch import NotFoundError
+from elasticsearch.helpers import scan
+from pyspark.sql import SparkSession
+
+from cdc_cli.oracle import load_fingerprints
+
+Key = tuple[Any, ...]
+Rows = dict[Key, dict[str, Any]]
+
+
+@dataclass
+class Difference:
+    """How an output differs from the expected rows (empty lists: it agrees)."""
+
+    output: str
+    missing: list[Key] = field(default_factory=list)
+    extra: list[Key] = field(default_factory=list)
+    different: list[Key] = field(default_factory=list)
+    compared: int = 0
+
+    @property
+    def agrees(self) -> bool:
+        """No key missing, extra or different."""
+        return not (self.missing or self.extra or self.different)
+
+    def describe(self, examples: int = 3) -> str:
+        """One line: agreement, or the counts with a few example keys."""
+        if self.agrees:
+            return f"{self.output}: {self.compared} keys agree"
+        parts = [
+            f"{label} {len(keys)} (e.g. {keys[:examples]})"
+            for label, keys in (
+                ("missing", self.missing),
+                ("extra", self.extra),
+                ("different", self.different),
+            )
+            if keys
+        ]
+        return f"{self.output}: " + ", ".join(parts)
+
+
+def same_value(expected: Any, got: Any) -> bool:
+    """Equal in meaning across Avro, Spark, and JSON representations."""
+    if expected is None or got is None:
+        return expected is got
+    if isinstance(expected, bool) or isinstance(got, bool):
+        return bool(expected == got)
+    if isinstance(expected, dt.datetime) or isinstance(got, dt.datetime):
+        return _instant(expected) == _instant(got)
+    if isinstance(expected, dt.date):
+        return expected.isoformat() == str(got)[:10]
+    if isinstance(expected, int | float | Decimal):
+        try:
+            return Decimal(str(expected)) == Decimal(str(got))
+        except InvalidOperation:
+            return False
+    return bool(expected == got)
+
+
+def _instant(value: Any) -> dt.datetime | None:
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    elif isinstance(value, int | float):
+        value = dt.datetime.fromtimestamp(value / 1000, dt.UTC)
+    if not isinstance(value, dt.datetime):
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def compare(output: str, expected: Rows, got: Rows) -> Difference:
+    """Where ``got`` differs from ``expected`` (the expected row's columns are compared)."""
+    difference = Difference(output, compared=len(expected))
+    difference.missing = sorted(k for k in expected if k not in got)
+    difference.extra = sorted(k for k in got if k not in expected)
+    difference.different = sorted(
+        k
+        for k, row in expected.items()
+        if k in got and not all(same_value(v, got[k].get(c)) for c, v in row.items())
+    )
+    return difference
+
+
+def silver_rows(spark: SparkSession, config: PipelineConfig, entity: EntityConfig) -> Rows:
+    """Silver's rows by key (metadata columns left out)."""
+    silver = spark.read.format("delta").load(config.table_path("silver", entity.name))
+    columns = [c for c in silver.columns if not c.startswith("_cdc_")]
+    return {
+        tuple(r[k] for k in entity.key): {c: r[c] for c in columns}
+        for r in silver.select(*columns).collect()
+    }
+
+
+@dataclass
+class ChangeTopicState:
+    """A change topic read to its end: events per op, and the state its last events imply."""
+
+    events: dict[str, int]
+    rows: Rows
+    publish_times: dict[tuple[Key, tuple[int, ...]], float]  # (key, sequence) -> epoch s
+
+
+def change_topic_state(
+    config: PipelineConfig, entity: EntityConfig, timeout_s: float = 60.0
+) -> ChangeTopicState:
+    """Read the entity's change topic (read_committed) and replay it into a state."""
+    schemas = load_fingerprints([Path(config.storage_root) / "_schemas"])
+    topic = entity.change_topic_name
+    consumer = make_consumer(
+        config.kafka, f"cdc-check-{uuid.uuid4().hex[:8]}", **{"isolation.level": "read_committed"}
+    )
+    events = {"c": 0, "u": 0, "d": 0}
+    rows: Rows = {}
+    times: dict[tuple[Key, tuple[int, ...]], float] = {}
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if metadata is None or metadata.error is not None:
+            return ChangeTopicState(events, rows, times)
+        partitions = sorted(metadata.partitions)
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+            for p in partitions
+        }
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for message in consumer.consume(10_000, timeout=0.5):
+                value = message.value()
+                if message.error() is not None or value is None:
+                    continue  # tombstones after deletes carry no event
+                event = _decode(value, schemas)
+                key = tuple(event["key"][k] for k in entity.key)
+                events[event["op"]] += 1
+                if event["op"] == "d":
+                    rows.pop(key, None)
+                else:
+                    rows[key] = dict(event["after"])
+                times[(key, tuple(event["source_sequence"]))] = message.timestamp()[1] / 1000
+            positions = consumer.position([TopicPartition(topic, p) for p in partitions])
+            if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition]):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {topic} to its end in {timeout_s} s")
+    finally:
+        consumer.close()
+    return ChangeTopicState(events, rows, times)
+
+
+def _decode(data: bytes, schemas: Mapping[bytes, Any]) -> dict[str, Any]:
+    writer = schemas[bytes(data[2:10])]
+    record = fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, None)
+    assert isinstance(record, dict)
+    return record
+
+
+def index_rows(config: PipelineConfig, entity: EntityConfig) -> Rows:
+    """The index's documents by key (the key columns are fields of every document)."""
+    client = make_elasticsearch(config.elasticsearch)
+    alias = entity.es_index_name
+    try:
+        client.indices.refresh(index=alias)
+        hits = scan(client, index=alias, query={"query": {"match_all": {}}}, size=2000)
+        return {tuple(h["_source"][k] for k in entity.key): h["_source"] for h in hits}
+    except NotFoundError:
+        return {}
+    finally:
+        client.close()

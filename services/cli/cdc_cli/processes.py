@@ -1,0 +1,122 @@
+"""The four services as separate local processes: start, watch, stop.
+
+Each service runs in its own process group with its JSON log in a file. The supervisor
+reads the per-batch log lines as they come (for progress lines and the report) and
+samples the resident memory of each process group (the Python driver and its JVM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVICES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _group_rss_bytes(pgid: int) -> int:
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[2]) == pgid:  # field 5 of stat: the process group
+                total += int((entry / "statm").read_text().split()[1]) * _PAGE
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+    return total
+
+
+@dataclass
+class ServiceProcess:
+    """One running service: its process, its log, what it has reported so far."""
+
+    name: str
+    config: Path
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    peak_rss: int = 0
+    _read_upto: int = 0
+
+    def start(self) -> None:
+        """Launch ``cdc-<name> --config <config>`` in its own process group."""
+        executable = Path(sys.executable).with_name(f"cdc-{self.name}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [str(executable), "--config", str(self.config)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
+
+    def poll(self) -> None:
+        """Read new log lines and sample memory."""
+        if self.process is not None and self.process.poll() is None:
+            self.peak_rss = max(self.peak_rss, _group_rss_bytes(self.process.pid))
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._read_upto)
+                chunk = log.read()
+        except OSError:
+            return
+        complete = chunk.rfind(b"\n") + 1
+        self._read_upto += complete
+        for line in chunk[:complete].splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # Spark's own console lines
+            if entry.get("msg") == "batch":
+                self.batches.append(entry)
+            elif entry.get("level") == "error":
+                self.errors.append(str(entry.get("msg")))
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.process is not None and self.process.poll() is None
+
+    def summary_line(self) -> str:
+        """``name: N batches, R rows, lag L`` for the live progress display."""
+        if not self.batches:
+            state = "starting" if self.alive else "stopped"
+            return f"{self.name:<16} {state}"
+        rows = sum(int(b.get("input_rows") or 0) for b in self.batches)
+        last = self.batches[-1]
+        lag = last.get("lag")
+        lag_text = "?" if lag is None else f"{lag:,.0f}"
+        return f"{self.name:<16} {len(self.batches):>4} batches {rows:>9,} rows  lag {lag_text}"
+
+    def stop(self, grace_s: float = 120.0) -> int | None:
+        """SIGTERM (the service finishes its batch), SIGKILL after ``grace_s``; exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(30)
+        self.poll()
+        return self.process.returncode
+
+
+def wait_a_little(processes: list[ServiceProcess], seconds: float) -> None:
+    """Sleep while sampling the processes often enough to catch memory peaks."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for service in processes:
+            service.poll()
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -1,0 +1,115 @@
+"""publisher-kafka as a process: SIGKILLs at random and right after a Kafka commit, and a
+broker restart mid-run; read_committed consumers still see every change exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cdc_cli import infra
+from cdc_cli.workload import produce
+from cdc_shared.clients import make_consumer
+from cdc_shared.config import KafkaConfig
+from confluent_kafka import KafkaException, TopicPartition
+from pyspark.sql import SparkSession
+from support.ingestion import generate, ingest_once
+from support.pipelines import Pipeline, PipelineFactory
+from support.publishing import assert_change_topics_exactly_once
+from support.servers import TEST_INFRA
+from support.silver import assert_silver_equals_oracle, merge_in_slices
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-kafka"))
+
+
+class ProgressWatch:
+    """Reads the publisher's committed progress (the last version it published)."""
+
+    def __init__(self, kafka: KafkaConfig, pipeline: Pipeline, entity: str) -> None:
+        topic = pipeline.config.entity(entity).change_topic_name
+        self.partition = TopicPartition(pipeline.config.publisher_kafka.progress_topic, 0)
+        self.consumer = make_consumer(
+            kafka, f"cdc-publisher-kafka.{topic}", **{"isolation.level": "read_committed"}
+        )
+
+    def version(self) -> int:
+        try:
+            (committed,) = self.consumer.committed([self.partition], timeout=10)
+        except KafkaException:
+            return -2  # broker away
+        return committed.offset - 1 if committed.offset >= 0 else -1
+
+
+def _start(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [PUBLISHER, "--config", str(pipeline.path), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+        start_new_session=True,
+    )
+
+
+def _wait_for_new_progress(watch: ProgressWatch, since: int, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        version = watch.version()
+        if version > since:
+            return version
+        time.sleep(0.01)
+    raise AssertionError(f"the publisher published nothing new within {timeout_s} s")
+
+
+def test_exactly_once_under_sigkill_and_broker_restart(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",),
+        ingestor={"metrics_port": 0},
+        publisher_kafka={
+            "max_files_per_trigger": 1,
+            "trigger_interval": "200 milliseconds",
+            "metrics_port": 0,
+        },
+    )
+    produce(
+        kafka_config,
+        iter(generate(pipeline, events=3000, keys=200, delete_share=0.2, redelivery_share=0.05)),
+    )
+    ingest_once(pipeline, spark)
+    merge_in_slices(pipeline, spark, "customers", slices=20)  # 20+ silver versions
+    assert_silver_equals_oracle(spark, pipeline, kafka_config)
+
+    watch = ProgressWatch(kafka_config, pipeline, "customers")
+    rng = random.Random(7)
+    log = tmp_path / "publisher.log"
+    for kill in range(6):
+        process = _start(pipeline, log)
+        if kill % 2 == 0:  # right after a Kafka commit, before Spark's checkpoint commit
+            _wait_for_new_progress(watch, watch.version())
+        else:
+            time.sleep(rng.uniform(8, 14))
+        assert process.poll() is None, f"publisher died by itself; see {log}"
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+
+    # The broker goes away in the middle of a run and comes back.
+    process = _start(pipeline, log)
+    _wait_for_new_progress(watch, watch.version())
+    infra.stop(TEST_INFRA, "kafka")
+    time.sleep(5)
+    infra.up(TEST_INFRA)
+    _wait_for_new_progress(watch, watch.version(), timeout_s=180)
+    assert process.poll() is None, f"publisher did not survive the broker restart; see {log}"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(120) == 0, f"publisher did not stop cleanly on SIGTERM; see {log}"
+
+    drain = _start(pipeline, log, "--once")
+    assert drain.wait(600) == 0, f"draining run failed; see {log}"
+    watch.consumer.close()
+    assert_change_topics_exactly_once(spark, pipeline, kafka_config)

@@ -1,0 +1,20 @@
+"""Where the test session's own Kafka and Elasticsearch run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cdc_cli import infra
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Test servers get their own ports and state folder, so a demo left running on the
+# default ports is neither used nor disturbed.
+TEST_INFRA = infra.InfraSettings(
+    state_dir=Path(os.environ.get("CDC_TEST_INFRA_STATE", ROOT / ".state" / "test-infra")),
+    kafka_port=int(os.environ.get("CDC_TEST_KAFKA_PORT", "29092")),
+    kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
+    es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
+    es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
+)
