@@ -80,7 +80,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
     port = free_port()
     pipeline = make_pipeline(
         entities=("customers",),
-        ingestor={"max_offsets_per_trigger": 600, "metrics_port": 0},
+        ingestor={"max_offsets_per_trigger": 1000, "metrics_port": 0},
         merger={"max_files_per_trigger": 1, "metrics_port": 0},
         publisher_es={
             "max_files_per_trigger": 1,  # many small batches: kills land mid-batch

@@ -59,6 +59,7 @@ class BulkOutcome:
     retried: int = 0  # document attempts repeated after a retryable answer
     failures: list[Failure] = field(default_factory=list)
     oldest_commit_delay_s: float = 0.0  # from the silver commit to its acknowledgement
+    newest_commit_version: int | None = None  # the latest silver version written
 
     @property
     def total(self) -> int:
@@ -128,6 +129,8 @@ class BulkWriter:
             outcome.superseded += dropped
             self._resolve(latest, outcome)
             oldest = min(a.commit_timestamp for a in window)
+            newest = max(a.commit_version for a in window)
+            outcome.newest_commit_version = max(outcome.newest_commit_version or 0, newest)
             delay = time.time() - oldest.timestamp()
             outcome.oldest_commit_delay_s = max(outcome.oldest_commit_delay_s, delay)
         return outcome

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cdc_shared.avro import UnknownSchemaError
-from cdc_shared.changefeed import change_feed, row_columns, shape_changes
+from cdc_shared.changefeed import change_feed, row_columns, shape_changes, silver_version
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -215,8 +215,13 @@ class EntityPublisher:
         failures = unaddressable + outcome.failures
         if failures:
             self._quarantine(failures, batch_id)
+        extra: dict[str, Any] = {}
         if outcome.total:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
+        if outcome.newest_commit_version is not None:
+            # The Delta source reports no latest offset: lag = silver versions not yet read.
+            latest = silver_version(self.spark, self.silver_path)
+            extra["lag"] = max(0, latest - outcome.newest_commit_version)
         self.runner.report(
             self.entity.name,
             batch_id,
@@ -232,6 +237,7 @@ class EntityPublisher:
                 extra={
                     "bulk_ms": int((time.monotonic() - started) * 1000),
                     "publish_delay_ms": int(outcome.oldest_commit_delay_s * 1000),
+                    **extra,
                 },
             ),
         )
