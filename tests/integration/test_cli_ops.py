@@ -1,0 +1,330 @@
+"""The operator commands against a real pipeline: status, quarantine, maintenance, verify.
+
+One pipeline (customers) is built once for the module by running the real services:
+generate -> produce -> ingest -> merge -> publish-kafka, plus silver indexed into
+Elasticsearch the way publisher-es writes it. The tests then run in file order, each
+leaving the pipeline as the next one expects (noted per test).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from cdc_cli import quarantine
+from cdc_cli.workload import GeneratedMessage, ProduceReport, produce
+from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.clients import make_elasticsearch
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig
+from delta.tables import DeltaTable
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from support.ingestion import bronze, generate, ingest_once
+from support.ops import (
+    build_pipeline,
+    cdc,
+    cdc_json,
+    index_documents,
+    replay_origins,
+    silver_documents,
+)
+from support.pipelines import SCHEMAS, Pipeline
+from support.publishing import publish_once
+from support.silver import merge_once
+
+pytestmark = pytest.mark.integration
+
+ENTITY = "customers"
+
+
+@dataclass
+class World:
+    """The module's pipeline and what was produced into it."""
+
+    pipeline: Pipeline
+    report: ProduceReport
+    late_v2: list[GeneratedMessage]  # written with a schema the ingestor does not know yet
+    redelivered: list[GeneratedMessage]  # valid records delivered a second time
+    documents: dict[str, dict[str, object]]  # what Elasticsearch holds, by id
+
+    @property
+    def config_args(self) -> tuple[str, str]:
+        return ("--config", str(self.pipeline.path))
+
+
+@pytest.fixture(scope="module")
+def world(
+    tmp_path_factory: pytest.TempPathFactory,
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    es_config: ElasticsearchConfig,
+) -> Iterator[World]:
+    folder = tmp_path_factory.mktemp("cli-ops")
+    pipeline = build_pipeline(
+        folder,
+        kafka_config,
+        es_config,
+        ingestor={"metrics_port": 0},
+        merger={"metrics_port": 0, "max_files_per_trigger": 1},  # several silver commits
+        publisher_kafka={"metrics_port": 0},
+    )
+    # The producer knows value schema v2 from the start; the pipeline learns it later.
+    producer_dir = folder / "producer-schemas"
+    producer_dir.mkdir()
+    topic = pipeline.topic(ENTITY)
+    shutil.copy(
+        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
+        producer_dir / f"{topic}-value.v2.avsc",
+    )
+    messages = generate(
+        pipeline,
+        FileSchemaRegistry([pipeline.schema_dir, producer_dir]),
+        events=800,
+        keys=150,
+        poison_share=0.02,
+        redelivery_share=0.02,
+        delete_share=0.15,
+        schema_change_at=0.8,
+    )
+    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
+    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
+    late_v2 = [m for m in messages[switch:] if m.value and m.value[2:10] == v2][:20]
+
+    report = produce(kafka_config, iter(messages[:switch]))
+    ingest_once(pipeline, spark)
+    merge_once(pipeline, spark)
+    publish_once(pipeline, spark)
+    documents = silver_documents(spark, pipeline.config, ENTITY)
+    index_documents(es_config, pipeline.config.entity(ENTITY).es_index_name, documents)
+    yield World(pipeline, report, late_v2, messages[:5], documents)
+    es = make_elasticsearch(es_config)
+    es.indices.delete(index=pipeline.config.entity(ENTITY).es_index_name, ignore_unavailable=True)
+    es.close()
+
+
+def _entity_status(world: World) -> dict[str, object]:
+    report = cdc_json("status", *world.config_args)
+    (status,) = report["entities"]
+    return {
+        "bronze": status["bronze_version"],
+        "silver": status["silver_version"],
+        **{s["service"]: s["lag"] for s in status["streams"]},
+        "quarantine": report["quarantine"].get("ingestor", {}).get(ENTITY),
+    }
+
+
+def _version(spark: SparkSession, path: str) -> int:
+    return int(DeltaTable.forPath(spark, path).history(1).head()["version"])  # type: ignore[index]
+
+
+def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -> None:
+    config = world.pipeline.config
+    status = _entity_status(world)
+    assert status == {
+        "bronze": _version(spark, config.table_path("bronze", ENTITY)),
+        "silver": _version(spark, config.table_path("silver", ENTITY)),
+        "ingestor": 0,
+        "merger": 0,
+        "publisher_kafka": 0,
+        "publisher_es": None,  # never started: no checkpoint
+        "quarantine": len(world.report.poison),
+    }
+    assert len(world.report.poison) > 0
+
+    text = cdc("status", *world.config_args)
+    assert text.exit_code == 0, text.output
+    assert "publisher_es" in text.stdout and "not started" in text.stdout
+
+
+def test_quarantine_list_and_show_match_the_generated_poison(world: World) -> None:
+    groups = cdc_json("quarantine", "list", *world.config_args, "--entity", ENTITY)["groups"]
+    expected = Counter(kind for _, _, _, kind in world.report.poison)
+    assert {g["error_kind"]: g["rows"] for g in groups} == dict(expected)
+    assert all(g["service"] == "ingestor" and g["replayed"] == 0 for g in groups)
+
+    shown = cdc_json(
+        "quarantine", "show", *world.config_args, "--service", "ingestor", "--limit", "3"
+    )["records"]
+    assert len(shown) == 3
+    poisoned = {f"{t}/{p}@{o}" for t, p, o, _ in world.report.poison}
+    assert {r["coordinates"] for r in shown} <= poisoned
+
+    text = cdc("quarantine", "show", *world.config_args, "--service", "ingestor", "--limit", "1")
+    assert text.exit_code == 0, text.output
+    assert "value" in text.stdout and "bytes  hex" in text.stdout
+
+    bad = cdc("quarantine", "show", *world.config_args, "--service", "nope")
+    assert bad.exit_code == 2 and "unknown service" in bad.output
+
+
+def test_verify_agrees_then_reports_a_document_deleted_from_es(
+    world: World, es_config: ElasticsearchConfig
+) -> None:
+    report = cdc_json("verify", *world.config_args)
+    assert report["ok"] is True
+    (entity,) = report["entities"]
+    assert entity["silver_rows"] == len(world.documents)
+    assert {t["target"]: t["rows"] for t in entity["targets"]} == {
+        "elasticsearch": len(world.documents),
+        "change_topic": len(world.documents),
+    }
+
+    index = world.pipeline.config.entity(ENTITY).es_index_name
+    victim = sorted(world.documents)[0]
+    es = make_elasticsearch(es_config)
+    try:
+        es.delete(index=index, id=victim, refresh=True)
+        result = cdc("verify", *world.config_args, "--json")
+        assert result.exit_code == 1, result.output
+        (entity,) = json.loads(result.stdout)["entities"]
+        targets = {t["target"]: t for t in entity["targets"]}
+        assert targets["change_topic"]["missing"] == 0
+        es_side = targets["elasticsearch"]
+        assert (es_side["missing"], es_side["extra"], es_side["different"]) == (1, 0, 0)
+        assert es_side["examples"] == {"missing": [f"id={victim}"]}
+
+        text = cdc("verify", *world.config_args, "--target", "elasticsearch")
+        assert text.exit_code == 1 and f"missing: id={victim}" in text.stdout
+    finally:
+        index_documents(es_config, index, {victim: world.documents[victim]})
+        es.close()
+
+
+def test_maintenance_compacts_vacuums_and_expires_tombstones_when_streams_caught_up(
+    world: World, spark: SparkSession
+) -> None:
+    config = world.pipeline.config
+    tombstones = config.table_path("silver/_tombstones", ENTITY)
+    tombstone_rows = spark.read.format("delta").load(tombstones).count()
+    assert tombstone_rows > 0
+
+    # publisher-es never ran: from version 0 it would need all of silver's history.
+    refused = cdc("maintenance", *world.config_args, "--no-optimize", "--vacuum-hours", "0")
+    assert refused.exit_code == 1
+    assert "publisher_es still needs version 0" in refused.output
+
+    report = cdc_json(
+        "maintenance",
+        *world.config_args,
+        "--vacuum-hours",
+        "0",
+        "--tombstone-retention-hours",
+        "0",
+        "--ignore-service",
+        "publisher_es",
+    )
+    tables = {t["table"]: t for t in report["tables"]}
+    assert set(tables) == {f"bronze/{ENTITY}", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
+    assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == tombstone_rows
+    assert spark.read.format("delta").load(tombstones).count() == 0
+    silver = tables[f"silver/{ENTITY}"]
+    assert silver["optimized_files_removed"] > silver["optimized_files_added"] == 1
+    # Vacuumed: at least the files compaction replaced (0 hours keeps nothing unreferenced).
+    assert silver["vacuumed_files"] >= silver["optimized_files_removed"]
+
+    # OPTIMIZE commits add no data: streams skip them, so they are not lag.
+    status = _entity_status(world)
+    assert (status["merger"], status["publisher_kafka"]) == (0, 0)
+    assert cdc_json("verify", *world.config_args, "--target", "change_topic")["ok"] is True
+
+
+def test_status_shows_the_backlog_and_maintenance_refuses_what_the_merger_needs(
+    world: World, spark: SparkSession, kafka_config: KafkaConfig
+) -> None:
+    """Leaves: the late v2 records quarantined as unknown_schema, not merged."""
+    produce(kafka_config, iter(world.late_v2 + world.redelivered))
+    assert _entity_status(world)["ingestor"] == len(world.late_v2) + len(world.redelivered)
+
+    ingest_once(world.pipeline, spark)
+    status = _entity_status(world)
+    assert status["ingestor"] == 0
+    assert status["merger"] == 1  # the bronze commit of the re-delivered records
+    assert status["quarantine"] == len(world.report.poison) + len(world.late_v2)
+
+    args = (*world.config_args, "--no-optimize", "--ignore-service", "publisher_es")
+    refused = cdc("maintenance", *args, "--vacuum-hours", "0", "--no-tombstone-expiry")
+    assert refused.exit_code == 1
+    assert f"bronze/{ENTITY}: merger still needs version {status['bronze']}" in refused.output
+    refused = cdc("maintenance", *args, "--no-vacuum", "--tombstone-retention-hours", "0")
+    assert refused.exit_code == 1 and "refusing to expire tombstones" in refused.output
+    allowed = cdc("maintenance", *args, "--vacuum-hours", "1", "--no-tombstone-expiry")
+    assert allowed.exit_code == 0, allowed.output
+
+
+def _ingested(spark: SparkSession, world: World) -> int:
+    return bronze(spark, world.pipeline, ENTITY).count()
+
+
+def test_replay_twice_injects_each_record_once(world: World, spark: SparkSession) -> None:
+    """Leaves: the v2 records replayed and ingested."""
+    world.pipeline.add_schema_version(ENTITY, 2)  # the fix: the writer schema is deployed
+    v2 = "error_kind = 'unknown_schema' AND error_message LIKE '%{}%'"
+    fingerprint = world.late_v2[0].value[2:10].hex().upper()  # type: ignore[index]
+    where = v2.format(fingerprint)
+    before = _ingested(spark, world)
+
+    first = cdc_json(
+        "quarantine", "replay", *world.config_args, "--entity", ENTITY, "--where", where
+    )
+    assert first["selected"] == first["produced"] == len(world.late_v2)
+    second = cdc_json(
+        "quarantine", "replay", *world.config_args, "--entity", ENTITY, "--where", where
+    )
+    assert (second["selected"], second["already_replayed"], second["produced"]) == (
+        len(world.late_v2),
+        len(world.late_v2),
+        0,
+    )
+
+    ingest_once(world.pipeline, spark)
+    assert _ingested(spark, world) == before + len(world.late_v2)
+    ledger_path = world.pipeline.config.table_path("quarantine", "_replayed")
+    ledger = spark.read.format("delta").load(ledger_path).collect()
+    assert {r.state for r in ledger} == {"done"}
+    landed = {(r.replayed_partition, r.replayed_offset) for r in ledger}
+    rows = bronze(spark, world.pipeline, ENTITY).select("kafka_partition", "kafka_offset")
+    assert landed <= {(r.kafka_partition, r.kafka_offset) for r in rows.collect()}
+
+    groups = cdc_json("quarantine", "list", *world.config_args, "--entity", ENTITY)["groups"]
+    unknown = next(g for g in groups if g["error_kind"] == "unknown_schema")
+    assert unknown["replayed"] == len(world.late_v2)
+
+
+def test_replay_after_a_crash_between_produce_and_confirm_produces_nothing_twice(
+    world: World, spark: SparkSession, kafka_config: KafkaConfig
+) -> None:
+    config = world.pipeline.config
+    where = "error_kind = 'corrupt'"
+    crashed = quarantine.Replay(config, ENTITY, spark, where)
+    crashed.ensure_ledger()
+    _, _, candidates = crashed.select()
+    assert candidates
+    crashed.produce(crashed.record_intent(candidates))  # ... and the process dies here
+
+    with pytest.raises(quarantine.QuarantineError, match="has not finished"):
+        quarantine.replay(config, ENTITY, where, spark=spark)
+    result = quarantine.replay(config, ENTITY, where, recover=True, spark=spark)
+    assert (result.recovered, result.produced) == (len(candidates), 0)
+
+    origins = Counter(replay_origins(kafka_config, config.entity(ENTITY).source_topic))
+    corrupt = {f"{crashed.topic}/{c.partition}/{c.offset}" for c in candidates}
+    assert {o: n for o, n in origins.items() if o in corrupt} == dict.fromkeys(corrupt, 1)
+    assert all(n == 1 for n in origins.values())
+
+
+def test_verify_reports_a_row_deleted_from_silver(world: World, spark: SparkSession) -> None:
+    victim = sorted(world.documents)[1]
+    silver = DeltaTable.forPath(spark, world.pipeline.config.table_path("silver", ENTITY))
+    silver.delete(F.col("id") == int(victim))
+
+    result = cdc("verify", *world.config_args, "--json")
+    assert result.exit_code == 1
+    (entity,) = json.loads(result.stdout)["entities"]
+    assert entity["silver_rows"] == len(world.documents) - 1
+    for target in entity["targets"]:
+        assert (target["missing"], target["extra"], target["different"]) == (0, 1, 0)
+        assert target["examples"] == {"extra": [f"id={victim}"]}
