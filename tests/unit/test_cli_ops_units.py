@@ -1,0 +1,110 @@
+"""Broker-free parts of the operator commands: offsets, retention checks, hashing, previews."""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+import pytest
+from cdc_cli.checkpoints import Commit, data_commits_from, delta_position
+from cdc_cli.maintenance import (
+    SAFETY_MARGIN,
+    RetentionTooShortError,
+    StreamNeed,
+    check_tombstone_retention,
+    check_vacuum_retention,
+)
+from cdc_cli.quarantine import preview
+from cdc_cli.verify import RowShape, canonical, compare
+from cdc_shared.config import EntityConfig
+from pyspark.sql import types as T
+
+NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def test_delta_position_reads_the_next_version_to_read() -> None:
+    # Caught up after version 4: Delta points at version 5, no file read.
+    assert delta_position({"reservoirVersion": 5, "index": -1}).next_version == 5
+    # Half-way through version 3's files: version 3 is still needed.
+    assert delta_position({"reservoirVersion": 3, "index": 1}).next_version == 3
+    # Reading the first snapshot.
+    assert delta_position({"reservoirVersion": 1, "index": 0, "isStartingVersion": True}).snapshot
+    # Version read to its end.
+    assert delta_position({"reservoirVersion": 7, "index": (1 << 63) - 101}).next_version == 8
+    with pytest.raises(ValueError, match="not a Delta source offset"):
+        delta_position({"topic": {"0": 1}})
+
+
+def test_optimize_and_vacuum_commits_are_not_data() -> None:
+    history = {
+        v: Commit(v, NOW, op)
+        for v, op in enumerate(["CREATE TABLE", "WRITE", "OPTIMIZE", "VACUUM START", "MERGE"])
+    }
+    assert [c.version for c in data_commits_from(history, 0)] == [1, 4]
+    assert [c.version for c in data_commits_from(history, 2)] == [4]
+    assert data_commits_from(history, 5) == []
+
+
+def _need(hours_ago: float, service: str = "merger") -> StreamNeed:
+    since = NOW - dt.timedelta(hours=hours_ago)
+    return StreamNeed(service, "bronze/customers", 4, since, "checkpoint batch 9")
+
+
+def test_vacuum_retention_must_cover_the_oldest_unread_version_plus_margin() -> None:
+    need = _need(10)
+    needed = 10 + SAFETY_MARGIN.total_seconds() / 3600
+    assert need.hours(NOW) == pytest.approx(needed)
+    check_vacuum_retention([need], 11, NOW)
+    with pytest.raises(RetentionTooShortError, match="merger still needs version 4") as error:
+        check_vacuum_retention([need, _need(1, "publisher_es")], 10, NOW)
+    assert "publisher_es" not in str(error.value)  # 10 hours is enough for that one
+    check_vacuum_retention([], 0, NOW)  # nothing lags: any retention is safe
+
+
+def test_tombstones_are_kept_while_the_merger_lags_longer_than_their_retention() -> None:
+    check_tombstone_retention([_need(30, "publisher_kafka")], 1, NOW)  # not the merger
+    with pytest.raises(RetentionTooShortError, match="resurrect"):
+        check_tombstone_retention([_need(30)], 24, NOW)
+    check_tombstone_retention([_need(30)], 31, NOW)
+
+
+def test_values_from_every_side_hash_alike() -> None:
+    ts = T.TimestampType()
+    micros = 1_767_225_600_123_000
+    assert canonical(ts, "2026-01-01T00:00:00.123000+00:00") == micros
+    assert canonical(ts, dt.datetime(2026, 1, 1, 0, 0, 0, 123000, tzinfo=dt.UTC)) == micros
+    assert canonical(ts, "2026-01-01T01:00:00.123+01:00") == micros
+    assert canonical(T.DecimalType(10, 2), 12.5) == canonical(T.DecimalType(10, 2), "12.50")
+    assert canonical(T.DecimalType(10, 2), Decimal("12.5")) == "12.50"
+    assert canonical(T.DateType(), dt.date(2026, 1, 2)) == canonical(T.DateType(), "2026-01-02")
+    assert canonical(T.BinaryType(), b"\x00\xff") == canonical(T.BinaryType(), "AP8=")
+
+
+def test_compare_lists_missing_extra_and_different_keys() -> None:
+    schema = T.StructType(
+        [
+            T.StructField("id", T.IntegerType()),
+            T.StructField("name", T.StringType()),
+            T.StructField("_cdc_seq", T.ArrayType(T.LongType())),
+        ]
+    )
+    shape = RowShape.of(schema, EntityConfig(name="c", source_topic="t", key=["id"]))
+    rows = [{"id": i, "name": f"n{i}", "_cdc_seq": [i]} for i in range(4)]
+    silver = {shape.key_of(r): shape.hash_of(r) for r in rows}
+    target = dict(silver)
+    del target[(0,)]
+    target[(1,)] = shape.hash_of({"id": 1, "name": "changed"})
+    target[(9,)] = shape.hash_of({"id": 9, "name": "n9"})
+    # Metadata columns are not content: another sequence, same hash.
+    assert shape.hash_of({**rows[2], "_cdc_seq": [99]}) == silver[(2,)]
+
+    result = compare("elasticsearch", "idx", shape, silver, target)
+    assert (result.missing, result.extra, result.different, result.ok) == (1, 1, 1, False)
+    assert result.examples == {"missing": ["id=0"], "extra": ["id=9"], "different": ["id=1"]}
+
+
+def test_preview_shows_length_hex_and_escaped_bytes() -> None:
+    assert preview(None) == "<null>"
+    text = preview(b"\xc3\x01abc" * 10, width=4)
+    assert text.startswith("50 bytes  hex c3 01 61 62...")
+    assert "b'\\xc3\\x01ab'..." in text
