@@ -270,6 +270,14 @@ class PipelineConfig(BaseSettings):
         """Environment variables override the file's values (passed as init values)."""
         return env_settings, init_settings
 
+    @field_validator("storage_root")
+    @classmethod
+    def _absolute_local_root(cls, root: str) -> str:
+        # Delta reads a relative location as a table name; services may run elsewhere.
+        if "://" in root:
+            return root
+        return str(Path(root).expanduser().resolve())
+
     @model_validator(mode="after")
     def _entities_distinct(self) -> Self:
         for attribute in ("name", "source_topic", "change_topic_name", "es_index_name"):

@@ -84,8 +84,23 @@ def wait_for_table(
     ``hint`` tells the operator what creates the table (e.g. "start the merger").
     """
     deadline = time.monotonic() + wait_s
-    while not DeltaTable.isDeltaTable(spark, path):
+    while not has_commits(spark, path):
         if time.monotonic() >= deadline:
             raise ConfigError(f"{path} is not a Delta table yet: {hint}")
         log.info("waiting for table", extra={"path": path})
         time.sleep(5)
+
+
+def has_commits(spark: SparkSession, path: str) -> bool:
+    """Whether a Delta log with at least one commit exists at ``path`` (any file system).
+
+    Asks the file system, not Delta: Delta caches what it found at a path, so a table
+    created after the first look would stay invisible to ``DeltaTable.isDeltaTable``.
+    """
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    log_dir = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log")
+    fs = log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    if not fs.exists(log_dir):
+        return False
+    return any(str(s.getPath().getName()).endswith(".json") for s in fs.listStatus(log_dir))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
+import signal
 import statistics
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +26,7 @@ import yaml
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
+from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_cli import infra
@@ -175,6 +178,8 @@ def _delays(spark: SparkSession, config: PipelineConfig) -> dict[str, list[float
     to_silver: list[float] = []
     to_topic: list[float] = []
     for entity in config.entities:
+        if not has_commits(spark, config.table_path("silver", entity.name)):
+            continue
         bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
         produced: dict[tuple[Key, tuple[int, ...]], float] = {}
         for r in bronze.select("key", "sequence", "kafka_timestamp").collect():
@@ -196,6 +201,8 @@ def _delays(spark: SparkSession, config: PipelineConfig) -> dict[str, list[float
 def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     """Run the whole demo; see the module docstring."""
     started_wall, started = dt.datetime.now(dt.UTC), time.monotonic()
+    # SIGTERM unwinds like Ctrl-C, so the services are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     served = infra.up()
     echo(f"kafka {served.kafka_bootstrap_servers} · elasticsearch {served.elasticsearch_url}")
     if options.workdir.exists():
@@ -232,6 +239,7 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
         )
         expected = _oracle_rows(config)
         spark = build_spark_session(config.spark, "cdc-demo-check")
+        spark.sparkContext.setLogLevel("ERROR")
         deadline = time.monotonic() + options.catch_up_timeout_s
         while True:
             result.differences = _check(spark, config, expected)
@@ -240,7 +248,7 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
             if not all(s.alive for s in services):
                 echo("a service stopped early; see its log")
                 break
-            wait_a_little(services, 5)
+            wait_a_little(services, 10)
         result.delays_ms = _delays(spark, config)
         _count(spark, config, result)
     finally:

@@ -86,12 +86,22 @@ class EntityMerge:
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Apply the batch; replaying it changes nothing (every step compares sequences)."""
         started = time.monotonic()
-        result = apply_batch(self.spark, batch, self.layout)
+        events = batch.persist()
+        try:
+            # Spark does not count rows a MERGE reads: count them for the batch log.
+            input_rows = events.count()
+            result = apply_batch(self.spark, events, self.layout)
+        finally:
+            events.unpersist()
         self.runner.report(
             self.entity.name,
             batch_id,
             BatchStats(
-                counts={"applied_keys": result.keys, "deletes": result.deletes},
+                counts={
+                    "input_rows": input_rows,
+                    "applied_keys": result.keys,
+                    "deletes": result.deletes,
+                },
                 extra={"merge_ms": int((time.monotonic() - started) * 1000)},
             ),
         )
