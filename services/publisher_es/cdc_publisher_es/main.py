@@ -100,6 +100,8 @@ class EntityPublisher:
         )
         self.es = make_elasticsearch(es_config)
         self.mapped: set[str] = set()
+        self._latest = 0
+        self._latest_checked_at = -1e9
         self.bulk = BulkWriter(
             self.es,
             self.alias,
@@ -220,8 +222,7 @@ class EntityPublisher:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
         if outcome.newest_commit_version is not None:
             # The Delta source reports no latest offset: lag = silver versions not yet read.
-            latest = silver_version(self.spark, self.silver_path)
-            extra["lag"] = max(0, latest - outcome.newest_commit_version)
+            extra["lag"] = max(0, self._latest_version() - outcome.newest_commit_version)
         self.runner.report(
             self.entity.name,
             batch_id,
@@ -241,6 +242,14 @@ class EntityPublisher:
                 },
             ),
         )
+
+    def _latest_version(self) -> int:
+        """Silver's latest version, looked up at most every 10 s (a history read is a job)."""
+        now = time.monotonic()
+        if now - self._latest_checked_at >= 10:
+            self._latest = silver_version(self.spark, self.silver_path)
+            self._latest_checked_at = now
+        return self._latest
 
     def _add_columns(self, silver_schema: T.StructType) -> None:
         properties = self._properties(silver_schema)
