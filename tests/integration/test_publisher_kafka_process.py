@@ -38,12 +38,18 @@ class ProgressWatch:
             kafka, f"cdc-publisher-kafka.{topic}", **{"isolation.level": "read_committed"}
         )
 
-    def version(self) -> int:
-        try:
-            (committed,) = self.consumer.committed([self.partition], timeout=10)
-        except KafkaException:
-            return -2  # broker away
-        return committed.offset - 1 if committed.offset >= 0 else -1
+    def version(self, timeout_s: float = 180) -> int:
+        """The last published version (-1: none yet); waits while the broker is away."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                (committed,) = self.consumer.committed([self.partition], timeout=10)
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+                continue
+            return committed.offset - 1 if committed.offset >= 0 else -1
 
 
 def _start(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
@@ -107,7 +113,7 @@ def test_exactly_once_under_sigkill_and_broker_restart(
     _wait_for_new_progress(watch, watch.version(), timeout_s=180)
     assert process.poll() is None, f"publisher did not survive the broker restart; see {log}"
     process.send_signal(signal.SIGTERM)
-    assert process.wait(120) == 0, f"publisher did not stop cleanly on SIGTERM; see {log}"
+    assert process.wait(300) == 0, f"publisher did not stop cleanly on SIGTERM; see {log}"
 
     drain = _start(pipeline, log, "--once")
     assert drain.wait(600) == 0, f"draining run failed; see {log}"

@@ -144,6 +144,31 @@ class _Progress(threading.Thread):
             self.echo(f"[{time.monotonic() - started:5.0f} s] {lines}")
 
 
+def _wait_until_healthy(
+    services: list[ServiceProcess], config: PipelineConfig, timeout_s: float
+) -> None:
+    """Wait until every service serves /health 200.
+
+    The load starts after that, so the delays measure the pipeline, not four JVM starts.
+    """
+    ports = {
+        "ingestor": config.ingestor.metrics_port,
+        "merger": config.merger.metrics_port,
+        "publisher-kafka": config.publisher_kafka.metrics_port,
+        "publisher-es": config.publisher_es.metrics_port,
+    }
+    deadline = time.monotonic() + timeout_s
+    waiting = list(services)
+    while waiting:
+        dead = [s.name for s in waiting if not s.alive]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} stopped during start-up; see its log")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(s.name for s in waiting)} not healthy in time")
+        waiting = [s for s in waiting if not s.healthy(ports[s.name])]
+        wait_a_little(services, 2)
+
+
 def _oracle_rows(config: PipelineConfig) -> dict[str, dict[Key, dict[str, Any]]]:
     fingerprints = load_fingerprints([ROOT / "schemas"])
     return {
@@ -224,6 +249,7 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     progress.start()
     spark: SparkSession | None = None
     try:
+        _wait_until_healthy(services, config, options.catch_up_timeout_s)
         generator = WorkloadGenerator(
             config.entities,
             make_registry(config),

@@ -71,7 +71,7 @@ def demo(
     )
     try:
         result = run_demo(options, typer.echo)
-    except infra.InfraError as exc:
+    except (infra.InfraError, RuntimeError) as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     typer.echo("")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,14 @@ class ServiceProcess:
             elif entry.get("level") == "error":
                 self.errors.append(str(entry.get("msg")))
 
+    def healthy(self, port: int) -> bool:
+        """Whether ``/health`` on ``port`` answers 200 (every stream started and running)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except OSError:  # refused, 503, timeout
+            return False
+
     @property
     def alive(self) -> bool:
         """Whether the process still runs."""
@@ -99,11 +108,15 @@ class ServiceProcess:
         return f"{self.name:<16} {len(self.batches):>4} batches {rows:>9,} rows  lag {lag_text}"
 
     def stop(self, grace_s: float = 120.0) -> int | None:
-        """SIGTERM (the service finishes its batch), SIGKILL after ``grace_s``; exit code."""
+        """SIGTERM (the service finishes its batch), SIGKILL after ``grace_s``; exit code.
+
+        SIGTERM goes to the service's own process, as a container runtime sends it: the
+        JVM it drives must stay up while the batch in flight finishes.
+        """
         if self.process is None:
             return None
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:

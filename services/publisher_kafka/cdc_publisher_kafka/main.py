@@ -12,7 +12,7 @@ import sys
 import time
 
 import pyarrow as pa
-from cdc_shared.changefeed import change_feed, shape_changes
+from cdc_shared.changefeed import change_feed, shape_changes, silver_version
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -101,15 +101,19 @@ class EntityPublication:
         encoded = encode_changes(self.spark, changes, self.contract).toArrow()
         encoded = encoded.sort_by("commit_version")  # per key: changes in commit order
         messages, counts = self._messages(encoded)
+        extra: dict[str, object] = {}
         if messages:
             last_version = int(encoded.column("commit_version")[-1].as_py())
             self.publisher.publish(messages, Progress(last_version, query_id, batch_id))
+            # The Delta source reports no latest offset: lag = silver versions not yet read.
+            extra["lag"] = max(0, silver_version(self.spark, self.silver_path) - last_version)
         self.runner.report(
             self.entity.name,
             batch_id,
             BatchStats(
                 counts={"input_rows": encoded.num_rows, "published": len(messages), **counts},
                 extra={
+                    **extra,
                     "publish_ms": int((time.monotonic() - started) * 1000),
                     "published_up_to_version": (
                         self.publisher.progress.version if self.publisher.progress else None

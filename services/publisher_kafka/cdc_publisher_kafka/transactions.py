@@ -177,7 +177,12 @@ class TransactionalPublisher:
             ),
         )
         producer.send_offsets_to_transaction([marker], self._group.consumer_group_metadata(), 60)
-        producer.commit_transaction(self.settings.transaction_timeout_ms / 1000)
+        # A commit that timed out (broker away) may be resumed as is; only an error that
+        # requires an abort sends the whole transaction round again.
+        self._with_retries(
+            "commit",
+            lambda: producer.commit_transaction(self.settings.transaction_timeout_ms / 1000),
+        )
 
     def _abort_quietly(self) -> None:
         try:
@@ -197,7 +202,7 @@ class TransactionalPublisher:
                 error: KafkaError = exc.args[0]
                 if error.fatal():
                     raise PublisherFatalError(self._fatal_message(error)) from None
-                if attempt == attempts or not error.retriable():
+                if attempt == attempts or error.txn_requires_abort() or not error.retriable():
                     self._on_problem(f"Kafka {what} failing: {error.str()}")
                     raise
                 self._backoff(attempt, f"{what} failed, retrying: {error.str()}")
