@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 log = logging.getLogger(__name__)
 
 Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
+
+
+class StuckProducerError(RuntimeError):
+    """A producer call blocked past its deadline; a fresh producer replaced the stuck one."""
 
 
 class PublisherFatalError(RuntimeError):
@@ -75,20 +80,19 @@ class TransactionalPublisher:
         self.transactional_id = f"cdc-publisher-kafka.{change_topic}"
         self._progress_partition = TopicPartition(settings.progress_topic, 0)
         self._on_problem = on_problem
-        self._producer = Producer(
-            kafka_client_config(
-                kafka,
-                **{
-                    "transactional.id": self.transactional_id,
-                    "transaction.timeout.ms": settings.transaction_timeout_ms,
-                    "enable.idempotence": True,
-                    "linger.ms": 20,
-                    "batch.size": 1_000_000,
-                    "queue.buffering.max.messages": 1_000_000,
-                    "queue.buffering.max.kbytes": 1_048_576,
-                },
-            )
+        self._producer_config = kafka_client_config(
+            kafka,
+            **{
+                "transactional.id": self.transactional_id,
+                "transaction.timeout.ms": settings.transaction_timeout_ms,
+                "enable.idempotence": True,
+                "linger.ms": 20,
+                "batch.size": 1_000_000,
+                "queue.buffering.max.messages": 1_000_000,
+                "queue.buffering.max.kbytes": 1_048_576,
+            },
         )
+        self._producer = Producer(self._producer_config)
         # Only a holder of the group metadata; it never subscribes or polls.
         self._group = Consumer(
             kafka_client_config(
@@ -139,6 +143,10 @@ class TransactionalPublisher:
         for attempt in range(1, attempts + 1):
             try:
                 self._transaction(messages, progress)
+            except StuckProducerError as exc:
+                if attempt == attempts:
+                    raise
+                self._backoff(attempt, str(exc))  # a new producer took over: no abort
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 if error.fatal():
@@ -176,13 +184,49 @@ class TransactionalPublisher:
                 }
             ),
         )
-        producer.send_offsets_to_transaction([marker], self._group.consumer_group_metadata(), 60)
+        group = self._group.consumer_group_metadata()
+        self._within_deadline(
+            "send_offsets_to_transaction",
+            lambda: producer.send_offsets_to_transaction([marker], group, 60),
+            deadline_s=90,
+        )
         # A commit that timed out (broker away) may be resumed as is; only an error that
         # requires an abort sends the whole transaction round again.
         self._with_retries(
             "commit",
             lambda: producer.commit_transaction(self.settings.transaction_timeout_ms / 1000),
         )
+
+    def _within_deadline(self, what: str, call: Callable[[], object], deadline_s: float) -> None:
+        """Run a producer call that librdkafka may block on past its own timeout.
+
+        When the group coordinator went away (e.g. a broker restart),
+        ``send_offsets_to_transaction`` can block forever (librdkafka issues #5456 and
+        #5511). Past ``deadline_s`` the producer is replaced: the new one's
+        ``init_transactions`` fences the stuck one, whose transaction can then never
+        commit, and StuckProducerError asks for the transaction to be run again.
+        """
+        outcome: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=run, name=f"kafka-{what}", daemon=True)
+        worker.start()
+        worker.join(deadline_s)
+        if worker.is_alive():
+            log.warning(
+                "producer stuck: replacing it",
+                extra={"topic": self.change_topic, "call": what, "after_s": deadline_s},
+            )
+            self._producer = Producer(self._producer_config)  # the stuck one is abandoned
+            self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
+            raise StuckProducerError(f"{what} blocked for {deadline_s} s; producer replaced")
+        if "error" in outcome:
+            raise outcome["error"]
 
     def _abort_quietly(self) -> None:
         try:
