@@ -8,7 +8,6 @@ an error naming the entity.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -338,19 +337,6 @@ def source_metric(name: str) -> Callable[[Any], float | None]:
     return read
 
 
-def delta_version_lag(progress: Any) -> float | None:
-    """Lag of a Delta source in table versions: latest available minus processed."""
-    for source in progress.sources:
-        try:
-            end = json.loads(source.endOffset or "null")
-            latest = json.loads(source.latestOffset or "null")
-        except (TypeError, ValueError):
-            continue
-        if isinstance(end, dict) and isinstance(latest, dict) and "reservoirVersion" in end:
-            return float(max(0, latest["reservoirVersion"] - end["reservoirVersion"]))
-    return None
-
-
 OpenStream = Callable[
     [SparkSession, EntityConfig, StreamRunner], tuple[DataStreamWriter, QueryIdentity]
 ]
@@ -362,7 +348,7 @@ def start_streams(
     settings: StreamingServiceConfig,
     entity_names: list[str] | None,
     spark: SparkSession | None,
-    lag: str | Callable[[Any], float | None],
+    lag: str | Callable[[Any], float | None] | None,
     open_stream: OpenStream,
 ) -> StreamRunner:
     """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result."""
@@ -375,7 +361,7 @@ def start_streams(
         service,
         settings.metrics_host,
         settings.metrics_port,
-        source_metric(lag) if isinstance(lag, str) else lag,
+        source_metric(lag) if isinstance(lag, str) else lag,  # None: foreachBatch reports it
     )
     try:
         for entity in entities:

@@ -20,16 +20,12 @@ from typing import Any
 
 import httpx
 import pytest
+from cdc_cli import infra
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
-from support.es import (
-    assert_index_equals_oracle,
-    build_silver,
-    infra_settings,
-    start_elasticsearch,
-    stop_elasticsearch,
-)
+from support.es import assert_index_equals_oracle, build_silver
 from support.pipelines import PipelineFactory
+from support.servers import TEST_INFRA
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-es"))
@@ -109,7 +105,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
             seen = committed_batches(checkpoint)
             if run == 1:  # Elasticsearch goes away while batches are being written
                 assert wait_for_commit_after(checkpoint, seen, 180), f"no progress; see {log}"
-                stop_elasticsearch(infra_settings())
+                infra.stop(TEST_INFRA, "elasticsearch")
                 try:
                     body = wait_for_health(port, 503, 120)
                     problem = body["streams"]["customers"]["problem"]
@@ -118,7 +114,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
                     assert process.poll() is None, f"publisher gave up on a down ES; see {log}"
                     stalled = committed_batches(checkpoint)
                 finally:
-                    start_elasticsearch(infra_settings())
+                    infra.start_elasticsearch(TEST_INFRA)
                 restarted_es = True
                 assert wait_for_commit_after(checkpoint, stalled, 180), f"no resume; see {log}"
                 wait_for_health(port, 200, 120)

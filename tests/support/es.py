@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import os
-import signal
-import time
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
-from cdc_cli import infra
 from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_cli.workload import produce
 from cdc_merger.main import start as start_merger
@@ -125,49 +120,3 @@ def assert_index_equals_oracle(
         }
         assert not extra_fields, f"fields the oracle does not know: {extra_fields}"
     return read
-
-
-# --- restarting Elasticsearch ------------------------------------------------------------
-
-
-def infra_settings() -> infra.InfraSettings:
-    """The test servers' settings, from the same variables the session fixture reads."""
-    root = Path(__file__).resolve().parents[2]
-    return infra.InfraSettings(
-        state_dir=Path(os.environ.get("CDC_TEST_INFRA_STATE", root / ".state" / "test-infra")),
-        kafka_port=int(os.environ.get("CDC_TEST_KAFKA_PORT", "29092")),
-        kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
-        es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
-        es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
-    )
-
-
-def stop_elasticsearch(settings: infra.InfraSettings, timeout_s: float = 60.0) -> None:
-    """Stop only the test Elasticsearch (SIGTERM to its process group, from infra's pid file)."""
-    pid = int((settings.state_dir / "elasticsearch.pid").read_text().strip())
-    os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _group_alive(pid):
-            return
-        time.sleep(0.2)
-    os.killpg(pid, signal.SIGKILL)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a live (not zombie) process of group ``pgid`` remains."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
-
-
-def start_elasticsearch(settings: infra.InfraSettings) -> None:
-    """Start the test Elasticsearch again (same data folder) and wait until it answers."""
-    infra.start_elasticsearch(settings)

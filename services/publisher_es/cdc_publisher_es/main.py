@@ -27,7 +27,6 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
-    delta_version_lag,
     start_streams,
     with_trigger,
 )
@@ -323,7 +322,7 @@ def start(
 
     # Lag: silver versions not yet published.
     return start_streams(
-        SERVICE, config, config.publisher_es, entity_names, spark, delta_version_lag, open_stream
+        SERVICE, config, config.publisher_es, entity_names, spark, None, open_stream
     )
 
 

@@ -21,7 +21,6 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
-    delta_version_lag,
     start_streams,
     with_trigger,
 )
@@ -180,9 +179,7 @@ def start(
         publications.append(publication)
         return publication.writer(once), publication.identity
 
-    runner = start_streams(
-        SERVICE, config, settings, entity_names, spark, delta_version_lag, open_stream
-    )
+    runner = start_streams(SERVICE, config, settings, entity_names, spark, None, open_stream)
     for publication in publications:
         runner.on_close(publication.publisher.close)
     return runner
