@@ -19,6 +19,8 @@ most once per silver commit, and ordering by commit version orders the changes o
 
 from __future__ import annotations
 
+import time
+
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -134,3 +136,23 @@ def external_version(op: str, source_sequence: list[int], commit_version: int) -
 def silver_version(spark: SparkSession, silver_path: str) -> int:
     """The latest committed version of a Delta table."""
     return int(DeltaTable.forPath(spark, silver_path).history(1).collect()[0]["version"])
+
+
+class LatestVersion:
+    """A Delta table's latest version, read at most every ``max_age_s``.
+
+    For a publisher's lag: a history read is a Spark job, too dear for every micro-batch.
+    """
+
+    def __init__(self, spark: SparkSession, path: str, max_age_s: float = 10.0) -> None:
+        self.spark, self.path, self.max_age_s = spark, path, max_age_s
+        self._version = 0
+        self._read_at = -float("inf")
+
+    def get(self) -> int:
+        """The version as of at most ``max_age_s`` ago."""
+        now = time.monotonic()
+        if now - self._read_at >= self.max_age_s:
+            self._version = silver_version(self.spark, self.path)
+            self._read_at = now
+        return self._version

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.listener import StreamingQueryListener
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
@@ -41,6 +41,18 @@ class StreamFailedError(RuntimeError):
 def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
     """``--once``: process what is available then stop; else a processing-time trigger."""
     return writer.trigger(availableNow=True) if once else writer.trigger(processingTime=interval)
+
+
+def foreach_batch_writer(
+    source: DataFrame,
+    process: Callable[[DataFrame, int], None],
+    checkpoint: str,
+    once: bool,
+    interval: str,
+) -> DataStreamWriter:
+    """source -> foreachBatch(process), checkpointed, with the service's trigger."""
+    writer = source.writeStream.foreachBatch(process).option("checkpointLocation", checkpoint)
+    return with_trigger(writer, once, interval)
 
 
 @dataclass

@@ -5,13 +5,11 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
-import shutil
 import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import yaml
 from cdc_cli.main import app
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig
@@ -20,7 +18,7 @@ from elasticsearch import helpers
 from pyspark.sql import SparkSession
 from typer.testing import CliRunner, Result
 
-from support.pipelines import ENTITIES, SCHEMAS, Pipeline
+from support.pipelines import Pipeline, write_pipeline
 
 
 def build_pipeline(
@@ -31,38 +29,7 @@ def build_pipeline(
     **sections: object,
 ) -> Pipeline:
     """The same pipeline as the ``make_pipeline`` fixture, in a folder a module fixture owns."""
-    run = uuid.uuid4().hex[:8]
-    schema_dir = folder / f"schemas-{run}"
-    schema_dir.mkdir(parents=True)
-    pipeline = Pipeline(folder / f"pipeline-{run}.yaml", folder / f"data-{run}", schema_dir, run)
-    for name in entities:
-        source = ENTITIES[name]["source"]
-        for part in ("key", "value"):
-            shutil.copy(
-                SCHEMAS / f"dbserver1.inventory.{source}-{part}.avsc",
-                schema_dir / f"{pipeline.topic(name)}-{part}.avsc",
-            )
-    document = {
-        "storage_root": str(pipeline.root),
-        "spark": {"master": "local[2]", "conf": {"spark.ui.enabled": "false"}},
-        "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
-        "elasticsearch": {"hosts": es.hosts},
-        "schema_registry": {"dirs": [str(schema_dir)]},
-        "entities": [
-            {
-                "name": name,
-                "source_topic": pipeline.topic(name),
-                "key": ENTITIES[name]["key"],
-                "sequence_by": ENTITIES[name]["sequence_by"],
-                "change_topic": f"pytest_{run}.changes.{name}",
-                "es_index": f"pytest_{run}_{name}",
-            }
-            for name in entities
-        ],
-        **sections,
-    }
-    pipeline.path.write_text(yaml.safe_dump(document))
-    return pipeline
+    return write_pipeline(folder, kafka, es, entities, **sections)
 
 
 def cdc(*args: str) -> Result:

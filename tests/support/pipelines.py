@@ -50,50 +50,59 @@ class Pipeline:
 PipelineFactory = Callable[..., Pipeline]
 
 
+def write_pipeline(
+    folder: Path,
+    kafka: KafkaConfig,
+    es: ElasticsearchConfig,
+    entities: tuple[str, ...] = ("customers", "orders"),
+    **sections: object,
+) -> Pipeline:
+    """A pipeline over fresh topics and indexes in ``folder``; only version 1 of each value
+    schema is known."""
+    run = uuid.uuid4().hex[:8]
+    schema_dir = folder / f"schemas-{run}"
+    schema_dir.mkdir(parents=True)
+    pipeline = Pipeline(folder / f"pipeline-{run}.yaml", folder / f"data-{run}", schema_dir, run)
+    for name in entities:
+        source = ENTITIES[name]["source"]
+        for part in ("key", "value"):
+            shutil.copy(
+                SCHEMAS / f"dbserver1.inventory.{source}-{part}.avsc",
+                schema_dir / f"{pipeline.topic(name)}-{part}.avsc",
+            )
+    document = {
+        "storage_root": str(pipeline.root),
+        "spark": {
+            "master": "local[2]",
+            "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
+        },
+        "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
+        "elasticsearch": {"hosts": es.hosts},
+        "schema_registry": {"dirs": [str(schema_dir)]},
+        "entities": [
+            {
+                "name": name,
+                "source_topic": pipeline.topic(name),
+                "key": ENTITIES[name]["key"],
+                "sequence_by": ENTITIES[name]["sequence_by"],
+                "change_topic": f"pytest_{run}.changes.{name}",
+                "es_index": f"pytest_{run}_{name}",
+            }
+            for name in entities
+        ],
+        **sections,
+    }
+    pipeline.path.write_text(yaml.safe_dump(document))
+    return pipeline
+
+
 @pytest.fixture
 def make_pipeline(
     tmp_path: Path, kafka_config: KafkaConfig, es_config: ElasticsearchConfig
 ) -> PipelineFactory:
-    """Build a pipeline over fresh topics and indexes; only version 1 of each value schema
-    is known."""
+    """Build pipelines with :func:`write_pipeline` in the test's temporary folder."""
 
     def build(entities: tuple[str, ...] = ("customers", "orders"), **sections: object) -> Pipeline:
-        run = uuid.uuid4().hex[:8]
-        schema_dir = tmp_path / f"schemas-{run}"
-        schema_dir.mkdir()
-        pipeline = Pipeline(
-            tmp_path / f"pipeline-{run}.yaml", tmp_path / f"data-{run}", schema_dir, run
-        )
-        for name in entities:
-            source = ENTITIES[name]["source"]
-            for part in ("key", "value"):
-                shutil.copy(
-                    SCHEMAS / f"dbserver1.inventory.{source}-{part}.avsc",
-                    schema_dir / f"{pipeline.topic(name)}-{part}.avsc",
-                )
-        document = {
-            "storage_root": str(pipeline.root),
-            "spark": {
-                "master": "local[2]",
-                "conf": {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "2"},
-            },
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "elasticsearch": {"hosts": es_config.hosts},
-            "schema_registry": {"dirs": [str(schema_dir)]},
-            "entities": [
-                {
-                    "name": name,
-                    "source_topic": pipeline.topic(name),
-                    "key": ENTITIES[name]["key"],
-                    "sequence_by": ENTITIES[name]["sequence_by"],
-                    "change_topic": f"pytest_{run}.changes.{name}",
-                    "es_index": f"pytest_{run}_{name}",
-                }
-                for name in entities
-            ],
-            **sections,
-        }
-        pipeline.path.write_text(yaml.safe_dump(document))
-        return pipeline
+        return write_pipeline(tmp_path, kafka_config, es_config, entities, **sections)
 
     return build

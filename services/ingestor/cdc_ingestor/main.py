@@ -20,8 +20,8 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    foreach_batch_writer,
     start_streams,
-    with_trigger,
 )
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
@@ -101,10 +101,10 @@ class EntityIngestion:
 
     def writer(self, once: bool) -> DataStreamWriter:
         """source -> foreachBatch(decode, write bronze + quarantine)."""
-        return with_trigger(
-            self.source()
-            .writeStream.foreachBatch(self.process_batch)
-            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+        return foreach_batch_writer(
+            self.source(),
+            self.process_batch,
+            self.config.checkpoint_path(SERVICE, self.entity.name),
             once,
             self.config.ingestor.trigger_interval,
         )

@@ -16,8 +16,8 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    foreach_batch_writer,
     start_streams,
-    with_trigger,
 )
 from cdc_shared.tables import wait_for_table
 from pyspark.sql import DataFrame, SparkSession
@@ -75,10 +75,10 @@ class EntityMerge:
 
     def writer(self, once: bool) -> DataStreamWriter:
         """source -> foreachBatch(apply to silver)."""
-        return with_trigger(
-            self.source()
-            .writeStream.foreachBatch(self.process_batch)
-            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+        return foreach_batch_writer(
+            self.source(),
+            self.process_batch,
+            self.config.checkpoint_path(SERVICE, self.entity.name),
             once,
             self.config.merger.trigger_interval,
         )

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cdc_shared.avro import UnknownSchemaError
-from cdc_shared.changefeed import change_feed, row_columns, shape_changes, silver_version
+from cdc_shared.changefeed import LatestVersion, change_feed, row_columns, shape_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -27,8 +27,8 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    foreach_batch_writer,
     start_streams,
-    with_trigger,
 )
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
@@ -99,8 +99,7 @@ class EntityPublisher:
         )
         self.es = make_elasticsearch(es_config)
         self.mapped: set[str] = set()
-        self._latest = 0
-        self._latest_checked_at = -1e9
+        self.latest_version = LatestVersion(spark, self.silver_path)
         self.bulk = BulkWriter(
             self.es,
             self.alias,
@@ -195,10 +194,10 @@ class EntityPublisher:
 
     def writer(self, once: bool) -> DataStreamWriter:
         """source -> foreachBatch(index into Elasticsearch)."""
-        return with_trigger(
-            self.source()
-            .writeStream.foreachBatch(self.process_batch)
-            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+        return foreach_batch_writer(
+            self.source(),
+            self.process_batch,
+            self.config.checkpoint_path(SERVICE, self.entity.name),
             once,
             self.settings.trigger_interval,
         )
@@ -221,7 +220,7 @@ class EntityPublisher:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
         if outcome.newest_commit_version is not None:
             # The Delta source reports no latest offset: lag = silver versions not yet read.
-            extra["lag"] = max(0, self._latest_version() - outcome.newest_commit_version)
+            extra["lag"] = max(0, self.latest_version.get() - outcome.newest_commit_version)
         self.runner.report(
             self.entity.name,
             batch_id,
@@ -241,14 +240,6 @@ class EntityPublisher:
                 },
             ),
         )
-
-    def _latest_version(self) -> int:
-        """Silver's latest version, looked up at most every 10 s (a history read is a job)."""
-        now = time.monotonic()
-        if now - self._latest_checked_at >= 10:
-            self._latest = silver_version(self.spark, self.silver_path)
-            self._latest_checked_at = now
-        return self._latest
 
     def _add_columns(self, silver_schema: T.StructType) -> None:
         properties = self._properties(silver_schema)

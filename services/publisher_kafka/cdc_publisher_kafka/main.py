@@ -12,7 +12,7 @@ import sys
 import time
 
 import pyarrow as pa
-from cdc_shared.changefeed import change_feed, shape_changes, silver_version
+from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -21,8 +21,8 @@ from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
     StreamRunner,
+    foreach_batch_writer,
     start_streams,
-    with_trigger,
 )
 from cdc_shared.tables import wait_for_table
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
@@ -61,6 +61,7 @@ class EntityPublication:
         self.contract = contract
         self.identity = QueryIdentity()
         self.silver_path = config.table_path("silver", entity.name)
+        self.latest_version = LatestVersion(spark, self.silver_path)
         self.publisher = TransactionalPublisher(
             config.kafka,
             self.settings,
@@ -74,10 +75,10 @@ class EntityPublication:
 
     def writer(self, once: bool) -> DataStreamWriter:
         """source -> foreachBatch(publish in one transaction)."""
-        return with_trigger(
-            self.source()
-            .writeStream.foreachBatch(self.process_batch)
-            .option("checkpointLocation", self.config.checkpoint_path(SERVICE, self.entity.name)),
+        return foreach_batch_writer(
+            self.source(),
+            self.process_batch,
+            self.config.checkpoint_path(SERVICE, self.entity.name),
             once,
             self.settings.trigger_interval,
         )
@@ -105,7 +106,7 @@ class EntityPublication:
             last_version = int(encoded.column("commit_version")[-1].as_py())
             self.publisher.publish(messages, Progress(last_version, query_id, batch_id))
             # The Delta source reports no latest offset: lag = silver versions not yet read.
-            extra["lag"] = max(0, silver_version(self.spark, self.silver_path) - last_version)
+            extra["lag"] = max(0, self.latest_version.get() - last_version)
         self.runner.report(
             self.entity.name,
             batch_id,
