@@ -139,10 +139,18 @@ class IngestorConfig(StreamingServiceConfig):
 
 
 class MergerConfig(StreamingServiceConfig):
-    """The merger: Delta source limits per micro-batch."""
+    """The merger: Delta source limits per micro-batch, and how long tombstones are kept.
+
+    A tombstone keeps a late, older event from resurrecting a deleted key. It is expired
+    once bronze has received ``tombstone_retention_hours`` of events after it (bronze's
+    ingest time, so a lagging merger never expires what its backlog still needs); the
+    merger checks every ``tombstone_expiry_interval_s``. ``null`` keeps them forever.
+    """
 
     max_files_per_trigger: int | None = Field(default=1000, gt=0)
     max_bytes_per_trigger: str | None = None  # e.g. "512m"; with files, the first limit wins
+    tombstone_retention_hours: float | None = Field(default=168.0, gt=0)
+    tombstone_expiry_interval_s: float = Field(default=3600.0, gt=0)
     metrics_port: int = Field(default=9102, ge=0, lt=65536)
 
 

@@ -9,11 +9,19 @@ from typing import Any
 
 import pytest
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode
-from cdc_merger.apply import SilverLayout, apply_batch, ensure_tables
+from cdc_merger.apply import (
+    ERROR_KIND,
+    ERROR_MESSAGE,
+    ApplyResult,
+    SilverLayout,
+    apply_batch,
+    ensure_tables,
+    expire_tombstones,
+)
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig
 from cdc_shared.schemas import entity_schemas
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import types as T
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS
 
@@ -24,7 +32,12 @@ class Silver:
     """One entity's silver table fed hand-made bronze batches (bronze's real schema)."""
 
     def __init__(
-        self, spark: SparkSession, root: Path, entity: EntityConfig, schema_dir: Path = SCHEMAS
+        self,
+        spark: SparkSession,
+        root: Path,
+        entity: EntityConfig,
+        schema_dir: Path = SCHEMAS,
+        silver_bronze_schema: T.StructType | None = None,
     ) -> None:
         self.spark = spark
         self.entity = entity
@@ -34,15 +47,22 @@ class Silver:
         self.bronze_schema: T.StructType = bronze_rows(
             decode(spark, empty, plan, entity.sequence_by)
         ).schema
-        self.layout = SilverLayout(str(root / "silver"), str(root / "tombstones"), entity.key)
-        ensure_tables(spark, self.bronze_schema, self.layout)
+        self.layout = SilverLayout(
+            str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), entity.key
+        )
+        ensure_tables(spark, silver_bronze_schema or self.bronze_schema, self.layout)
         self.offset = 0
+        self.rejected: list[Row] = []
 
     def event(
-        self, op: str, key: dict[str, Any], sequence: list[int], row: dict[str, Any] | None = None
+        self,
+        op: str,
+        key: dict[str, Any] | None,
+        sequence: list[int],
+        row: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         self.offset += 1
-        image = None if row is None else {**row, **key}
+        image = None if row is None else {**row, **(key or {})}
         return {
             "kafka_topic": self.entity.source_topic,
             "kafka_partition": 0,
@@ -50,7 +70,7 @@ class Silver:
             "kafka_timestamp": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
             "key": key,
             "before": None,
-            "after": None if op == "d" else image,
+            "after": None if op in ("d", "t") else image,
             "source": {
                 "version": "v",
                 "connector": "postgresql",
@@ -72,10 +92,18 @@ class Silver:
             "ingested_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         }
 
-    def apply(self, *events: dict[str, Any]) -> None:
-        apply_batch(
-            self.spark, self.spark.createDataFrame(list(events), self.bronze_schema), self.layout
-        )
+    def apply(self, *events: dict[str, Any]) -> ApplyResult:
+        frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
+        try:
+            return apply_batch(self.spark, frame, self.layout, self.quarantine)
+        finally:
+            frame.unpersist()
+
+    def apply_frame(self, events: DataFrame) -> ApplyResult:
+        return apply_batch(self.spark, events, self.layout, self.quarantine)
+
+    def quarantine(self, rejected: DataFrame) -> None:
+        self.rejected += rejected.collect()
 
     def rows(self) -> DataFrame:
         return self.spark.read.format("delta").load(self.layout.silver_path)
@@ -221,7 +249,8 @@ def test_generated_workload_in_random_batches_equals_the_oracle(
     slices = list(range(5))
     random.Random(3).shuffle(slices)  # batches out of Kafka order: sequences must decide
     for number in slices:
-        apply_batch(spark, table.where(F.col("slice") == number).drop("slice"), silver.layout)
+        silver.apply_frame(table.where(F.col("slice") == number).drop("slice"))
+    assert silver.rejected == []
 
     oracle = read_topic(
         kafka_config, EntityOracle(entity, ["id"], load_fingerprints([pipeline.schema_dir]))
@@ -237,3 +266,82 @@ def test_generated_workload_in_random_batches_equals_the_oracle(
     expected = {k[0]: tuple(normal(row.get(c)) for c in columns) for k, row in oracle.rows.items()}
     got = {r.id: tuple(normal(r[c]) for c in columns) for r in silver.rows().collect()}
     assert got == expected
+
+
+def test_truncate_deletes_older_rows_and_keeps_late_events_out(customers: Silver) -> None:
+    customers.apply(
+        customers.event("c", {"id": 1}, [10], customer("a")),
+        customers.event("c", {"id": 2}, [11], customer("b")),
+    )
+    truncate = customers.event("t", None, [20])
+    result = customers.apply(
+        customers.event("c", {"id": 3}, [15], customer("before the truncate")),
+        truncate,
+        customers.event("c", {"id": 4}, [25], customer("after the truncate")),
+    )
+    assert result.truncated and customers.rejected == []
+    assert names(customers) == {4: "after the truncate"}
+    customers.apply(customers.event("u", {"id": 1}, [19], customer("late, older")))
+    customers.apply(customers.event("c", {"id": 5}, [30], customer("newer")))
+    assert names(customers) == {4: "after the truncate", 5: "newer"}
+    changes = customers.changes()
+    assert sorted(c[1:] for c in changes if c[1] == "delete") == [("delete", 1), ("delete", 2)]
+
+    customers.apply(truncate)  # replayed: nothing newer than it is touched
+    assert names(customers) == {4: "after the truncate", 5: "newer"}
+    assert customers.changes() == changes
+
+
+def test_unappliable_events_are_rejected_and_the_rest_applied(customers: Silver) -> None:
+    good = customers.event("c", {"id": 1}, [10], customer("good"))
+    null_key = customers.event("c", {"id": None}, [11], customer("no key"))
+    unknown_op = customers.event("x", {"id": 2}, [12], customer("what"))
+    no_after = customers.event("u", {"id": 3}, [13], None)
+    result = customers.apply(good, null_key, unknown_op, no_after)
+    assert names(customers) == {1: "good"}
+    assert (result.events, result.rejected, result.keys) == (4, 3, 1)
+    rejected = {r.kafka_offset: (r[ERROR_KIND], r[ERROR_MESSAGE]) for r in customers.rejected}
+    assert rejected == {
+        null_key["kafka_offset"]: ("null_key", "key column id is null"),
+        unknown_op["kafka_offset"]: ("unknown_op", "op x is not c, u, r, d or t"),
+        no_after["kafka_offset"]: ("missing_after", "op u without an 'after' row image"),
+    }
+
+
+def test_values_that_do_not_cast_to_silver_types_are_rejected(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    plain = Silver(spark, tmp_path / "plain", CUSTOMERS)
+    after = plain.bronze_schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    numeric_phone = T.StructType(
+        [
+            T.StructField(f.name, T.LongType() if f.name == "phone" else f.dataType, f.nullable)
+            for f in after.fields
+        ]
+    )
+    silver_bronze = T.StructType(
+        [
+            T.StructField(f.name, numeric_phone if f.name == "after" else f.dataType, f.nullable)
+            for f in plain.bronze_schema.fields
+        ]
+    )
+    silver = Silver(spark, tmp_path / "typed", CUSTOMERS, silver_bronze_schema=silver_bronze)
+    result = silver.apply(
+        silver.event("c", {"id": 1}, [10], {**customer("digits"), "phone": "5551234"}),
+        silver.event("c", {"id": 2}, [11], {**customer("letters"), "phone": "call me"}),
+    )
+    assert result.rejected == 1
+    assert {r.id: r.phone for r in silver.rows().collect()} == {1: 5551234}
+    assert [(r.key.id, r[ERROR_KIND]) for r in silver.rejected] == [(2, "type_mismatch")]
+
+
+def test_expired_tombstones_no_longer_block_older_events(customers: Silver) -> None:
+    customers.apply(customers.event("d", {"id": 1}, [50]))
+    now = dt.datetime.now(dt.UTC)
+    assert expire_tombstones(customers.spark, customers.layout, now - dt.timedelta(hours=1)) == 0
+    customers.apply(customers.event("c", {"id": 1}, [40], customer("blocked")))
+    assert names(customers) == {}
+    assert expire_tombstones(customers.spark, customers.layout, now + dt.timedelta(minutes=1)) == 1
+    customers.apply(customers.event("c", {"id": 1}, [40], customer("after expiry")))
+    assert names(customers) == {1: "after expiry"}

@@ -10,7 +10,7 @@ from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
 from cdc_shared.config import KafkaConfig
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from support.pipelines import Pipeline
 
@@ -77,4 +77,10 @@ def merge_in_slices(pipeline: Pipeline, spark: SparkSession, entity: str, slices
     last = events.agg(F.max("kafka_offset")).first()[0] + 1
     sliced = events.withColumn("slice", (F.col("kafka_offset") * slices / last).cast("int"))
     for number in range(slices):
-        apply_batch(spark, sliced.where(F.col("slice") == number).drop("slice"), layout)
+        batch = sliced.where(F.col("slice") == number).drop("slice")
+        apply_batch(spark, batch, layout, refuse_rejects)
+
+
+def refuse_rejects(rejected: DataFrame) -> None:
+    """A merger quarantine for loads where every bronze event must apply."""
+    raise AssertionError(f"events rejected by the merger: {rejected.limit(5).collect()}")

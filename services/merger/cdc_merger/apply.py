@@ -1,38 +1,84 @@
 """Applying one micro-batch of bronze events to silver: the merger's core, as plain functions.
 
-Per batch: keep the latest event per key by its ``sequence`` (compared element by
-element), drop events not newer than the key's tombstone, then one MERGE into silver that
-updates or deletes only when the event is newer than the row, and inserts only what is
-absent. Deletes also record a tombstone (key + sequence) in a side table, so a late older
-event cannot resurrect the row. Every step compares sequences, so applying the same batch
-twice changes nothing.
+Per batch: set aside events that cannot be applied (for quarantine), apply a truncate
+(``op=t``) by deleting every row older than it, keep the latest event per key by its
+``sequence`` (compared element by element), drop events not newer than the key's
+tombstone or the last truncate, then one MERGE into silver that updates or deletes only
+when the event is newer than the row, and inserts only what is absent. Deletes also record
+a tombstone (key + sequence) in a side table, so a late older event cannot resurrect the
+row. Every step compares sequences, so applying the same batch twice changes nothing.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
+from delta.exceptions import (
+    ConcurrentAppendException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentDeleteReadException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    DeltaConcurrentModificationException,
+    MetadataChangedException,
+)
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+from tenacity import (
+    RetryCallState,
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
-APPLIED_OPS = ("c", "u", "r", "d")
+log = logging.getLogger("cdc_merger")
+
+UPSERT_OPS = ("c", "u", "r")  # r: a snapshot read, applied like an insert
+DELETE = "d"
+TRUNCATE = "t"
+ERROR_KIND = "_cdc_error_kind"
+ERROR_MESSAGE = "_cdc_error_message"
 
 SILVER_PROPERTIES = {
     "delta.enableChangeDataFeed": "true",
     "delta.enableDeletionVectors": "true",
 }
 TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true"}
+TRUNCATE_SCHEMA = T.StructType(
+    [
+        T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
+        T.StructField("truncated_at", T.TimestampType(), False),
+    ]
+)
+
+#: A commit that lost a race with another writer of the same table (e.g. ``cdc maintenance``
+#: running OPTIMIZE): every write here is idempotent, so it is simply tried again.
+CONFLICTS = (
+    DeltaConcurrentModificationException,
+    ConcurrentAppendException,
+    ConcurrentDeleteReadException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    MetadataChangedException,
+)
 
 
 @dataclass(frozen=True)
 class SilverLayout:
-    """Where one entity's silver table and tombstones live, and its key columns."""
+    """Where one entity's silver table and its side tables live, and its key columns."""
 
     silver_path: str
     tombstone_path: str
+    truncate_path: str
     key: list[str]
 
 
@@ -66,7 +112,7 @@ def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
 
 
 def ensure_tables(spark: SparkSession, bronze_schema: T.StructType, layout: SilverLayout) -> None:
-    """Create silver (Change Data Feed on) and its tombstones unless they exist."""
+    """Create silver (Change Data Feed on), its tombstones and truncates unless they exist."""
     from cdc_shared.tables import ensure_table
 
     silver = silver_schema(bronze_schema, layout.key)
@@ -74,19 +120,81 @@ def ensure_tables(spark: SparkSession, bronze_schema: T.StructType, layout: Silv
     ensure_table(
         spark, layout.tombstone_path, tombstone_schema(silver, layout.key), TOMBSTONE_PROPERTIES
     )
+    ensure_table(spark, layout.truncate_path, TRUNCATE_SCHEMA, TOMBSTONE_PROPERTIES)
 
 
-def latest_per_key(events: DataFrame, key: list[str]) -> DataFrame:
-    """The newest applicable event per key (by sequence), as flat silver-shaped rows.
+def rejection(events: DataFrame, key: list[str], silver: T.StructType) -> tuple[Column, Column]:
+    """Why an event cannot be applied (error kind and message columns), null when it can.
 
-    Tombstone records and unknown ops are skipped; rows keep ``_cdc_op`` so a delete can
-    be told from an upsert.
+    Checked: a known op, a complete key (truncates have none), a complete sequence, a row
+    image on upserts, and every row value castable to the type silver holds for it.
     """
-    applicable = events.where(~F.col("is_tombstone") & F.col("op").isin(*APPLIED_OPS))
-    row_fields = [f.name for f in applicable.schema["after"].dataType.fields]  # type: ignore[attr-defined]
-    flat = applicable.select(
-        *[F.col(f"key.{k}").alias(k) for k in key],
-        *[F.col(f"after.{f}").alias(f) for f in row_fields if f not in key],
+    op, sequence = F.col("op"), F.col("sequence")
+    after = events.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    checks: list[tuple[Column, str, Column]] = [
+        (
+            op.isNull() | ~op.isin(*UPSERT_OPS, DELETE, TRUNCATE),
+            "unknown_op",
+            F.concat(F.lit("op "), F.coalesce(op, F.lit("null")), F.lit(" is not c, u, r, d or t")),
+        ),
+        *[
+            (
+                (op != TRUNCATE) & F.col(f"key.{k}").isNull(),
+                "null_key",
+                F.lit(f"key column {k} is null"),
+            )
+            for k in key
+        ],
+        (
+            sequence.isNull() | F.exists(sequence, lambda v: v.isNull()),
+            "null_sequence",
+            F.lit("the event's sequence (sequence_by) has a null element"),
+        ),
+        (
+            op.isin(*UPSERT_OPS) & F.col("after").isNull(),
+            "missing_after",
+            F.concat(F.lit("op "), op, F.lit(" without an 'after' row image")),
+        ),
+    ]
+    for field in after.fields:
+        if field.name in silver.fieldNames() and silver[field.name].dataType != field.dataType:
+            value = F.col(f"after.{field.name}")
+            target = silver[field.name].dataType
+            checks.append(
+                (
+                    value.isNotNull() & value.try_cast(target).isNull(),
+                    "type_mismatch",
+                    F.lit(
+                        f"column {field.name}: {field.dataType.simpleString()} value does not "
+                        f"cast to silver's {target.simpleString()}"
+                    ),
+                )
+            )
+    kind: Column = F.lit(None).cast("string")
+    message: Column = F.lit(None).cast("string")
+    for condition, name, text in reversed(checks):  # the first failing check wins
+        kind = F.when(condition, F.lit(name)).otherwise(kind)
+        message = F.when(condition, text).otherwise(message)
+    return kind, message
+
+
+def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> DataFrame:
+    """The newest upsert or delete per key (by sequence), as flat silver-shaped rows.
+
+    Values are cast to silver's column types (the events were checked castable); rows keep
+    ``_cdc_op`` so a delete can be told from an upsert.
+    """
+    row_fields = [f.name for f in events.schema["after"].dataType.fields]  # type: ignore[attr-defined]
+
+    def value(name: str) -> Column:
+        column = F.col(f"after.{name}")
+        return column.try_cast(silver[name].dataType) if name in silver.fieldNames() else column
+
+    applicable = ~F.col("is_tombstone") & F.col("op").isin(*UPSERT_OPS, DELETE)
+    flat = events.where(applicable).select(
+        *[F.col(f"key.{k}").try_cast(silver[k].dataType).alias(k) for k in key],
+        *[value(f).alias(f) for f in row_fields if f not in key],
         F.col("sequence").alias(SEQUENCE),
         F.col("op").alias(OP),
         F.timestamp_millis(F.col("source.ts_ms")).alias(SOURCE_TS),
@@ -101,40 +209,152 @@ def _newer(left: str, right: str) -> Column:
 
 
 @dataclass(frozen=True)
-class ApplyResult:
-    """What a batch offered to silver: keys with a newer event, and how many were deletes."""
+class BatchSummary:
+    """One pass over a batch: events, rejected, the newest truncate, the latest ingest time."""
 
+    events: int
+    rejected: int
+    truncate: list[int] | None
+    ingested_until: dt.datetime | None
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """What a batch did: events read, rejected, keys offered to silver, deletes, truncates.
+
+    ``ingested_until`` is the latest bronze ingest time in the batch (tombstone expiry).
+    """
+
+    events: int
+    rejected: int
     keys: int
     deletes: int
+    truncated: bool
+    ingested_until: dt.datetime | None
 
 
-def apply_batch(spark: SparkSession, events: DataFrame, layout: SilverLayout) -> ApplyResult:
-    """Apply one batch of bronze events to silver and the tombstones; idempotent."""
+def _retry_log(state: RetryCallState) -> None:
+    error = state.outcome.exception() if state.outcome else None
+    log.warning(
+        "write conflict on %s (%s); retrying, attempt %d",
+        getattr(state.fn, "__name__", "write"),
+        type(error).__name__,
+        state.attempt_number,
+    )
+
+
+_T = TypeVar("_T")
+
+
+def on_conflict_retry(write: Callable[..., _T]) -> Callable[..., _T]:
+    """Retry an idempotent table write that lost a commit race (up to 6 attempts)."""
+    return retry(
+        retry=retry_if_exception_type(CONFLICTS),
+        stop=stop_after_attempt(6),
+        wait=wait_random_exponential(multiplier=0.5, max=10),
+        before_sleep=_retry_log,
+        reraise=True,
+    )(write)
+
+
+def apply_batch(
+    spark: SparkSession,
+    events: DataFrame,
+    layout: SilverLayout,
+    quarantine: Callable[[DataFrame], None],
+) -> ApplyResult:
+    """Apply one batch of bronze events to silver; idempotent.
+
+    ``events`` should be persisted (it is read several times). Events that cannot be
+    applied are handed to ``quarantine`` (bronze rows plus ``_cdc_error_kind`` and
+    ``_cdc_error_message``) and the rest is applied.
+    """
     key = layout.key
-    latest = latest_per_key(events, key)
-    tombstones = spark.read.format("delta").load(layout.tombstone_path)
-    candidates = (
-        latest.alias("e")
-        .join(tombstones.alias("t"), on=key, how="left")
-        .where(F.col(f"t.{SEQUENCE}").isNull() | _newer("e", "t"))
-        .select("e.*")
-        .withColumn(COMMIT_TS, F.current_timestamp())
-    ).persist()
+    silver = DeltaTable.forPath(spark, layout.silver_path).toDF().schema
+    kind, message = rejection(events, key, silver)
+    # Kafka tombstones (a null value after a delete) carry nothing to apply.
+    checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
+    summary = _summarise(checked)
+    if summary.rejected:
+        quarantine(checked.where(F.col(ERROR_KIND).isNotNull()).withColumn(ERROR_MESSAGE, message))
+    valid = checked.where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
+    if summary.truncate is not None:
+        _truncate(spark, layout, summary.truncate)
+    candidates = _candidates(spark, latest_per_key(valid, key, silver), layout).persist()
     try:
         counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
         if counts:
             _merge_silver(spark, candidates, layout)
-        if counts.get("d"):
+        if counts.get(DELETE):
             _record_tombstones(spark, candidates, layout)
     finally:
         candidates.unpersist()
-    return ApplyResult(keys=sum(counts.values()), deletes=counts.get("d", 0))
+    return ApplyResult(
+        events=summary.events,
+        rejected=summary.rejected,
+        keys=sum(counts.values()),
+        deletes=counts.get(DELETE, 0),
+        truncated=summary.truncate is not None,
+        ingested_until=summary.ingested_until,
+    )
+
+
+def _summarise(checked: DataFrame) -> BatchSummary:
+    valid_truncate = (F.col("op") == TRUNCATE) & F.col(ERROR_KIND).isNull()
+    row = checked.agg(
+        F.count(F.lit(1)).alias("events"),
+        F.count(ERROR_KIND).alias("rejected"),
+        F.max(F.when(valid_truncate, F.col("sequence"))).alias("truncate"),
+        F.max("ingested_at").alias("ingested_until"),
+    ).first()
+    assert row is not None
+    truncate = None if row["truncate"] is None else [int(v) for v in row["truncate"]]
+    return BatchSummary(int(row["events"]), int(row["rejected"]), truncate, row["ingested_until"])
+
+
+def _candidates(spark: SparkSession, latest: DataFrame, layout: SilverLayout) -> DataFrame:
+    """Events newer than their key's tombstone and than the last truncate."""
+    key = layout.key
+    tombstones = spark.read.format("delta").load(layout.tombstone_path)
+    last_truncate = (
+        spark.read.format("delta").load(layout.truncate_path).agg(F.max(SEQUENCE).alias("w"))
+    )
+    return (
+        latest.alias("e")
+        .join(tombstones.alias("t"), on=key, how="left")
+        .where(F.col(f"t.{SEQUENCE}").isNull() | _newer("e", "t"))
+        .select("e.*")
+        .crossJoin(F.broadcast(last_truncate))
+        .where(F.col("w").isNull() | (F.col(SEQUENCE) > F.col("w")))
+        .drop("w")
+        .withColumn(COMMIT_TS, F.current_timestamp())
+    )
 
 
 def _on(key: list[str], target: str, source: str) -> str:
     return " AND ".join(f"{target}.`{k}` = {source}.`{k}`" for k in key)
 
 
+def _sequence_literal(sequence: list[int]) -> Column:
+    return F.array(*[F.lit(v).cast("long") for v in sequence])
+
+
+@on_conflict_retry
+def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) -> None:
+    """Delete every row older than the truncate, then remember it (late events stay out).
+
+    In this order a crash in between replays the delete, which then finds nothing.
+    """
+    DeltaTable.forPath(spark, layout.silver_path).delete(
+        F.col(SEQUENCE) < _sequence_literal(sequence)
+    )
+    spark.createDataFrame([(sequence, dt.datetime.now(dt.UTC))], TRUNCATE_SCHEMA).write.format(
+        "delta"
+    ).mode("append").save(layout.truncate_path)
+    log.info("truncate at sequence %s applied to %s", sequence, layout.silver_path)
+
+
+@on_conflict_retry
 def _merge_silver(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
     silver = DeltaTable.forPath(spark, layout.silver_path)
     columns = [c for c in candidates.columns if c != OP] + [OP]
@@ -143,16 +363,17 @@ def _merge_silver(spark: SparkSession, candidates: DataFrame, layout: SilverLayo
     (
         silver.alias("t")
         .merge(candidates.alias("s"), _on(layout.key, "t", "s"))
-        .whenMatchedDelete(condition=f"s.{OP} = 'd' AND {newer}")
-        .whenMatchedUpdate(condition=f"s.{OP} != 'd' AND {newer}", set=values)
-        .whenNotMatchedInsert(condition=f"s.{OP} != 'd'", values=values)
+        .whenMatchedDelete(condition=f"s.{OP} = '{DELETE}' AND {newer}")
+        .whenMatchedUpdate(condition=f"s.{OP} != '{DELETE}' AND {newer}", set=values)
+        .whenNotMatchedInsert(condition=f"s.{OP} != '{DELETE}'", values=values)
         .withSchemaEvolution()
         .execute()
     )
 
 
+@on_conflict_retry
 def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
-    deletes = candidates.where(F.col(OP) == "d").select(
+    deletes = candidates.where(F.col(OP) == DELETE).select(
         *layout.key, SEQUENCE, F.col(COMMIT_TS).alias("deleted_at")
     )
     (
@@ -163,3 +384,14 @@ def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: Silve
         .whenNotMatchedInsertAll()
         .execute()
     )
+
+
+@on_conflict_retry
+def expire_tombstones(spark: SparkSession, layout: SilverLayout, older_than: dt.datetime) -> int:
+    """Delete tombstones recorded before ``older_than``; returns how many went."""
+    table = DeltaTable.forPath(spark, layout.tombstone_path)
+    expired = F.col("deleted_at") < F.lit(older_than)
+    count = table.toDF().where(expired).count()
+    if count:
+        table.delete(expired)
+    return count

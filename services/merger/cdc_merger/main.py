@@ -6,6 +6,7 @@ tombstone filter (transform) -> one MERGE into ``silver/<entity>`` plus tombston
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import sys
 import time
@@ -19,22 +20,63 @@ from cdc_shared.streaming import (
     foreach_batch_writer,
     start_streams,
 )
-from cdc_shared.tables import wait_for_table
+from cdc_shared.tables import (
+    QUARANTINE_PROPERTIES,
+    QUARANTINE_SCHEMA,
+    app_id,
+    ensure_table,
+    idempotent_append,
+    wait_for_table,
+)
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_merger.apply import SilverLayout, apply_batch, ensure_tables
+from cdc_merger.apply import (
+    ERROR_KIND,
+    ERROR_MESSAGE,
+    SilverLayout,
+    apply_batch,
+    ensure_tables,
+    expire_tombstones,
+)
 
 SERVICE = "merger"
 log = logging.getLogger("cdc_merger")
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
-    """``silver/<entity>`` and its tombstones at ``silver/_tombstones/<entity>``."""
+    """``silver/<entity>``, its tombstones and its truncates under ``silver/_*/<entity>``."""
     return SilverLayout(
         silver_path=config.table_path("silver", entity.name),
         tombstone_path=config.table_path("silver/_tombstones", entity.name),
+        truncate_path=config.table_path("silver/_truncates", entity.name),
         key=list(entity.key),
+    )
+
+
+def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFrame:
+    """Bronze events the merger could not apply, as ``quarantine/merger`` rows.
+
+    The event itself is kept as JSON (key and the whole bronze row) with its Kafka
+    coordinates, so it can be inspected and traced back to the source record.
+    """
+    row = F.struct(*[F.col(c) for c in rejected.columns if c not in (ERROR_KIND, ERROR_MESSAGE)])
+    return rejected.select(
+        F.lit("merger").alias("service"),
+        F.lit(entity).alias("entity"),
+        F.col(ERROR_KIND).alias("error_kind"),
+        F.col(ERROR_MESSAGE).alias("error_message"),
+        "kafka_topic",
+        "kafka_partition",
+        "kafka_offset",
+        "kafka_timestamp",
+        F.to_json(F.col("key")).cast("binary").alias("raw_key"),
+        F.to_json(row).cast("binary").alias("raw_value"),
+        F.lit(f"bronze/{entity}").alias("source_table"),
+        F.lit(None).cast("long").alias("source_version"),
+        F.lit(batch_id).cast("long").alias("batch_id"),
+        F.current_timestamp().alias("quarantined_at"),
     )
 
 
@@ -55,6 +97,8 @@ class EntityMerge:
         self.identity = QueryIdentity()
         self.bronze_path = config.table_path("bronze", entity.name)
         self.layout = silver_layout(config, entity)
+        self.quarantine_path = config.table_path("quarantine", SERVICE)
+        self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
     def create_tables(self, wait_s: float) -> None:
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
@@ -62,6 +106,7 @@ class EntityMerge:
         wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
         bronze_schema = self.spark.read.format("delta").load(self.bronze_path).schema
         ensure_tables(self.spark, bronze_schema, self.layout)
+        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
 
     def source(self) -> DataFrame:
         """Bronze as a Delta stream, limited per micro-batch."""
@@ -84,26 +129,51 @@ class EntityMerge:
         )
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
-        """Apply the batch; replaying it changes nothing (every step compares sequences)."""
+        """Apply the batch; replaying it changes nothing (every step compares sequences).
+
+        Rejected events go to ``quarantine/merger`` idempotently (txnAppId + batch id).
+        """
         started = time.monotonic()
+        app = app_id(SERVICE, self.entity.name, self.identity.get())
+
+        def quarantine(rejected: DataFrame) -> None:
+            rows = quarantine_rows(rejected, self.entity.name, batch_id)
+            idempotent_append(rows, self.quarantine_path, app, batch_id)
+
         events = batch.persist()
         try:
-            # Spark does not count rows a MERGE reads: count them for the batch log.
-            input_rows = events.count()
-            result = apply_batch(self.spark, events, self.layout)
+            result = apply_batch(self.spark, events, self.layout, quarantine)
         finally:
             events.unpersist()
+        expired = self.expire_tombstones(result.ingested_until)
+        counts = {
+            # Spark does not count rows a MERGE reads: counted here for the batch log.
+            "input_rows": result.events,
+            "applied_keys": result.keys,
+            "deletes": result.deletes,
+            "quarantined_rows": result.rejected,
+            "truncates": int(result.truncated),
+        }
+        if expired is not None:
+            counts["tombstones_expired"] = expired
         self.runner.report(
             self.entity.name,
             batch_id,
-            BatchStats(
-                counts={
-                    "input_rows": input_rows,
-                    "applied_keys": result.keys,
-                    "deletes": result.deletes,
-                },
-                extra={"merge_ms": int((time.monotonic() - started) * 1000)},
-            ),
+            BatchStats(counts=counts, extra={"merge_ms": int((time.monotonic() - started) * 1000)}),
+        )
+
+    def expire_tombstones(self, ingested_until: dt.datetime | None) -> int | None:
+        """Expire tombstones older than the retention, counted in bronze's ingest time.
+
+        Runs at most every ``tombstone_expiry_interval_s``; None when it did not run.
+        """
+        settings = self.config.merger
+        hours = settings.tombstone_retention_hours
+        if hours is None or ingested_until is None or time.monotonic() < self.next_expiry:
+            return None
+        self.next_expiry = time.monotonic() + settings.tombstone_expiry_interval_s
+        return expire_tombstones(
+            self.spark, self.layout, ingested_until - dt.timedelta(hours=hours)
         )
 
 
