@@ -3,12 +3,14 @@
 A service builds one query per entity and hands them to :class:`StreamRunner`, which
 serves health and metrics, logs one JSON line per micro-batch from the query listener,
 stops after the batch in flight on SIGTERM (exit 0), and surfaces a failed query as
-an error naming the entity.
+an error naming the entity, or restarts it from its checkpoint when the service's
+``on_failure`` calls the error transient (e.g. its source is unreachable).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import signal
 import threading
 import time
@@ -36,6 +38,22 @@ log = logging.getLogger(__name__)
 
 class StreamFailedError(RuntimeError):
     """A stream stopped with an error; the message names the service and entity."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A service's reading of a failed query's error (see ``StreamRunner(on_failure=)``).
+
+    ``transient``: restart the query from its checkpoint after a backoff (forever, while
+    the error stays transient); else stop the service with ``message``.
+    """
+
+    message: str
+    transient: bool = False
+
+
+#: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
+OnFailure = Callable[[str, str], Failure | None]
 
 
 def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
@@ -150,6 +168,8 @@ class StreamRunner:
         metrics_host: str = "0.0.0.0",
         metrics_port: int = 0,
         lag: Callable[[Any], float | None] | None = None,
+        on_failure: OnFailure | None = None,
+        max_restart_backoff_s: float = 60.0,
     ) -> None:
         self.spark = spark
         self.service = service
@@ -161,6 +181,11 @@ class StreamRunner:
         self._stop = threading.Event()
         self._lag = lag
         self._problems: dict[str, str] = {}  # entity -> what keeps it from progressing
+        self._on_failure = on_failure
+        self._max_restart_backoff_s = max_restart_backoff_s
+        self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
+        # entity -> (failures since its last progress, restart time or None once restarted, why)
+        self._restarts: dict[str, tuple[int, float | None, str]] = {}
         self._on_close: list[Callable[[], object]] = []
         self._listener: _ProgressLogger | None = _ProgressLogger(self)
         spark.streams.addListener(self._listener)
@@ -176,6 +201,7 @@ class StreamRunner:
         """Start one entity's query."""
         query = writer.queryName(f"{self.service}-{entity}").start()
         identity.set(str(query.id))
+        self._writers[entity] = (writer, identity)
         self.queries[entity] = query
         self.entity_of[str(query.id)] = entity
         log.info(
@@ -192,6 +218,9 @@ class StreamRunner:
         """The listener got the progress of ``batch_id``."""
         with self._lock:
             self._logged[query_id] = max(batch_id, self._logged.get(query_id, -1))
+            entity = self.entity_of.get(query_id)
+            if entity is not None and self._restarts.pop(entity, None) is not None:
+                log.info("stream recovered", extra={"service": self.service, "entity": entity})
 
     def take_stats(self, entity: str, batch_id: int) -> BatchStats:
         """The counts reported for a batch (empty when none were)."""
@@ -220,7 +249,8 @@ class StreamRunner:
         for entity, query in self.queries.items():
             error = query.exception()
             with self._lock:
-                problem = self._problems.get(entity)
+                restart = self._restarts.get(entity)
+                problem = self._problems.get(entity) or (restart and restart[2])
             streams[entity] = {
                 "active": query.isActive,
                 "error": str(error)[:500] if error else None,
@@ -263,10 +293,10 @@ class StreamRunner:
         """
         try:
             while not self._stop.is_set():
-                if all(not q.isActive for q in self.queries.values()):
-                    break
-                for entity, query in self.queries.items():
+                for entity, query in list(self.queries.items()):
                     self._raise_if_failed(entity, query)
+                if not self._restarts_due() and all(not q.isActive for q in self.queries.values()):
+                    break
                 self._stop.wait(0.5)
             self._stop_gracefully()
             for entity, query in self.queries.items():
@@ -311,11 +341,51 @@ class StreamRunner:
 
     def _raise_if_failed(self, entity: str, query: StreamingQuery) -> None:
         error = query.exception()
-        if error is not None:
-            for other in self.queries.values():
-                if other.isActive:
-                    other.stop()
-            raise StreamFailedError(f"{self.service} stream for entity {entity!r} failed: {error}")
+        if error is None:
+            return
+        failure = self._on_failure(entity, str(error)) if self._on_failure else None
+        if failure is not None and failure.transient:
+            if not self._stop.is_set():  # stopping: the next start resumes from the checkpoint
+                self._restart_later(entity, failure.message)
+            return
+        for other in self.queries.values():
+            if other.isActive:
+                other.stop()
+        message = failure.message if failure else f"failed: {error}"
+        raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
+
+    def _restarts_due(self) -> bool:
+        with self._lock:
+            return any(at is not None for _, at, _ in self._restarts.values())
+
+    def _restart_later(self, entity: str, reason: str) -> None:
+        """Restart a transiently failed query from its checkpoint, after a backoff.
+
+        The backoff doubles with each failure since the entity last made progress (1 s,
+        2 s, 4 s, ... up to ``max_restart_backoff_s``, with jitter); ``/health`` says why.
+        """
+        now = time.monotonic()
+        with self._lock:
+            failures, restart_at, _ = self._restarts.get(entity, (0, None, ""))
+        if restart_at is None:  # newly failed: schedule the restart
+            delay = min(self._max_restart_backoff_s, 2.0**failures) * random.uniform(0.75, 1)
+            with self._lock:
+                self._restarts[entity] = (failures + 1, now + delay, f"{reason}; restarting")
+            log.warning(
+                reason,
+                extra={"service": self.service, "entity": entity, "restart_in_s": round(delay)},
+            )
+        elif restart_at <= now:
+            writer, identity = self._writers[entity]
+            query = writer.start()
+            identity.set(str(query.id))
+            with self._lock:
+                self.queries[entity] = query
+                self._restarts[entity] = (failures, None, f"{reason}; restarted")
+            log.info(
+                "stream restarted from its checkpoint",
+                extra={"service": self.service, "entity": entity, "failures": failures},
+            )
 
     def on_close(self, release: Callable[[], object]) -> None:
         """Run ``release`` (e.g. close a producer) when the runner closes."""
@@ -362,8 +432,12 @@ def start_streams(
     spark: SparkSession | None,
     lag: str | Callable[[Any], float | None] | None,
     open_stream: OpenStream,
+    on_failure: OnFailure | None = None,
 ) -> StreamRunner:
-    """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result."""
+    """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result.
+
+    ``on_failure`` reads a failed query's error (transient: restarted; see StreamRunner).
+    """
     entities = config.select_entities(entity_names)
     if not entities:
         raise ConfigError(f"the configuration defines no entities for the {service}")
@@ -374,6 +448,7 @@ def start_streams(
         settings.metrics_host,
         settings.metrics_port,
         source_metric(lag) if isinstance(lag, str) else lag,  # None: foreachBatch reports it
+        on_failure,
     )
     try:
         for entity in entities:

@@ -1,0 +1,81 @@
+"""StreamRunner restarts a query that failed transiently from its checkpoint (real Spark)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from cdc_shared.streaming import (
+    Failure,
+    QueryIdentity,
+    StreamFailedError,
+    StreamRunner,
+    foreach_batch_writer,
+)
+from pyspark.sql import DataFrame, SparkSession
+
+pytestmark = pytest.mark.integration
+
+
+def flaky_stream(
+    spark: SparkSession, tmp_path: Path, failures: int
+) -> tuple[StreamRunner, list[int], QueryIdentity, list[int]]:
+    """A Delta table of 100 ids streamed into a list; the first ``failures`` batches fail."""
+    source = str(tmp_path / "source")
+    spark.range(100).write.format("delta").save(source)
+    seen: list[int] = []
+    attempts = [0]
+
+    def process(batch: DataFrame, _batch_id: int) -> None:
+        attempts[0] += 1
+        if attempts[0] <= failures:
+            raise RuntimeError("source flaky: try again")
+        seen.extend(r.id for r in batch.collect())
+
+    def on_failure(entity: str, error: str) -> Failure | None:
+        return Failure(f"{entity}: flaky source", transient=True) if "flaky" in error else None
+
+    runner = StreamRunner(spark, "test", on_failure=on_failure, max_restart_backoff_s=1)
+    writer = foreach_batch_writer(
+        spark.readStream.format("delta").load(source),
+        process,
+        str(tmp_path / "checkpoint"),
+        once=True,
+        interval="1 second",
+    )
+    identity = QueryIdentity()
+    runner.start("things", writer, identity)
+    return runner, seen, identity, attempts
+
+
+def test_a_transient_failure_restarts_from_the_checkpoint(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    runner, seen, identity, attempts = flaky_stream(spark, tmp_path, failures=2)
+    first_id = identity.get()
+    runner.run()  # raises if the failure was not retried
+    assert sorted(seen) == list(range(100))  # each row once: the failed batches wrote nothing
+    assert attempts == [3]
+    assert identity.get() == first_id  # same checkpoint, same query id (txnAppId)
+
+
+def test_a_failure_it_does_not_recognise_stops_the_service(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    runner = StreamRunner(spark, "test", on_failure=lambda entity, error: None)
+    source = str(tmp_path / "source")
+    spark.range(10).write.format("delta").save(source)
+
+    def process(batch: DataFrame, batch_id: int) -> None:
+        raise ValueError("a bug")
+
+    writer = foreach_batch_writer(
+        spark.readStream.format("delta").load(source),
+        process,
+        str(tmp_path / "checkpoint"),
+        once=True,
+        interval="1 second",
+    )
+    runner.start("things", writer, QueryIdentity())
+    with pytest.raises(StreamFailedError, match=r"(?s)'things' failed: .*ValueError: a bug"):
+        runner.run()
