@@ -7,17 +7,21 @@ Per entity: Spark's Kafka source (source) -> JVM Avro decoding and contract chec
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import threading
 import time
 from typing import Any
 
 from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
-from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.clients import make_admin, spark_kafka_options
+from cdc_shared.config import EntityConfig, KafkaConfig, PipelineConfig
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
+    Failure,
+    OnFailure,
     QueryIdentity,
     StreamRunner,
     foreach_batch_writer,
@@ -30,6 +34,7 @@ from cdc_shared.tables import (
     ensure_table,
     idempotent_append,
 )
+from confluent_kafka import KafkaError, KafkaException
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -50,6 +55,13 @@ SERVICE = "ingestor"
 #: Quarantined records of one batch collected to the driver and written from there;
 #: a batch with more is quarantined by a third pass over it instead.
 MAX_COLLECTED_QUARANTINE = 20_000
+#: Spark's failure when the Kafka brokers are out of reach (a query restarted with backoff).
+KAFKA_UNAVAILABLE = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.(TimeoutException|DisconnectException|NetworkException)"
+    r"|Timed out waiting for a node assignment|Cannot fetch record.* in \d+ milliseconds"
+)
+#: Spark's failure when offsets the checkpoint needs are gone (failOnDataLoss is on).
+KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|OffsetOutOfRange")
 log = logging.getLogger("cdc_ingestor")
 
 
@@ -241,6 +253,112 @@ class EntityIngestion:
         return True
 
 
+def kafka_failures(config: PipelineConfig) -> OnFailure:
+    """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop."""
+
+    def read(entity: str, error: str) -> Failure | None:
+        if KAFKA_DATA_LOSS.search(error):
+            topic = config.entity(entity).source_topic
+            partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
+            where = ", ".join(map(str, partitions)) or "unknown (see Spark's reason)"
+            spark_reason = re.search(r"Reason: (.*)", error)  # Spark's KAFKA_DATA_LOSS line
+            return Failure(
+                f"stopped: Kafka no longer has records it must ingest from topic {topic!r} "
+                f"partition(s) {where} (deleted by retention or delete-records, or the topic "
+                "was recreated). The stream stopped at the gap: nothing was skipped and bronze is "
+                "as it was. To go on, "
+                "accept the gap and restart with a new checkpoint (move "
+                f"{config.checkpoint_path(SERVICE, entity)} aside), then re-snapshot the "
+                "source table if its rows are needed; raise the topic's retention.ms so it "
+                "does not happen again. Spark: "
+                + (spark_reason.group(1) if spark_reason else error.partition("\n")[0])[:600]
+            )
+        if KAFKA_UNAVAILABLE.search(error):
+            return Failure(
+                f"Kafka unavailable ({config.kafka.bootstrap_servers}): "
+                "the stream failed and restarts from its checkpoint",
+                transient=True,
+            )
+        return None
+
+    return read
+
+
+class KafkaWatch:
+    """Probes the brokers while the ingestor runs; unreachable -> ``/health`` 503 and a warning.
+
+    Spark's Kafka source does not fail when the brokers go away: its consumers retry, and
+    the micro-batch in flight simply waits until they are back. The probe makes that wait
+    visible (and its end): ``set_problem`` on every entity, one warning when Kafka goes
+    away, one a minute while it stays away, and a note when it is back.
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        entities: list[str],
+        runner: StreamRunner,
+        interval_s: float = 5.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.kafka = kafka
+        self.entities = entities
+        self.runner = runner
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._admin = make_admin(kafka, log_level=0)  # our warning says it; librdkafka is noisy
+        self._stop = threading.Event()
+        self._down_since: float | None = None
+        self._warned_at = 0.0
+
+    def start(self) -> KafkaWatch:
+        """Probe in a daemon thread until the runner closes."""
+        threading.Thread(target=self._run, name="kafka-watch", daemon=True).start()
+        self.runner.on_close(self._stop.set)
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.check()
+
+    def check(self) -> bool:
+        """One probe (a metadata request); True if a broker answered."""
+        try:
+            self._admin.list_topics(timeout=self.timeout_s)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            self._unreachable(error.str() if isinstance(error, KafkaError) else type(exc).__name__)
+            return False
+        if self._down_since is not None:
+            log.info(
+                "Kafka reachable again",
+                extra={"service": SERVICE, "down_s": round(time.monotonic() - self._down_since)},
+            )
+            self._down_since = None
+            for entity in self.entities:
+                self.runner.set_problem(entity, None)
+        return True
+
+    def _unreachable(self, reason: str) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        problem = f"Kafka unreachable ({self.kafka.bootstrap_servers}): {reason}; retrying"
+        for entity in self.entities:
+            self.runner.set_problem(entity, problem)
+        if now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning(
+                "Kafka unreachable; ingestion waits and retries, nothing is skipped",
+                extra={
+                    "service": SERVICE,
+                    "bootstrap_servers": self.kafka.bootstrap_servers,
+                    "error": reason,
+                    "down_s": round(now - self._down_since),
+                },
+            )
+
+
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -257,7 +375,7 @@ def start(
         ingestion.create_tables()
         return ingestion.writer(once), ingestion.identity
 
-    return start_streams(
+    runner = start_streams(
         SERVICE,
         config,
         config.ingestor,
@@ -265,7 +383,10 @@ def start(
         spark,
         "maxOffsetsBehindLatest",
         open_stream,
+        kafka_failures(config),
     )
+    KafkaWatch(config.kafka, list(runner.queries), runner).start()
+    return runner
 
 
 def main(argv: list[str] | None = None) -> int:
