@@ -152,7 +152,8 @@ class _ProgressLogger(StreamingQueryListener):
         )
 
     def onQueryIdle(self, event: Any) -> None:
-        """Idle triggers are not logged."""
+        """Idle triggers are not logged; a restarted query that is idle has recovered."""
+        self.runner.saw_idle(str(event.id))
 
     def onQueryTerminated(self, event: Any) -> None:
         """The runner reports terminations."""
@@ -218,9 +219,16 @@ class StreamRunner:
         """The listener got the progress of ``batch_id``."""
         with self._lock:
             self._logged[query_id] = max(batch_id, self._logged.get(query_id, -1))
+        self.saw_idle(query_id)
+
+    def saw_idle(self, query_id: str) -> None:
+        """The query ran a trigger: if it was restarted, it has recovered."""
+        with self._lock:
             entity = self.entity_of.get(query_id)
-            if entity is not None and self._restarts.pop(entity, None) is not None:
-                log.info("stream recovered", extra={"service": self.service, "entity": entity})
+            if entity is None or self._restarts.get(entity, (0, 0.0, ""))[1] is not None:
+                return  # not restarted, or its restart is still to come
+            del self._restarts[entity]
+        log.info("stream recovered", extra={"service": self.service, "entity": entity})
 
     def take_stats(self, entity: str, batch_id: int) -> BatchStats:
         """The counts reported for a batch (empty when none were)."""

@@ -70,8 +70,8 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
             "metrics_host": "127.0.0.1",
         },
     )
-    messages = generate(pipeline, events=12_000, keys=1000, poison_share=0.005)
-    before = produce(kafka_config, iter(messages[:8000]))
+    messages = generate(pipeline, events=8000, keys=800, poison_share=0.005)
+    before = produce(kafka_config, iter(messages[:5000]))
     log = tmp_path / "ingestor.log"
     process = launch(pipeline, log)
     try:
@@ -88,7 +88,7 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
         assert wait_for_health(port, healthy=False, timeout_s=5)
 
         infra.start_kafka(TEST_INFRA)
-        after = produce(kafka_config, iter(messages[8000:]))
+        after = produce(kafka_config, iter(messages[5000:]))
         assert wait_for_health(port, healthy=True, timeout_s=120)
         batches = log.read_text().count('"msg": "batch"')
         deadline = time.monotonic() + 120  # the running service resumes by itself

@@ -57,6 +57,7 @@ def test_a_transient_failure_restarts_from_the_checkpoint(
     assert sorted(seen) == list(range(100))  # each row once: the failed batches wrote nothing
     assert attempts == [3]
     assert identity.get() == first_id  # same checkpoint, same query id (txnAppId)
+    assert runner.health()["streams"]["things"]["problem"] is None  # recovered
 
 
 def test_a_failure_it_does_not_recognise_stops_the_service(
