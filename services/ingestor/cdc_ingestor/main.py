@@ -287,10 +287,12 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
 class KafkaWatch:
     """Probes the brokers while the ingestor runs; unreachable -> ``/health`` 503 and a warning.
 
-    Spark's Kafka source does not fail when the brokers go away: its consumers retry, and
-    the micro-batch in flight simply waits until they are back. The probe makes that wait
-    visible (and its end): ``set_problem`` on every entity, one warning when Kafka goes
-    away, one a minute while it stays away, and a note when it is back.
+    Spark's Kafka source mostly waits when the brokers go away: the executors' consumers
+    retry until they are back, and the driver's offset lookup retries for about three
+    minutes (3 attempts of ``default.api.timeout.ms``) before the query fails and is
+    restarted (:func:`kafka_failures`). The probe makes the wait visible: ``set_problem``
+    on every entity, a warning when Kafka goes away and once a minute while it stays
+    away, and a note when it is back.
     """
 
     def __init__(
