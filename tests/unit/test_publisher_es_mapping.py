@@ -1,4 +1,4 @@
-"""publisher-es without servers: Avro -> mapping, document ids, versions, windows, secrets."""
+"""publisher-es without servers: Avro -> mapping, document ids, windows, secrets."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import datetime as dt
 import json
 from pathlib import Path
 
-import pytest
 from cdc_publisher_es.bulk import Scrubber
-from cdc_publisher_es.documents import Action, document_id, latest_per_document, to_action
+from cdc_publisher_es.documents import Action, document_id, latest_per_document
 from cdc_publisher_es.mapping import (
     MAX_EXACT_DECIMAL_PRECISION,
     avro_properties,
@@ -150,25 +149,6 @@ def test_latest_per_document_keeps_the_highest_version() -> None:
     kept, dropped = latest_per_document(actions)
     assert dropped == 2
     assert [(a.doc_id, a.version, a.op) for a in kept] == [("1", 7, "delete"), ("2", 2, "index")]
-
-
-@pytest.mark.parametrize(
-    ("op", "sequence", "commit", "version"),
-    [
-        ("c", [10], 3, 20),
-        ("u", [11], 4, 22),
-        ("d", [11], 5, 23),  # a delete shows the removed row's sequence: it must outrank it
-        ("c", [12], 6, 24),  # a re-insert after the delete outranks the delete
-        ("u", [1, 7], 9, 9),  # composite sequence: the commit version
-    ],
-)
-def test_external_version_grows_per_key(
-    op: str, sequence: list[int], commit: int, version: int
-) -> None:
-    row = (op, "k", None if op == "d" else "{}", commit, dt.datetime.now(), sequence)  # noqa: DTZ005
-    action = to_action(row)
-    assert action.version == version
-    assert action.op == ("delete" if op == "d" else "index")
 
 
 def test_scrubber_removes_secrets_and_url_credentials() -> None:

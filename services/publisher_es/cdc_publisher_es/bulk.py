@@ -21,6 +21,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429})
 RETRY_ERROR_TYPES = frozenset({"index_not_found_exception"})  # alias deleted: wait for it
+#: All of a bulk answer that is read: a fraction of the JSON to parse.
+RESPONSE_FIELDS = "items.*.status,items.*.error"
 _USERINFO = re.compile(r"(//)[^/@\s]+@")
 
 
@@ -122,18 +125,32 @@ class BulkWriter:
         self._reported_problem = False
 
     def write(self, actions: Iterable[Action]) -> BulkOutcome:
-        """Send ``actions`` in windows; return once each is applied or failed for good."""
+        """Send ``actions`` in windows; return once each is applied or failed for good.
+
+        Windows are written one after another, in order, by one sender thread, while the
+        calling thread reads the next window from ``actions`` (Spark): reading and
+        indexing overlap, and at most one window waits while another is in flight.
+        """
         outcome = BulkOutcome()
-        for window in windows(actions, self.window):
-            latest, dropped = latest_per_document(window)
-            outcome.superseded += dropped
-            self._resolve(latest, outcome)
-            oldest = min(a.commit_timestamp for a in window)
-            newest = max(a.commit_version for a in window)
-            outcome.newest_commit_version = max(outcome.newest_commit_version or 0, newest)
-            delay = time.time() - oldest.timestamp()
-            outcome.oldest_commit_delay_s = max(outcome.oldest_commit_delay_s, delay)
+        with ThreadPoolExecutor(1, thread_name_prefix=f"bulk-{self.index}") as sender:
+            in_flight: Future[None] | None = None
+            for window in windows(actions, self.window):
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight = sender.submit(self._write_window, window, outcome)
+            if in_flight is not None:
+                in_flight.result()
         return outcome
+
+    def _write_window(self, window: list[Action], outcome: BulkOutcome) -> None:
+        latest, dropped = latest_per_document(window)
+        outcome.superseded += dropped
+        self._resolve(latest, outcome)
+        oldest = min(a.commit_timestamp for a in window)
+        newest = max(a.commit_version for a in window)
+        outcome.newest_commit_version = max(outcome.newest_commit_version or 0, newest)
+        delay = time.time() - oldest.timestamp()
+        outcome.oldest_commit_delay_s = max(outcome.oldest_commit_delay_s, delay)
 
     def _resolve(self, actions: list[Action], outcome: BulkOutcome) -> None:
         pending, attempt = actions, 0
@@ -193,6 +210,7 @@ class BulkWriter:
                 raise_on_exception=False,
                 yield_ok=True,
                 require_alias=self.require_alias,
+                filter_path=RESPONSE_FIELDS,
             ):
                 action = actions[answered]
                 answered += 1

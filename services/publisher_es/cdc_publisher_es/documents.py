@@ -1,7 +1,8 @@
 r"""Change rows -> Elasticsearch bulk actions.
 
-The heavy part runs in Spark (:func:`document_frame`): the document id and the JSON
-source are built in the JVM, so the driver only pairs strings with a version. Spark's
+The heavy part runs in Spark (:func:`document_frame`): the document id, the external
+version and the JSON source are built in the JVM, and the batch reaches the driver as
+Arrow (:func:`arrow_actions`), so the driver only pairs strings with numbers. Spark's
 ``to_json`` writes decimals exactly as JSON numbers (or strings, see
 :func:`cdc_publisher_es.mapping.decimal_as_string`), timestamps as ISO-8601 in UTC with
 microseconds, dates as ``yyyy-MM-dd`` and binary as base64: every value in a form the
@@ -15,11 +16,12 @@ each part (``7|2``, ``a\|b|c``), so two different keys never share an id.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_shared.changefeed import external_version
+import pyarrow as pa
+from cdc_shared.changefeed import _MAX_SEQUENCE_FOR_VERSION
 from cdc_shared.config import PublisherEsConfig
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -38,8 +40,8 @@ JSON_OPTIONS = {
 
 KEY_SEPARATOR = "|"
 
-#: Columns of :func:`document_frame`.
-DOCUMENT_COLUMNS = ("op", "doc_id", "source", "commit_version", "commit_timestamp", "sequence")
+#: Columns of :func:`document_frame`, in the order of :class:`Action`'s fields.
+DOCUMENT_COLUMNS = ("op", "doc_id", "version", "source", "commit_version", "commit_timestamp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,40 +123,58 @@ def _has_string_decimal(data_type: T.DataType, settings: PublisherEsConfig) -> b
     return False
 
 
+def external_version_column(op: Column, sequence: Column, commit_version: Column) -> Column:
+    """``cdc_shared.changefeed.external_version`` as a Spark column (same rule, in the JVM).
+
+    One-column sequence in range: ``2 * sequence`` (+1 for a delete); otherwise the
+    silver commit version.
+    """
+    first = F.get(sequence, 0).cast("long")  # null, not an error, when it is empty
+    one_in_range = (
+        (F.size(sequence) == 1) & (first >= 0) & (first <= F.lit(_MAX_SEQUENCE_FOR_VERSION))
+    )
+    delete = F.when(op == "d", F.lit(1)).otherwise(F.lit(0))
+    return F.when(one_in_range, first * 2 + delete).otherwise(commit_version.cast("long"))
+
+
 def document_frame(
     changes: DataFrame, key: Sequence[str], settings: PublisherEsConfig
 ) -> DataFrame:
     """Shaped changes (``cdc_shared.changefeed.shape_changes``) -> ``DOCUMENT_COLUMNS``.
 
-    ``source`` is the row after the change as JSON (null on delete); ``doc_id`` is null
-    when a key part is null (such a change cannot be addressed and goes to quarantine).
+    ``op`` is the bulk operation (``index`` or ``delete``); ``source`` is the row after
+    the change as JSON (null on delete); ``doc_id`` is null when a key part is null (such
+    a change cannot be addressed and goes to quarantine).
     """
     after_type = changes.schema["after"].dataType
     return changes.select(
-        F.col("op"),
+        F.when(F.col("op") == "d", F.lit("delete")).otherwise(F.lit("index")).alias("op"),
         _id_column(key).alias("doc_id"),
+        external_version_column(
+            F.col("op"), F.col("source_sequence"), F.col("commit_version")
+        ).alias("version"),
         F.when(
             F.col("after").isNotNull(),
             F.to_json(json_ready(F.col("after"), after_type, settings), JSON_OPTIONS),
         ).alias("source"),
-        F.col("commit_version"),
+        F.col("commit_version").cast("long").alias("commit_version"),
         F.col("commit_timestamp"),
-        F.col("source_sequence").alias("sequence"),
     )
 
 
-def to_action(row: Any) -> Action:
-    """One ``document_frame`` row as an action, with its external version."""
-    op: str = row[0]
-    version = external_version(op, list(row[5] or ()), int(row[3]))
-    return Action(
-        op="delete" if op == "d" else "index",
-        doc_id=row[1],
-        version=version,
-        source=row[2],
-        commit_version=int(row[3]),
-        commit_timestamp=row[4],
-    )
+def arrow_actions(table: pa.Table, unaddressable: Callable[[Action], None]) -> Iterator[Action]:
+    """The rows of ``document_frame(...).toArrow()`` as actions, one record batch at a time.
+
+    A row without an id (a key part is null) is handed to ``unaddressable`` instead, with
+    ``""`` for its id. Converting column by column keeps the Python objects to one batch.
+    """
+    for batch in table.select(list(DOCUMENT_COLUMNS)).to_batches():
+        columns = [column.to_pylist() for column in batch.columns]
+        for row in zip(*columns, strict=True):
+            if row[1] is None:
+                unaddressable(Action(row[0], "", *row[2:]))
+            else:
+                yield Action(*row)
 
 
 def latest_per_document(actions: Iterable[Action]) -> tuple[list[Action], int]:

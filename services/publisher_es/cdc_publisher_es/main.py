@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from cdc_shared.avro import UnknownSchemaError
@@ -46,7 +47,7 @@ from pyspark.sql import types as T
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_publisher_es.bulk import BulkWriter, Failure, Scrubber
-from cdc_publisher_es.documents import Action, document_frame, to_action
+from cdc_publisher_es.documents import Action, arrow_actions, document_frame
 from cdc_publisher_es.mapping import (
     MappingError,
     add_properties,
@@ -56,6 +57,8 @@ from cdc_publisher_es.mapping import (
 )
 
 SERVICE = "publisher_es"
+#: Silver file bytes per micro-batch when ``max_bytes_per_trigger`` is not set.
+DEFAULT_MAX_BYTES_PER_TRIGGER = "64m"
 log = logging.getLogger("cdc_publisher_es")
 
 PUBLISH_DELAY = Histogram(
@@ -189,8 +192,17 @@ class EntityPublisher:
     # --- the stream ----------------------------------------------------------------
 
     def source(self) -> DataFrame:
-        """Silver's Change Data Feed as a stream, from the configured start."""
-        return change_feed(self.spark, self.silver_path, self.settings)
+        """Silver's Change Data Feed as a stream, from the configured start.
+
+        A micro-batch is collected in the driver (as Arrow), so unless
+        ``max_bytes_per_trigger`` is set it is bounded by ``DEFAULT_MAX_BYTES_PER_TRIGGER``.
+        """
+        settings = self.settings
+        if settings.max_bytes_per_trigger is None:
+            settings = settings.model_copy(
+                update={"max_bytes_per_trigger": DEFAULT_MAX_BYTES_PER_TRIGGER}
+            )
+        return change_feed(self.spark, self.silver_path, settings)
 
     def writer(self, once: bool) -> DataStreamWriter:
         """source -> foreachBatch(index into Elasticsearch)."""
@@ -211,7 +223,12 @@ class EntityPublisher:
         changes = shape_changes(batch, list(self.entity.key))
         documents = document_frame(changes, list(self.entity.key), self.settings)
         unaddressable: list[Failure] = []
-        outcome = self.bulk.write(self._actions(documents, unaddressable))
+        actions = self._actions(documents, unaddressable)
+        with ThreadPoolExecutor(1, thread_name_prefix=f"publish-{self.entity.name}") as pool:
+            writing = pool.submit(self.bulk.write, actions)
+            # For the lag; a Spark job at most every 10 s, run while the documents are sent.
+            latest_version = self.latest_version.get()
+            outcome = writing.result()
         failures = unaddressable + outcome.failures
         if failures:
             self._quarantine(failures, batch_id)
@@ -220,7 +237,7 @@ class EntityPublisher:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
         if outcome.newest_commit_version is not None:
             # The Delta source reports no latest offset: lag = silver versions not yet read.
-            extra["lag"] = max(0, self.latest_version.get() - outcome.newest_commit_version)
+            extra["lag"] = max(0, latest_version - outcome.newest_commit_version)
         self.runner.report(
             self.entity.name,
             batch_id,
@@ -250,12 +267,12 @@ class EntityPublisher:
 
     @staticmethod
     def _actions(documents: DataFrame, unaddressable: list[Failure]) -> Iterator[Action]:
-        for row in documents.toLocalIterator(prefetchPartitions=True):
-            if row[1] is None:  # cannot be addressed: no id
-                action = to_action((row[0], "", *row[2:]))
-                unaddressable.append(Failure(action, 0, "null_key", "a primary key column is null"))
-                continue
-            yield to_action(row)
+        """The batch's actions, collected as Arrow (one Spark job, no row pickling)."""
+
+        def no_id(action: Action) -> None:
+            unaddressable.append(Failure(action, 0, "null_key", "a primary key column is null"))
+
+        return arrow_actions(documents.toArrow(), no_id)
 
     def _quarantine(self, failures: list[Failure], batch_id: int) -> None:
         now = dt.datetime.now(dt.UTC)
