@@ -339,9 +339,30 @@ def test_values_that_do_not_cast_to_silver_types_are_rejected(
 def test_expired_tombstones_no_longer_block_older_events(customers: Silver) -> None:
     customers.apply(customers.event("d", {"id": 1}, [50]))
     now = dt.datetime.now(dt.UTC)
-    assert expire_tombstones(customers.spark, customers.layout, now - dt.timedelta(hours=1)) == 0
+    assert (
+        expire_tombstones(
+            customers.spark, customers.layout.tombstone_path, now - dt.timedelta(hours=1)
+        )
+        == 0
+    )
     customers.apply(customers.event("c", {"id": 1}, [40], customer("blocked")))
     assert names(customers) == {}
-    assert expire_tombstones(customers.spark, customers.layout, now + dt.timedelta(minutes=1)) == 1
+    assert (
+        expire_tombstones(
+            customers.spark, customers.layout.tombstone_path, now + dt.timedelta(minutes=1)
+        )
+        == 1
+    )
     customers.apply(customers.event("c", {"id": 1}, [40], customer("after expiry")))
     assert names(customers) == {1: "after expiry"}
+
+
+def test_key_deleted_twice_is_guarded_by_its_newest_tombstone(customers: Silver) -> None:
+    customers.apply(customers.event("c", {"id": 1}, [10], customer("a")))
+    customers.apply(customers.event("d", {"id": 1}, [20]))
+    customers.apply(customers.event("c", {"id": 1}, [30], customer("again")))
+    customers.apply(customers.event("d", {"id": 1}, [40]))
+    customers.apply(customers.event("u", {"id": 1}, [35], customer("late")))
+    assert names(customers) == {}
+    customers.apply(customers.event("u", {"id": 1}, [45], customer("newer")))
+    assert names(customers) == {1: "newer"}

@@ -32,10 +32,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cdc_merger.apply import expire_tombstones
 from cdc_shared.config import ChangeFeedConfig, EntityConfig, PipelineConfig
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from cdc_cli.checkpoints import (
     data_commits_from,
@@ -257,13 +257,7 @@ def _vacuum(spark: SparkSession, path: str, hours: float) -> int | None:
 
 
 def _expire_tombstones(spark: SparkSession, path: str, hours: float) -> int:
-    cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours)
-    expired = F.col("deleted_at") < F.lit(cutoff)
-    table = DeltaTable.forPath(spark, path)
-    count = table.toDF().where(expired).count()
-    if count:
-        table.delete(expired)
-    return count
+    return expire_tombstones(spark, path, dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours))
 
 
 def run_maintenance(

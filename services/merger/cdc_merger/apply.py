@@ -15,7 +15,8 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from functools import reduce
+from typing import ParamSpec, TypeVar
 
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from delta.exceptions import (
@@ -101,7 +102,10 @@ def silver_schema(bronze_schema: T.StructType, key: list[str]) -> T.StructType:
 
 
 def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
-    """Tombstones: the key, the delete's sequence, and when it was recorded."""
+    """Tombstones: the key, the delete's sequence, and when it was recorded.
+
+    Appended, never updated: a key deleted twice has two, and the newest decides.
+    """
     return T.StructType(
         [T.StructField(k, silver[k].dataType, False) for k in key]
         + [
@@ -204,10 +208,6 @@ def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> D
     return flat.groupBy(*key).agg(newest).select(*key, "newest.*")
 
 
-def _newer(left: str, right: str) -> Column:
-    return F.expr(f"{left}.{SEQUENCE} > {right}.{SEQUENCE}")
-
-
 @dataclass(frozen=True)
 class BatchSummary:
     """One pass over a batch: events, rejected, the newest truncate, the latest ingest time."""
@@ -244,9 +244,10 @@ def _retry_log(state: RetryCallState) -> None:
 
 
 _T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
-def on_conflict_retry(write: Callable[..., _T]) -> Callable[..., _T]:
+def on_conflict_retry(write: Callable[_P, _T]) -> Callable[_P, _T]:
     """Retry an idempotent table write that lost a commit race (up to 6 attempts)."""
     return retry(
         retry=retry_if_exception_type(CONFLICTS),
@@ -313,20 +314,15 @@ def _summarise(checked: DataFrame) -> BatchSummary:
 
 
 def _candidates(spark: SparkSession, latest: DataFrame, layout: SilverLayout) -> DataFrame:
-    """Events newer than their key's tombstone and than the last truncate."""
-    key = layout.key
-    tombstones = spark.read.format("delta").load(layout.tombstone_path)
-    last_truncate = (
-        spark.read.format("delta").load(layout.truncate_path).agg(F.max(SEQUENCE).alias("w"))
-    )
+    """Events newer than every tombstone of their key and than every truncate."""
+    tombstones = spark.read.format("delta").load(layout.tombstone_path).alias("t")
+    truncates = spark.read.format("delta").load(layout.truncate_path).alias("t")
+    not_newer = F.col(f"t.{SEQUENCE}") >= F.col(f"e.{SEQUENCE}")
+    same_key = [F.col(f"e.`{k}`") == F.col(f"t.`{k}`") for k in layout.key]
     return (
         latest.alias("e")
-        .join(tombstones.alias("t"), on=key, how="left")
-        .where(F.col(f"t.{SEQUENCE}").isNull() | _newer("e", "t"))
-        .select("e.*")
-        .crossJoin(F.broadcast(last_truncate))
-        .where(F.col("w").isNull() | (F.col(SEQUENCE) > F.col("w")))
-        .drop("w")
+        .join(tombstones, on=reduce(Column.__and__, same_key, not_newer), how="left_anti")
+        .join(F.broadcast(truncates), on=not_newer, how="left_anti")
         .withColumn(COMMIT_TS, F.current_timestamp())
     )
 
@@ -373,23 +369,17 @@ def _merge_silver(spark: SparkSession, candidates: DataFrame, layout: SilverLayo
 
 @on_conflict_retry
 def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
+    """Append the deletes' tombstones: the newest per key counts, so a replay is harmless."""
     deletes = candidates.where(F.col(OP) == DELETE).select(
         *layout.key, SEQUENCE, F.col(COMMIT_TS).alias("deleted_at")
     )
-    (
-        DeltaTable.forPath(spark, layout.tombstone_path)
-        .alias("t")
-        .merge(deletes.alias("s"), _on(layout.key, "t", "s"))
-        .whenMatchedUpdateAll(condition=f"s.{SEQUENCE} > t.{SEQUENCE}")
-        .whenNotMatchedInsertAll()
-        .execute()
-    )
+    deletes.write.format("delta").mode("append").save(layout.tombstone_path)
 
 
 @on_conflict_retry
-def expire_tombstones(spark: SparkSession, layout: SilverLayout, older_than: dt.datetime) -> int:
+def expire_tombstones(spark: SparkSession, tombstone_path: str, older_than: dt.datetime) -> int:
     """Delete tombstones recorded before ``older_than``; returns how many went."""
-    table = DeltaTable.forPath(spark, layout.tombstone_path)
+    table = DeltaTable.forPath(spark, tombstone_path)
     expired = F.col("deleted_at") < F.lit(older_than)
     count = table.toDF().where(expired).count()
     if count:

@@ -172,9 +172,8 @@ class EntityMerge:
         if hours is None or ingested_until is None or time.monotonic() < self.next_expiry:
             return None
         self.next_expiry = time.monotonic() + settings.tombstone_expiry_interval_s
-        return expire_tombstones(
-            self.spark, self.layout, ingested_until - dt.timedelta(hours=hours)
-        )
+        cutoff = ingested_until - dt.timedelta(hours=hours)
+        return expire_tombstones(self.spark, self.layout.tombstone_path, cutoff)
 
 
 def start(
