@@ -33,6 +33,23 @@ HEALTHY = Gauge("cdc_healthy", "1 while every stream of the service runs", ["ser
 _STANDARD_ATTRIBUTES = set(vars(logging.LogRecord("", 0, "", 0, "", None, None)))
 
 
+class Stopwatch:
+    """Wall time of a batch's steps for its log line: ``{"<step>_ms": n}``.
+
+    Each step is measured from the end of the previous one.
+    """
+
+    def __init__(self) -> None:
+        self.laps: dict[str, int] = {}
+        self._last = time.monotonic()
+
+    def __call__(self, step: str) -> None:
+        """Record ``step`` as ending now."""
+        now = time.monotonic()
+        self.laps[f"{step}_ms"] = int((now - self._last) * 1000)
+        self._last = now
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time, level, logger, message, then any ``extra`` fields."""
 

@@ -9,6 +9,7 @@ an error naming the entity, or restarts it from its checkpoint when the service'
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import signal
@@ -45,11 +46,14 @@ class Failure:
     """A service's reading of a failed query's error (see ``StreamRunner(on_failure=)``).
 
     ``transient``: restart the query from its checkpoint after a backoff (forever, while
-    the error stays transient); else stop the service with ``message``.
+    the error stays transient); else stop the service with ``message``. ``rebuild``: build
+    the query again before restarting it (its source's schema changed, and a query keeps
+    the schema it was built with).
     """
 
     message: str
     transient: bool = False
+    rebuild: bool = False
 
 
 #: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
@@ -185,6 +189,8 @@ class StreamRunner:
         self._on_failure = on_failure
         self._max_restart_backoff_s = max_restart_backoff_s
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
+        self._rebuilders: dict[str, Callable[[], tuple[DataStreamWriter, QueryIdentity]]] = {}
+        self._to_rebuild: set[str] = set()
         # entity -> (failures since its last progress, restart time or None once restarted, why)
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
         self._on_close: list[Callable[[], object]] = []
@@ -198,11 +204,20 @@ class StreamRunner:
 
     # --- wiring --------------------------------------------------------------------
 
-    def start(self, entity: str, writer: DataStreamWriter, identity: QueryIdentity) -> None:
-        """Start one entity's query."""
-        query = writer.queryName(f"{self.service}-{entity}").start()
+    def start(
+        self,
+        entity: str,
+        writer: DataStreamWriter,
+        identity: QueryIdentity,
+        rebuild: Callable[[], tuple[DataStreamWriter, QueryIdentity]] | None = None,
+    ) -> None:
+        """Start one entity's query; ``rebuild`` builds it anew (see ``Failure.rebuild``)."""
+        writer = writer.queryName(f"{self.service}-{entity}")
+        query = writer.start()
         identity.set(str(query.id))
         self._writers[entity] = (writer, identity)
+        if rebuild is not None:
+            self._rebuilders[entity] = rebuild
         self.queries[entity] = query
         self.entity_of[str(query.id)] = entity
         log.info(
@@ -354,6 +369,8 @@ class StreamRunner:
         failure = self._on_failure(entity, str(error)) if self._on_failure else None
         if failure is not None and failure.transient:
             if not self._stop.is_set():  # stopping: the next start resumes from the checkpoint
+                if failure.rebuild:
+                    self._to_rebuild.add(entity)
                 self._restart_later(entity, failure.message)
             return
         for other in self.queries.values():
@@ -384,6 +401,11 @@ class StreamRunner:
                 extra={"service": self.service, "entity": entity, "restart_in_s": round(delay)},
             )
         elif restart_at <= now:
+            if entity in self._to_rebuild and entity in self._rebuilders:
+                writer, identity = self._rebuilders[entity]()
+                writer = writer.queryName(f"{self.service}-{entity}")
+                self._writers[entity] = (writer, identity)
+                self._to_rebuild.discard(entity)
             writer, identity = self._writers[entity]
             query = writer.start()
             identity.set(str(query.id))
@@ -461,7 +483,8 @@ def start_streams(
     try:
         for entity in entities:
             writer, identity = open_stream(spark, entity, runner)
-            runner.start(entity.name, writer, identity)
+            rebuild = functools.partial(open_stream, spark, entity, runner)
+            runner.start(entity.name, writer, identity, rebuild)
     except BaseException:
         runner.stop_now()
         raise

@@ -189,7 +189,7 @@ class Variant:
     """One way of merging, on its own silver table."""
 
     name: str
-    merge: Callable[[SparkSession, DataFrame], None]
+    merge: Callable[[SparkSession, DataFrame], dict[str, int] | None]
     silver_path: str
     seconds: dict[int, list[float]] = field(default_factory=dict)
     bytes_added: dict[int, list[int]] = field(default_factory=dict)
@@ -216,7 +216,7 @@ def run_variant(
         events = bronze_batch(spark, bronze, workload, changes, seed=number).persist()
         events.count()
         started = time.perf_counter()
-        variant.merge(spark, events)
+        steps = variant.merge(spark, events)
         elapsed = time.perf_counter() - started
         events.unpersist()
         metrics = last_merge_metrics(spark, variant.silver_path)
@@ -238,6 +238,7 @@ def run_variant(
                     "files_added": metrics.get("numTargetFilesAdded"),
                     "files_removed": metrics.get("numTargetFilesRemoved"),
                     "dvs_added": metrics.get("numTargetDeletionVectorsAdded"),
+                    "step_ms": steps,
                 }
             ),
             flush=True,
@@ -253,14 +254,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3, help="batches per size (10k, 100k)")
     parser.add_argument("--small", type=int, default=7, help="1,000-change batches")
-    args = parser.parse_args()
-    spark = build_spark_session(
-        SparkConfig(
-            master="local[2]",
-            conf={"spark.ui.enabled": "false", "spark.driver.memory": "4g"},
-        ),
-        "bench-merger",
+    parser.add_argument(
+        "--conf", action="append", default=[], help="extra Spark setting KEY=VALUE (repeatable)"
     )
+    args = parser.parse_args()
+    conf = {"spark.ui.enabled": "false", "spark.driver.memory": "4g"}
+    conf.update(dict(item.split("=", 1) for item in args.conf))
+    spark = build_spark_session(SparkConfig(master="local[2]", conf=conf), "bench-merger")
     registry = FileSchemaRegistry([SCHEMAS])
     decode_plan = DecodePlan.from_schemas(entity_schemas(CUSTOMERS, registry), registry)
     empty = spark.createDataFrame([], KAFKA_SCHEMA)
@@ -287,11 +287,11 @@ def main() -> None:
         ensure_table(spark, layout.silver_path, silver, properties)
         ensure_tables(spark, bronze, layout)  # tombstones and truncates; silver exists
 
-        def merge(s: SparkSession, e: DataFrame, layout: SilverLayout = layout) -> None:
+        def merge(s: SparkSession, e: DataFrame, layout: SilverLayout = layout) -> dict[str, int]:
             def refuse(rejected: DataFrame) -> None:
                 raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
 
-            apply_batch(s, e, layout, refuse)
+            return apply_batch(s, e, layout, refuse).step_ms
 
         variants.append(Variant(name, merge, layout.silver_path))
 

@@ -16,6 +16,7 @@ from typing import Any
 from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
 from cdc_shared.clients import make_admin, spark_kafka_options
 from cdc_shared.config import EntityConfig, KafkaConfig, PipelineConfig
+from cdc_shared.observability import Stopwatch
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -130,15 +131,7 @@ class EntityIngestion:
         than to decode again).
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
-        timings: dict[str, int] = {}
-        clock = time.monotonic()
-
-        def lap(name: str) -> None:
-            nonlocal clock
-            now = time.monotonic()
-            timings[f"{name}_ms"] = int((now - clock) * 1000)
-            clock = now
-
+        lap = Stopwatch()
         raw = batch.persist(StorageLevel.MEMORY_AND_DISK)  # flat bytes: cheap to cache
         try:
             decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
@@ -172,7 +165,7 @@ class EntityIngestion:
                     "bronze_rows": counts.get("ok", 0),
                     "quarantined_rows": sum(errors.values()),
                 },
-                extra={"errors": errors, **timings},
+                extra={"errors": errors, **lap.laps},
             ),
         )
 

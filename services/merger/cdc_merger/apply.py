@@ -15,9 +15,11 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import reduce
 from typing import ParamSpec, TypeVar
 
+from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from delta.exceptions import (
     ConcurrentAppendException,
@@ -231,6 +233,7 @@ class ApplyResult:
     deletes: int
     truncated: bool
     ingested_until: dt.datetime | None
+    step_ms: dict[str, int] = dataclass_field(default_factory=dict)
 
 
 def _retry_log(state: RetryCallState) -> None:
@@ -271,23 +274,30 @@ def apply_batch(
     ``_cdc_error_message``) and the rest is applied.
     """
     key = layout.key
+    lap = Stopwatch()
     silver = DeltaTable.forPath(spark, layout.silver_path).toDF().schema
     kind, message = rejection(events, key, silver)
     # Kafka tombstones (a null value after a delete) carry nothing to apply.
     checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
     summary = _summarise(checked)
+    lap("check")
     if summary.rejected:
         quarantine(checked.where(F.col(ERROR_KIND).isNotNull()).withColumn(ERROR_MESSAGE, message))
+        lap("quarantine")
     valid = checked.where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     if summary.truncate is not None:
         _truncate(spark, layout, summary.truncate)
+        lap("truncate")
     candidates = _candidates(spark, latest_per_key(valid, key, silver), layout).persist()
     try:
         counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
+        lap("candidates")
         if counts:
             _merge_silver(spark, candidates, layout)
+            lap("merge")
         if counts.get(DELETE):
             _record_tombstones(spark, candidates, layout)
+            lap("tombstones")
     finally:
         candidates.unpersist()
     return ApplyResult(
@@ -297,6 +307,7 @@ def apply_batch(
         deletes=counts.get(DELETE, 0),
         truncated=summary.truncate is not None,
         ingested_until=summary.ingested_until,
+        step_ms=lap.laps,
     )
 
 

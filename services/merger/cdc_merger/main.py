@@ -15,6 +15,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
+    Failure,
     QueryIdentity,
     StreamRunner,
     foreach_batch_writer,
@@ -159,7 +160,10 @@ class EntityMerge:
         self.runner.report(
             self.entity.name,
             batch_id,
-            BatchStats(counts=counts, extra={"merge_ms": int((time.monotonic() - started) * 1000)}),
+            BatchStats(
+                counts=counts,
+                extra={"merge_ms": int((time.monotonic() - started) * 1000), **result.step_ms},
+            ),
         )
 
     def expire_tombstones(self, ingested_until: dt.datetime | None) -> int | None:
@@ -174,6 +178,21 @@ class EntityMerge:
         self.next_expiry = time.monotonic() + settings.tombstone_expiry_interval_s
         cutoff = ingested_until - dt.timedelta(hours=hours)
         return expire_tombstones(self.spark, self.layout.tombstone_path, cutoff)
+
+
+def schema_changes(entity: str, error: str) -> Failure | None:
+    """A bronze schema change stops a Delta stream; build it again to read the new column.
+
+    Delta ends a stream whose source gained a column (``DELTA_SCHEMA_CHANGED*``, "try
+    restarting the query"); rebuilt, it reads the new schema and the MERGE evolves silver.
+    """
+    if "DELTA_SCHEMA_CHANGED" in error:
+        return Failure(
+            f"bronze/{entity} changed its schema; rebuilding the stream to read it",
+            transient=True,
+            rebuild=True,
+        )
+    return None
 
 
 def start(
@@ -193,7 +212,14 @@ def start(
 
     # Lag: bronze files not yet merged.
     return start_streams(
-        SERVICE, config, config.merger, entity_names, spark, "numFilesOutstanding", open_stream
+        SERVICE,
+        config,
+        config.merger,
+        entity_names,
+        spark,
+        "numFilesOutstanding",
+        open_stream,
+        on_failure=schema_changes,
     )
 
 
