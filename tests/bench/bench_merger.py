@@ -257,6 +257,9 @@ def main() -> None:
     parser.add_argument(
         "--conf", action="append", default=[], help="extra Spark setting KEY=VALUE (repeatable)"
     )
+    parser.add_argument(
+        "--merger-only", action="store_true", help="skip the baseline and no-DV variants"
+    )
     args = parser.parse_args()
     conf = {"spark.ui.enabled": "false", "spark.driver.memory": "4g"}
     conf.update(dict(item.split("=", 1) for item in args.conf))
@@ -295,6 +298,8 @@ def main() -> None:
 
         variants.append(Variant(name, merge, layout.silver_path))
 
+    if args.merger_only:
+        variants = variants[-1:]
     for variant in variants:
         run_variant(spark, variant, bronze, args.rows, plan)
 
