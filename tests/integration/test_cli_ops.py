@@ -9,7 +9,6 @@ leaving the pipeline as the next one expects (noted per test).
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,13 +16,12 @@ from dataclasses import dataclass
 import pytest
 from cdc_cli import quarantine
 from cdc_cli.workload import GeneratedMessage, ProduceReport, produce
-from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from support.ingestion import bronze, generate, ingest_once
+from support.ingestion import bronze, generate_across_schema_change, ingest_once
 from support.ops import (
     build_pipeline,
     cdc,
@@ -32,7 +30,7 @@ from support.ops import (
     replay_origins,
     silver_documents,
 )
-from support.pipelines import SCHEMAS, Pipeline
+from support.pipelines import Pipeline
 from support.publishing import publish_once
 from support.silver import merge_once
 
@@ -73,16 +71,10 @@ def world(
         publisher_kafka={"metrics_port": 0},
     )
     # The producer knows value schema v2 from the start; the pipeline learns it later.
-    producer_dir = folder / "producer-schemas"
-    producer_dir.mkdir()
-    topic = pipeline.topic(ENTITY)
-    shutil.copy(
-        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
-        producer_dir / f"{topic}-value.v2.avsc",
-    )
-    messages = generate(
+    messages, switch = generate_across_schema_change(
         pipeline,
-        FileSchemaRegistry([pipeline.schema_dir, producer_dir]),
+        ENTITY,
+        folder,
         events=800,
         keys=150,
         poison_share=0.02,
@@ -90,8 +82,7 @@ def world(
         delete_share=0.15,
         schema_change_at=0.8,
     )
-    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
-    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
+    v2 = messages[switch].value[2:10]  # type: ignore[index]
     late_v2 = [m for m in messages[switch:] if m.value and m.value[2:10] == v2][:20]
 
     report = produce(kafka_config, iter(messages[:switch]))

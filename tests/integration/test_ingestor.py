@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +12,6 @@ from cdc_cli.workload import (
     produce,
 )
 from cdc_ingestor.main import start
-from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -21,10 +19,12 @@ from support.ingestion import (
     assert_bronze_exactly_once,
     bronze,
     generate,
+    generate_across_schema_change,
     ingest_once,
     quarantine,
 )
-from support.pipelines import SCHEMAS, Pipeline, PipelineFactory
+from support.pipelines import Pipeline, PipelineFactory
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -117,23 +117,10 @@ def test_schema_evolution_midway_without_restart(
         entities=("customers",), ingestor={"trigger_interval": "1 second", "metrics_port": 0}
     )
     # The producer knows version 2 from the start; the ingestor learns it from the registry.
-    producer_dir = tmp_path / "producer-schemas"
-    producer_dir.mkdir()
-    topic = pipeline.topic("customers")
-    shutil.copy(
-        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
-        producer_dir / f"{topic}-value.v2.avsc",
+    messages, switch = generate_across_schema_change(
+        pipeline, "customers", tmp_path, events=2000, keys=200, poison_share=0, redelivery_share=0
     )
-    messages = generate(
-        pipeline,
-        FileSchemaRegistry([pipeline.schema_dir, producer_dir]),
-        events=2000,
-        keys=200,
-        poison_share=0,
-        redelivery_share=0,
-    )
-    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
-    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
+    v2 = messages[switch].value[2:10]  # type: ignore[index]
 
     produce(kafka_config, iter(messages[:switch]))
     runner = start(pipeline.config, once=False, spark=spark)
@@ -174,12 +161,3 @@ def table_count(spark: SparkSession, pipeline: Pipeline) -> int:
 
 def quarantine_count(spark: SparkSession, pipeline: Pipeline) -> int:
     return quarantine(spark, pipeline).count()
-
-
-def wait_for(condition, timeout_s: float = 180.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(1)
-    raise AssertionError("condition not met in time")

@@ -4,9 +4,6 @@ lost to retention (delete-records) under a stopped ingestor."""
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,28 +16,18 @@ from cdc_shared.clients import make_admin
 from cdc_shared.config import KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
-from support.ingestion import assert_bronze_exactly_once, bronze, generate, topic_offsets
+from support.ingestion import (
+    assert_bronze_exactly_once,
+    bronze,
+    generate,
+    launch_ingestor,
+    topic_offsets,
+)
 from support.pipelines import Pipeline, PipelineFactory
 from support.servers import TEST_INFRA
+from support.waiting import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-INGESTOR = str(Path(sys.executable).with_name("cdc-ingestor"))
-
-
-def launch(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """The service in its own process group, so a kill takes its JVM with it."""
-    return subprocess.Popen(
-        [INGESTOR, "--config", str(pipeline.path), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        start_new_session=True,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_for_health(port: int, healthy: bool, timeout_s: float = 120) -> dict[str, Any]:
@@ -73,7 +60,7 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
     messages = generate(pipeline, events=8000, keys=800, poison_share=0.005)
     before = produce(kafka_config, iter(messages[:5000]))
     log = tmp_path / "ingestor.log"
-    process = launch(pipeline, log)
+    process = launch_ingestor(pipeline, log)
     try:
         deadline = time.monotonic() + 180
         while '"msg": "batch"' not in log.read_text() and time.monotonic() < deadline:
@@ -104,7 +91,7 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
     assert "Kafka unreachable; ingestion waits and retries" in text
     assert "Kafka reachable again" in text
 
-    drain = launch(pipeline, log, "--once")
+    drain = launch_ingestor(pipeline, log, "--once")
     assert drain.wait(300) == 0, f"the draining run failed; see {log}"
     report = ProduceReport(
         produced=before.produced + after.produced, poison=before.poison + after.poison
@@ -122,7 +109,7 @@ def test_offsets_lost_to_retention_stop_with_topic_and_partition(
     messages = generate(pipeline, events=3000, keys=300, poison_share=0)
     produce(kafka_config, iter(messages[:1500]))
     log = tmp_path / "ingestor.log"
-    assert launch(pipeline, log, "--once").wait(300) == 0, f"first run failed; see {log}"
+    assert launch_ingestor(pipeline, log, "--once").wait(300) == 0, f"first run failed; see {log}"
     landed = bronze(spark, pipeline, "customers").count()
     assert landed == 1500
 
@@ -134,7 +121,7 @@ def test_offsets_lost_to_retention_stop_with_topic_and_partition(
         future.result(30)
     version = spark.sql(f"DESCRIBE HISTORY delta.`{bronze_path(pipeline)}`").first()
 
-    process = launch(pipeline, log, "--once")
+    process = launch_ingestor(pipeline, log, "--once")
     assert process.wait(300) == 1, f"the ingestor did not stop on lost offsets; see {log}"
     failure = [line for line in log.read_text().splitlines() if "no longer has records" in line]
     assert failure, f"no data-loss message; see {log}"

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,21 +14,11 @@ import pytest
 from cdc_cli.workload import ProduceReport, produce
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
-from support.ingestion import assert_bronze_exactly_once, generate
+from support.ingestion import assert_bronze_exactly_once, generate, launch_ingestor
 from support.pipelines import Pipeline, PipelineFactory
+from support.waiting import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-INGESTOR = str(Path(sys.executable).with_name("cdc-ingestor"))
-
-
-def launch(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """The service in its own process group, so a kill takes its JVM with it."""
-    return subprocess.Popen(
-        [INGESTOR, "--config", str(pipeline.path), *extra],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        start_new_session=True,
-    )
 
 
 def bronze_commits(pipeline: Pipeline) -> int:
@@ -61,7 +48,7 @@ def test_exactly_once_under_sigkill(
     kills = 0
     try:
         while kills < 6 or load.is_alive():
-            process = launch(pipeline, log)
+            process = launch_ingestor(pipeline, log)
             if kills % 2 == 0:
                 # The dangerous window: right after a bronze commit, before the checkpoint's.
                 seen = bronze_commits(pipeline)
@@ -76,16 +63,10 @@ def test_exactly_once_under_sigkill(
             kills += 1
     finally:
         load.join()
-    drain = launch(pipeline, log, "--once")
+    drain = launch_ingestor(pipeline, log, "--once")
     assert drain.wait(300) == 0, f"the draining run failed; see {log}"
     assert kills >= 6
     assert_bronze_exactly_once(spark, pipeline, kafka_config, reports[0])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def test_sigterm_finishes_the_batch_and_exits_zero(
@@ -103,7 +84,7 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
     )
     report = produce(kafka_config, iter(generate(pipeline, events=6000, keys=500)))
     log = tmp_path / "ingestor.log"
-    process = launch(pipeline, log)
+    process = launch_ingestor(pipeline, log)
     deadline = time.monotonic() + 120
     while '"msg": "batch"' not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -116,6 +97,6 @@ def test_sigterm_finishes_the_batch_and_exits_zero(
     assert process.wait(120) == 0
     text = log.read_text()
     assert '"msg": "stop requested"' in text and '"msg": "stream stopped"' in text
-    drain = launch(pipeline, log, "--once")
+    drain = launch_ingestor(pipeline, log, "--once")
     assert drain.wait(300) == 0
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from cdc_cli.workload import produce
 from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
-from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
-from support.entities import SCHEMAS
-from support.ingestion import bronze, generate, ingest_once
+from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
 from support.silver import (
     assert_change_feed_has_no_repeats,
     assert_silver_equals_oracle,
     merge_once,
 )
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 MERGER = str(Path(sys.executable).with_name("cdc-merger"))
@@ -123,15 +120,6 @@ def test_exactly_once_effect_under_sigkill(
     assert_change_feed_has_no_repeats(spark, pipeline)
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(1)
-    raise AssertionError("condition not met in time")
-
-
 def test_bronze_schema_change_is_merged_without_a_restart(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
@@ -139,23 +127,9 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     pipeline = make_pipeline(
         entities=("customers",), merger={"trigger_interval": "1 second", "metrics_port": 0}
     )
-    producer_dir = tmp_path / "producer-schemas"
-    producer_dir.mkdir()
-    topic = pipeline.topic("customers")
-    shutil.copy(
-        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
-        producer_dir / f"{topic}-value.v2.avsc",
+    messages, switch = generate_across_schema_change(
+        pipeline, "customers", tmp_path, events=1500, keys=150, poison_share=0, redelivery_share=0
     )
-    messages = generate(
-        pipeline,
-        FileSchemaRegistry([pipeline.schema_dir, producer_dir]),
-        events=1500,
-        keys=150,
-        poison_share=0,
-        redelivery_share=0,
-    )
-    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
-    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
     produce(kafka_config, iter(messages[:switch]))
     ingest_once(pipeline, spark)
     silver_path = silver_layout(pipeline.config, pipeline.config.entity("customers")).silver_path
@@ -164,7 +138,7 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     thread.start()
     try:
         first_merge = Path(silver_path) / "_delta_log" / "00000000000000000001.json"
-        wait_for(first_merge.exists)
+        wait_for(first_merge.exists, timeout_s=300)
         pipeline.add_schema_version("customers", 2)
         produce(kafka_config, iter(messages[switch:]))
         ingest_once(pipeline, spark)  # bronze gains loyalty_tier under the running merger
@@ -177,7 +151,7 @@ def test_bronze_schema_change_is_merged_without_a_restart(
                 and silver.where("loyalty_tier IS NOT NULL").count() > 0
             )
 
-        wait_for(merged_the_new_column)
+        wait_for(merged_the_new_column, timeout_s=300)
         assert thread.is_alive(), "the merger stopped instead of rebuilding its stream"
         time.sleep(5)  # let the batch in flight finish
     finally:

@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,15 +25,10 @@ from pyspark.sql import SparkSession
 from support.es import assert_index_equals_oracle, build_silver
 from support.pipelines import PipelineFactory
 from support.servers import TEST_INFRA
+from support.waiting import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-es"))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def committed_batches(checkpoint: Path) -> int:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 from cdc_cli.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
@@ -10,7 +15,9 @@ from cdc_shared.config import KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
-from support.pipelines import Pipeline
+from support.pipelines import SCHEMAS, Pipeline
+
+INGESTOR = str(Path(sys.executable).with_name("cdc-ingestor"))
 
 
 def generate(
@@ -19,6 +26,32 @@ def generate(
     config = pipeline.config
     registry = registry or FileSchemaRegistry([pipeline.schema_dir])
     return list(WorkloadGenerator(config.entities, registry, WorkloadSpec(**spec)).messages())
+
+
+def generate_across_schema_change(
+    pipeline: Pipeline, entity: str, folder: Path, **spec: object
+) -> tuple[list[GeneratedMessage], int]:
+    """Load whose producer knows value schema v2 from the start (the pipeline learns it
+    later); returns the messages and the index of the first one written with v2."""
+    producer_dir = folder / "producer-schemas"
+    producer_dir.mkdir()
+    topic = pipeline.topic(entity)
+    source = f"dbserver1.inventory.{entity}-value.v2.avsc"
+    shutil.copy(SCHEMAS / source, producer_dir / f"{topic}-value.v2.avsc")
+    messages = generate(pipeline, FileSchemaRegistry([pipeline.schema_dir, producer_dir]), **spec)
+    v2 = FileSchemaRegistry([producer_dir]).latest(f"{topic}-value").fingerprint
+    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] == v2)
+    return messages, switch
+
+
+def launch_ingestor(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``cdc-ingestor`` in its own process group, so a kill takes its JVM with it."""
+    return subprocess.Popen(
+        [INGESTOR, "--config", str(pipeline.path), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+        start_new_session=True,
+    )
 
 
 def ingest_once(pipeline: Pipeline, spark: SparkSession) -> None:

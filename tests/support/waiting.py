@@ -1,0 +1,24 @@
+"""Polling helpers shared by the tests that watch a running service."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 180.0) -> None:
+    """Poll ``condition`` every second until it holds; AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(1)
+    raise AssertionError("condition not met in time")
+
+
+def free_port() -> int:
+    """A loopback port free right now (for a service's metrics/health server)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
