@@ -366,3 +366,27 @@ def test_key_deleted_twice_is_guarded_by_its_newest_tombstone(customers: Silver)
     assert names(customers) == {}
     customers.apply(customers.event("u", {"id": 1}, [45], customer("newer")))
     assert names(customers) == {1: "newer"}
+
+
+def test_service_expiry_counts_retention_in_bronze_ingest_time(
+    spark: SparkSession, make_pipeline: Any, customers: Silver
+) -> None:
+    """A merger behind on old bronze events keeps the tombstones those events still need."""
+    from cdc_merger.main import EntityMerge
+
+    pipeline = make_pipeline(entities=("customers",), merger={"tombstone_retention_hours": 1})
+    entity = pipeline.config.entity("customers")
+    merge = EntityMerge(spark, pipeline.config, entity, runner=None)  # type: ignore[arg-type]
+    ensure_tables(spark, customers.bronze_schema, merge.layout)
+    now = dt.datetime.now(dt.UTC)
+    tombstone = spark.createDataFrame(
+        [(1, [50], now - dt.timedelta(hours=2))],
+        "id int, _cdc_seq array<bigint>, deleted_at timestamp",
+    )
+    tombstone.write.format("delta").mode("append").save(merge.layout.tombstone_path)
+
+    # Merging events ingested 90 minutes ago: the tombstone is only 30 minutes older.
+    assert merge.expire_tombstones(now - dt.timedelta(minutes=90)) == 0
+    assert merge.expire_tombstones(now) is None  # checked at most once per interval
+    merge.next_expiry = 0.0
+    assert merge.expire_tombstones(now) == 1  # bronze has moved on by more than the retention
