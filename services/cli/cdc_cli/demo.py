@@ -14,38 +14,29 @@ import shutil
 import signal
 import statistics
 import sys
-import threading
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import yaml
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
-from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_cli import infra
-from cdc_cli.checks import (
-    Difference,
-    Key,
-    change_topic_state,
-    compare,
-    index_rows,
-    silver_rows,
+from cdc_cli.checks import Difference, change_topic_state, index_rows
+from cdc_cli.local_run import (
+    Echo,
+    Progress,
+    check_outputs,
+    oracle_rows,
+    produce_delays,
+    wait_until_healthy,
+    write_pipeline_config,
 )
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
 from cdc_cli.report import write_report
 from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-
-ROOT = Path(__file__).resolve().parents[3]
-EXAMPLE_CONFIG = ROOT / "deploy" / "local" / "pipeline.yaml"
-Echo = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -86,143 +77,6 @@ class DemoResult:
         )
 
 
-def write_demo_config(options: DemoOptions, served: infra.Endpoints) -> Path:
-    """The example pipeline on fresh topics, tables and indexes under ``workdir``."""
-    run = uuid.uuid4().hex[:6]
-    document: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
-    document["storage_root"] = str(options.workdir / "store")
-    document["kafka"]["bootstrap_servers"] = served.kafka_bootstrap_servers
-    document["elasticsearch"]["hosts"] = [served.elasticsearch_url]
-    document["schema_registry"]["dirs"] = [str(ROOT / "schemas")]
-    document["spark"]["conf"] = {
-        "spark.ui.enabled": "false",
-        "spark.sql.shuffle.partitions": "2",
-        "spark.driver.memory": "1g",
-    }
-    for entity in document["entities"]:
-        source = entity["source_topic"]
-        # Pinned schemas: topics named per run still find their schemas.
-        entity["key_schema"] = str(ROOT / "schemas" / f"{source}-key.avsc")
-        entity["value_schema"] = str(ROOT / "schemas" / f"{source}-value.avsc")
-        entity["source_topic"] = f"demo{run}.{source}"
-        entity["change_topic"] = f"demo{run}.{entity['change_topic']}"
-        entity["es_index"] = f"demo{run}-{entity['es_index']}"
-    for section in ("ingestor", "merger", "publisher_kafka", "publisher_es"):
-        document[section] = {"trigger_interval": "1 second"}
-    document["ingestor"]["max_offsets_per_trigger"] = 20_000
-    path = options.workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(document, sort_keys=False))
-    return path
-
-
-def _machine_used_bytes() -> int:
-    info = dict(
-        (line.split(":")[0], int(line.split()[1]) * 1024)
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.split()[1:2] and line.split()[1].isdigit()
-    )
-    return info.get("MemTotal", 0) - info.get("MemAvailable", 0)
-
-
-class _Progress(threading.Thread):
-    """Prints one line per service every few seconds while the demo runs."""
-
-    def __init__(self, services: list[ServiceProcess], echo: Echo, result: DemoResult) -> None:
-        super().__init__(daemon=True)
-        self.services, self.echo, self.result = services, echo, result
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        started = time.monotonic()
-        while not self.done.wait(5.0):
-            for service in self.services:
-                service.poll()
-            self.result.peak_machine_bytes = max(
-                self.result.peak_machine_bytes, _machine_used_bytes()
-            )
-            lines = " | ".join(s.summary_line() for s in self.services)
-            self.echo(f"[{time.monotonic() - started:5.0f} s] {lines}")
-
-
-def _wait_until_healthy(
-    services: list[ServiceProcess], config: PipelineConfig, timeout_s: float
-) -> None:
-    """Wait until every service serves /health 200.
-
-    The load starts after that, so the delays measure the pipeline, not four JVM starts.
-    """
-    ports = {
-        "ingestor": config.ingestor.metrics_port,
-        "merger": config.merger.metrics_port,
-        "publisher-kafka": config.publisher_kafka.metrics_port,
-        "publisher-es": config.publisher_es.metrics_port,
-    }
-    deadline = time.monotonic() + timeout_s
-    waiting = list(services)
-    while waiting:
-        dead = [s.name for s in waiting if not s.alive]
-        if dead:
-            raise RuntimeError(f"{', '.join(dead)} stopped during start-up; see its log")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{', '.join(s.name for s in waiting)} not healthy in time")
-        waiting = [s for s in waiting if not s.healthy(ports[s.name])]
-        wait_a_little(services, 2)
-
-
-def _oracle_rows(config: PipelineConfig) -> dict[str, dict[Key, dict[str, Any]]]:
-    fingerprints = load_fingerprints([ROOT / "schemas"])
-    return {
-        e.name: read_topic(config.kafka, EntityOracle(e, list(e.key), fingerprints)).rows
-        for e in config.entities
-    }
-
-
-def _check(
-    spark: SparkSession, config: PipelineConfig, expected: dict[str, dict[Key, dict[str, Any]]]
-) -> list[Difference]:
-    differences = []
-    for entity in config.entities:
-        want = expected[entity.name]
-        differences.append(
-            compare(f"silver/{entity.name}", want, silver_rows(spark, config, entity))
-        )
-        topic = change_topic_state(config, entity)
-        differences.append(compare(f"topic {entity.change_topic_name}", want, topic.rows))
-        differences.append(
-            compare(f"index {entity.es_index_name}", want, index_rows(config, entity))
-        )
-    return differences
-
-
-def _delays(spark: SparkSession, config: PipelineConfig) -> dict[str, list[float]]:
-    """Produce -> silver commit, and produce -> change event published, per key's last change.
-
-    The start is the source record's Kafka timestamp (producer time), found in bronze by
-    key and sequence.
-    """
-    to_silver: list[float] = []
-    to_topic: list[float] = []
-    for entity in config.entities:
-        if not has_commits(spark, config.table_path("silver", entity.name)):
-            continue
-        bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
-        produced: dict[tuple[Key, tuple[int, ...]], float] = {}
-        for r in bronze.select("key", "sequence", "kafka_timestamp").collect():
-            mark = (tuple(r["key"][k] for k in entity.key), tuple(r["sequence"]))
-            at = r["kafka_timestamp"].replace(tzinfo=dt.UTC).timestamp()
-            produced[mark] = min(at, produced.get(mark, at))
-        silver = spark.read.format("delta").load(config.table_path("silver", entity.name))
-        for r in silver.select(*entity.key, "_cdc_seq", "_cdc_commit_ts").collect():
-            mark = (tuple(r[k] for k in entity.key), tuple(r["_cdc_seq"]))
-            if mark in produced:
-                committed = r["_cdc_commit_ts"].replace(tzinfo=dt.UTC).timestamp()
-                to_silver.append((committed - produced[mark]) * 1000)
-        for mark, published in change_topic_state(config, entity).publish_times.items():
-            if mark in produced:
-                to_topic.append((published - produced[mark]) * 1000)
-    return {"silver commit": to_silver, "change topic": to_topic}
-
-
 def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     """Run the whole demo; see the module docstring."""
     started_wall, started = dt.datetime.now(dt.UTC), time.monotonic()
@@ -233,7 +87,7 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     if options.workdir.exists():
         shutil.rmtree(options.workdir)
     options.workdir.mkdir(parents=True)
-    config_path = write_demo_config(options, served)
+    config_path = write_pipeline_config(options.workdir, served)
     config = load_config(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
 
@@ -245,11 +99,11 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
         service.start()
     echo(f"started {', '.join(SERVICES)}; logs in {options.workdir / 'logs'}")
     result = DemoResult(produced=ProduceReport())
-    progress = _Progress(services, echo, result)
+    progress = Progress(services, echo)
     progress.start()
     spark: SparkSession | None = None
     try:
-        _wait_until_healthy(services, config, options.catch_up_timeout_s)
+        wait_until_healthy(services, config, options.catch_up_timeout_s)
         generator = WorkloadGenerator(
             config.entities,
             make_registry(config),
@@ -263,22 +117,23 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
             f"produced {result.produced.produced:,} messages in {result.produced.seconds:.0f} s; "
             "waiting for the pipeline to catch up"
         )
-        expected = _oracle_rows(config)
+        expected = oracle_rows(config)
         spark = build_spark_session(config.spark, "cdc-demo-check")
         spark.sparkContext.setLogLevel("ERROR")
         deadline = time.monotonic() + options.catch_up_timeout_s
         while True:
-            result.differences = _check(spark, config, expected)
+            result.differences = check_outputs(spark, config, expected)
             if all(d.agrees for d in result.differences) or time.monotonic() > deadline:
                 break
             if not all(s.alive for s in services):
                 echo("a service stopped early; see its log")
                 break
             wait_a_little(services, 10)
-        result.delays_ms = _delays(spark, config)
+        result.delays_ms = produce_delays(spark, config)
         _count(spark, config, result)
     finally:
         progress.done.set()
+        result.peak_machine_bytes = progress.peak_machine_bytes
         for service in services:
             result.exit_codes[service.name] = service.stop()
             result.peak_rss[service.name] = service.peak_rss

@@ -1,0 +1,191 @@
+"""The whole pipeline on this machine, and what each of its outputs holds.
+
+The four services run as processes on a generated load; the readers here compare
+silver, the change topics and the indexes with the oracle. Used by ``cdc demo``,
+``cdc chaos`` and the end-to-end benchmark.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from cdc_shared.config import PipelineConfig
+from cdc_shared.tables import has_commits
+from pyspark.sql import SparkSession
+
+from cdc_cli import infra
+from cdc_cli.checks import (
+    Difference,
+    Key,
+    change_topic_state,
+    compare,
+    index_rows,
+    silver_rows,
+)
+from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_cli.processes import ServiceProcess, wait_a_little
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLE_CONFIG = ROOT / "deploy" / "local" / "pipeline.yaml"
+Echo = Callable[[str], None]
+
+
+def write_pipeline_config(
+    workdir: Path,
+    served: infra.Endpoints,
+    *,
+    prefix: str = "demo",
+    kafka_options: dict[str, str] | None = None,
+    es_api_key: str | None = None,
+) -> Path:
+    """The example pipeline on fresh topics, tables and indexes under ``workdir``.
+
+    Topic and index names get ``prefix`` plus a random run id, so runs never share state.
+    """
+    run = f"{prefix}{uuid.uuid4().hex[:6]}"
+    document: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
+    document["storage_root"] = str(workdir / "store")
+    document["kafka"]["bootstrap_servers"] = served.kafka_bootstrap_servers
+    document["elasticsearch"]["hosts"] = [served.elasticsearch_url]
+    document["schema_registry"]["dirs"] = [str(ROOT / "schemas")]
+    document["spark"]["conf"] = {
+        "spark.ui.enabled": "false",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.driver.memory": "1g",
+    }
+    for entity in document["entities"]:
+        source = entity["source_topic"]
+        # Pinned schemas: topics named per run still find their schemas.
+        entity["key_schema"] = str(ROOT / "schemas" / f"{source}-key.avsc")
+        entity["value_schema"] = str(ROOT / "schemas" / f"{source}-value.avsc")
+        entity["source_topic"] = f"{run}.{source}"
+        entity["change_topic"] = f"{run}.{entity['change_topic']}"
+        entity["es_index"] = f"{run}-{entity['es_index']}"
+    for section in ("ingestor", "merger", "publisher_kafka", "publisher_es"):
+        document[section] = {"trigger_interval": "1 second"}
+    document["ingestor"]["max_offsets_per_trigger"] = 20_000
+    if kafka_options:
+        document["kafka"]["options"] = kafka_options
+    if es_api_key:
+        document["elasticsearch"]["api_key"] = es_api_key
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+def machine_used_bytes() -> int:
+    """Memory in use on the machine (total minus available), in bytes."""
+    info = dict(
+        (line.split(":")[0], int(line.split()[1]) * 1024)
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.split()[1:2] and line.split()[1].isdigit()
+    )
+    return info.get("MemTotal", 0) - info.get("MemAvailable", 0)
+
+
+class Progress(threading.Thread):
+    """Prints one line per service every few seconds, and samples the machine's memory."""
+
+    def __init__(self, services: list[ServiceProcess], echo: Echo) -> None:
+        super().__init__(daemon=True)
+        self.services, self.echo = services, echo
+        self.peak_machine_bytes = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        """Report and sample until ``done`` is set."""
+        started = time.monotonic()
+        while not self.done.wait(5.0):
+            for service in self.services:
+                service.poll()
+            self.peak_machine_bytes = max(self.peak_machine_bytes, machine_used_bytes())
+            lines = " | ".join(s.summary_line() for s in self.services)
+            self.echo(f"[{time.monotonic() - started:5.0f} s] {lines}")
+
+
+def wait_until_healthy(
+    services: list[ServiceProcess], config: PipelineConfig, timeout_s: float
+) -> None:
+    """Wait until every service serves /health 200.
+
+    The load starts after that, so the delays measure the pipeline, not four JVM starts.
+    """
+    ports = {
+        "ingestor": config.ingestor.metrics_port,
+        "merger": config.merger.metrics_port,
+        "publisher-kafka": config.publisher_kafka.metrics_port,
+        "publisher-es": config.publisher_es.metrics_port,
+    }
+    deadline = time.monotonic() + timeout_s
+    waiting = list(services)
+    while waiting:
+        dead = [s.name for s in waiting if not s.alive]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} stopped during start-up; see its log")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{', '.join(s.name for s in waiting)} not healthy in time")
+        waiting = [s for s in waiting if not s.healthy(ports[s.name])]
+        wait_a_little(services, 2)
+
+
+def oracle_rows(config: PipelineConfig) -> dict[str, dict[Key, dict[str, Any]]]:
+    """Each entity's expected final rows, replayed from its source topic."""
+    fingerprints = load_fingerprints([ROOT / "schemas"])
+    return {
+        e.name: read_topic(config.kafka, EntityOracle(e, list(e.key), fingerprints)).rows
+        for e in config.entities
+    }
+
+
+def check_outputs(
+    spark: SparkSession, config: PipelineConfig, expected: dict[str, dict[Key, dict[str, Any]]]
+) -> list[Difference]:
+    """Silver, the change topic and the index of every entity, each against ``expected``."""
+    differences = []
+    for entity in config.entities:
+        want = expected[entity.name]
+        differences.append(
+            compare(f"silver/{entity.name}", want, silver_rows(spark, config, entity))
+        )
+        topic = change_topic_state(config, entity)
+        differences.append(compare(f"topic {entity.change_topic_name}", want, topic.rows))
+        differences.append(
+            compare(f"index {entity.es_index_name}", want, index_rows(config, entity))
+        )
+    return differences
+
+
+def produce_delays(spark: SparkSession, config: PipelineConfig) -> dict[str, list[float]]:
+    """Produce -> silver commit, and produce -> change event published, per key's last change.
+
+    The start is the source record's Kafka timestamp (producer time), found in bronze by
+    key and sequence.
+    """
+    to_silver: list[float] = []
+    to_topic: list[float] = []
+    for entity in config.entities:
+        if not has_commits(spark, config.table_path("silver", entity.name)):
+            continue
+        bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
+        produced: dict[tuple[Key, tuple[int, ...]], float] = {}
+        for r in bronze.select("key", "sequence", "kafka_timestamp").collect():
+            mark = (tuple(r["key"][k] for k in entity.key), tuple(r["sequence"]))
+            at = r["kafka_timestamp"].replace(tzinfo=dt.UTC).timestamp()
+            produced[mark] = min(at, produced.get(mark, at))
+        silver = spark.read.format("delta").load(config.table_path("silver", entity.name))
+        for r in silver.select(*entity.key, "_cdc_seq", "_cdc_commit_ts").collect():
+            mark = (tuple(r[k] for k in entity.key), tuple(r["_cdc_seq"]))
+            if mark in produced:
+                committed = r["_cdc_commit_ts"].replace(tzinfo=dt.UTC).timestamp()
+                to_silver.append((committed - produced[mark]) * 1000)
+        for mark, published in change_topic_state(config, entity).publish_times.items():
+            if mark in produced:
+                to_topic.append((published - produced[mark]) * 1000)
+    return {"silver commit": to_silver, "change topic": to_topic}
