@@ -126,6 +126,9 @@ class ChangeTopicState:
     events: dict[str, int]
     rows: Rows
     publish_times: dict[tuple[Key, tuple[int, ...]], float]  # (key, sequence) -> epoch s
+    # (key, sequence, op) seen more than once: a change published twice. Not (key,
+    # sequence): a delete carries the sequence of the row it removed (README, limits).
+    duplicates: list[tuple[Key, tuple[int, ...], str]] = field(default_factory=list)
 
 
 def change_topic_state(
@@ -140,6 +143,8 @@ def change_topic_state(
     events = {"c": 0, "u": 0, "d": 0}
     rows: Rows = {}
     times: dict[tuple[Key, tuple[int, ...]], float] = {}
+    duplicates: list[tuple[Key, tuple[int, ...], str]] = []
+    seen: set[tuple[Key, tuple[int, ...], str]] = set()
     try:
         metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
         if metadata is None or metadata.error is not None:
@@ -163,7 +168,12 @@ def change_topic_state(
                     rows.pop(key, None)
                 else:
                     rows[key] = dict(event["after"])
-                times[(key, tuple(event["source_sequence"]))] = message.timestamp()[1] / 1000
+                sequence = tuple(event["source_sequence"])
+                change = (key, sequence, event["op"])
+                if change in seen:
+                    duplicates.append(change)
+                seen.add(change)
+                times[(key, sequence)] = message.timestamp()[1] / 1000
             positions = consumer.position([TopicPartition(topic, p) for p in partitions])
             if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition]):
                 break
@@ -171,7 +181,7 @@ def change_topic_state(
                 raise TimeoutError(f"could not read {topic} to its end in {timeout_s} s")
     finally:
         consumer.close()
-    return ChangeTopicState(events, rows, times)
+    return ChangeTopicState(events, rows, times, duplicates)
 
 
 def _decode(data: bytes, schemas: Mapping[bytes, Any]) -> dict[str, Any]:
@@ -193,3 +203,132 @@ def index_rows(config: PipelineConfig, entity: EntityConfig) -> Rows:
         return {}
     finally:
         client.close()
+
+
+@dataclass
+class SourceCoverage:
+    """How bronze and the ingestor's quarantine together cover a source topic's records."""
+
+    topic: str
+    records: int  # what the broker holds, from its watermarks
+    missing: list[tuple[int, int]] = field(default_factory=list)  # (partition, offset)
+    duplicated: list[tuple[int, int]] = field(default_factory=list)
+    unknown: list[tuple[int, int]] = field(default_factory=list)  # not on the broker
+
+    @property
+    def agrees(self) -> bool:
+        """Every record exactly once, nothing else."""
+        return not (self.missing or self.duplicated or self.unknown)
+
+    def describe(self) -> str:
+        """One line for the summary."""
+        if self.agrees:
+            return f"bronze + quarantine cover {self.topic}: {self.records} records, each once"
+        return (
+            f"bronze + quarantine vs {self.topic}: missing {len(self.missing)} "
+            f"{self.missing[:3]}, duplicated {len(self.duplicated)} {self.duplicated[:3]}, "
+            f"unknown {len(self.unknown)} {self.unknown[:3]}"
+        )
+
+
+def topic_offsets(config: PipelineConfig, topic: str) -> set[tuple[int, int]]:
+    """Every (partition, offset) the topic holds, from the broker's watermarks."""
+    consumer = make_consumer(config.kafka, f"cdc-check-{uuid.uuid4().hex[:8]}")
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics[topic]
+        offsets: set[tuple[int, int]] = set()
+        for p in metadata.partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            offsets.update((p, o) for o in range(low, high))
+        return offsets
+    finally:
+        consumer.close()
+
+
+def _coordinates(spark: SparkSession, path: str, where: str) -> list[tuple[int, int]]:
+    if not has_commits(spark, path):
+        return []
+    rows = spark.read.format("delta").load(path).where(where)
+    return [(r[0], r[1]) for r in rows.select("kafka_partition", "kafka_offset").collect()]
+
+
+def source_coverage(
+    spark: SparkSession, config: PipelineConfig, entity: EntityConfig
+) -> SourceCoverage:
+    """Whether every record of the entity's source topic landed once in bronze or quarantine."""
+    topic = entity.source_topic
+    on_broker = topic_offsets(config, topic)
+    landed = _coordinates(spark, config.table_path("bronze", entity.name), "true")
+    landed += _coordinates(
+        spark,
+        config.table_path("quarantine", "ingestor"),
+        f"kafka_topic = '{topic}'",
+    )
+    seen: set[tuple[int, int]] = set()
+    coverage = SourceCoverage(topic, len(on_broker))
+    for coordinate in landed:
+        if coordinate in seen:
+            coverage.duplicated.append(coordinate)
+        seen.add(coordinate)
+    coverage.missing = sorted(on_broker - seen)
+    coverage.unknown = sorted(seen - on_broker)
+    return coverage
+
+
+@dataclass
+class PoisonCheck:
+    """Whether the ingestor's quarantine holds exactly the injected poison records."""
+
+    injected: int
+    missing: list[tuple[str, int, int, str]] = field(default_factory=list)
+    wrong_kind: list[tuple[str, int, int, str]] = field(default_factory=list)
+    duplicated: list[tuple[str, int, int]] = field(default_factory=list)
+    unexpected: list[tuple[str, int, int, str]] = field(default_factory=list)
+
+    @property
+    def agrees(self) -> bool:
+        """Each poison record once, with its reason; no valid record quarantined."""
+        return not (self.missing or self.wrong_kind or self.duplicated or self.unexpected)
+
+    def describe(self) -> str:
+        """One line for the summary."""
+        if self.agrees:
+            return f"quarantine/ingestor: the {self.injected} poison records, each once"
+        return (
+            f"quarantine/ingestor vs {self.injected} poison records: "
+            f"missing {len(self.missing)} {self.missing[:3]}, wrong kind "
+            f"{len(self.wrong_kind)} {self.wrong_kind[:3]}, duplicated "
+            f"{len(self.duplicated)} {self.duplicated[:3]}, valid records quarantined "
+            f"{len(self.unexpected)} {self.unexpected[:3]}"
+        )
+
+
+def quarantined_poison(
+    spark: SparkSession, config: PipelineConfig, poison: list[tuple[str, int, int, str]]
+) -> PoisonCheck:
+    """Compare the ingestor's quarantine with the poison records the producer confirmed.
+
+    ``poison`` holds (topic, partition, offset, kind); the generator names its poison
+    kinds after the ingestor's error kinds.
+    """
+    check = PoisonCheck(len(poison))
+    path = config.table_path("quarantine", "ingestor")
+    rows = []
+    if has_commits(spark, path):
+        frame = spark.read.format("delta").load(path)
+        columns = ("kafka_topic", "kafka_partition", "kafka_offset", "error_kind")
+        rows = frame.select(*columns).collect()
+    found: dict[tuple[str, int, int], str] = {}
+    for topic, partition, offset, kind in rows:
+        coordinate = (str(topic), int(partition), int(offset))
+        if coordinate in found:
+            check.duplicated.append(coordinate)
+        found[coordinate] = str(kind)
+    expected = {(t, p, o): k for t, p, o, k in poison}
+    for coordinate, kind in expected.items():
+        if coordinate not in found:
+            check.missing.append((*coordinate, kind))
+        elif found[coordinate] != kind:
+            check.wrong_kind.append((*coordinate, found[coordinate]))
+    check.unexpected = sorted((*c, k) for c, k in found.items() if c not in expected)
+    return check

@@ -437,3 +437,29 @@ def stop(settings: InfraSettings, name: str) -> bool:
     if name not in ("kafka", "elasticsearch"):
         raise InfraError(f"unknown server {name!r}: kafka or elasticsearch")
     return _stop(settings, name)
+
+
+def pause(settings: InfraSettings, name: str) -> bool:
+    """Freeze a running server (SIGSTOP to its process group); True if it was running.
+
+    A frozen server accepts connections but answers nothing: how an overloaded or
+    garbage-collecting server looks to its clients. The chaos run slows Elasticsearch
+    down with short freezes.
+    """
+    return _signal_group(settings, name, signal.SIGSTOP)
+
+
+def resume(settings: InfraSettings, name: str) -> bool:
+    """Let a server frozen by :func:`pause` run again."""
+    return _signal_group(settings, name, signal.SIGCONT)
+
+
+def _signal_group(settings: InfraSettings, name: str, sig: signal.Signals) -> bool:
+    pid = _read_pid(settings, name)
+    if pid is None:
+        return False
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True

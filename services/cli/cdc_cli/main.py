@@ -89,6 +89,54 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command("chaos")
+def chaos(
+    events: int = typer.Option(200_000, min=100, help="Change events to generate."),
+    rate: float = typer.Option(500.0, min=1, help="Messages per second offered to Kafka."),
+    keys: int = typer.Option(5_000, min=10, help="Key space per entity."),
+    seed: int = typer.Option(42, help="Same seed, same load, same fault plan."),
+    kills: int = typer.Option(50, min=0, help="Service SIGKILLs (each restarted)."),
+    broker_restarts: int = typer.Option(3, min=0, help="Kafka broker restarts."),
+    es_outages: int = typer.Option(3, min=0, help="Elasticsearch stops (then starts)."),
+    es_slowdowns: int = typer.Option(3, min=0, help="Elasticsearch freezes in bursts."),
+    pause: float = typer.Option(10.0, min=0, help="Mean seconds between two faults."),
+    outage: float = typer.Option(20.0, min=1, help="Seconds an ES outage or slowdown lasts."),
+    workdir: Path = typer.Option(Path("data/chaos"), help="Tables and logs (wiped)."),
+    timeout: float = typer.Option(1800.0, min=10, help="Seconds to wait for the catch-up."),
+) -> None:
+    """Run the pipeline under SIGKILLs, broker restarts and Elasticsearch outages; check it.
+
+    Exits 0 when nothing diverged (offsets, silver, change topics, indexes, quarantine,
+    logs free of secrets) and every service stopped cleanly at the end; 1 otherwise.
+    """
+    from cdc_cli.chaos import ChaosOptions, run_chaos, summary_rows
+
+    options = ChaosOptions(
+        events=events,
+        rate=rate,
+        keys=keys,
+        seed=seed,
+        kills=kills,
+        broker_restarts=broker_restarts,
+        es_outages=es_outages,
+        es_slowdowns=es_slowdowns,
+        pause_s=pause,
+        outage_s=outage,
+        workdir=workdir,
+        catch_up_timeout_s=timeout,
+    )
+    try:
+        result = run_chaos(options, typer.echo)
+    except (infra.InfraError, RuntimeError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+    typer.echo("")
+    for label, value in summary_rows(result):
+        typer.echo(f"  {label:<34} {value}")
+    if not result.passed:
+        raise typer.Exit(1)
+
+
 @app.command("generate")
 def generate(
     config: Path = typer.Option(..., "--config", envvar="CDC_CONFIG", help="Pipeline YAML."),

@@ -1,0 +1,481 @@
+"""``cdc chaos``: the whole pipeline under faults, then every output checked.
+
+Like ``cdc demo``, the four services run as separate processes on a generated load
+(duplicates, out-of-order re-deliveries, deletes, re-inserts, a schema change, poison
+records). Meanwhile a fault injector works through a seeded, shuffled plan: it SIGKILLs a
+service and restarts it (half the kills aimed at a dangerous window: right after a Delta
+commit, before the checkpoint; right after a Kafka transaction commit; while a bulk
+request is being applied), restarts the Kafka broker, stops Elasticsearch for a while,
+and slows it down (the server frozen in bursts). When load and faults are over and the
+pipeline caught up, it checks bronze + quarantine against the source topics' offsets,
+silver / change topics / indexes against the oracle, the change topics for duplicates,
+the quarantine for each poison record, and every log for the planted secrets.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cdc_shared.clients import make_consumer, make_elasticsearch
+from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.schemas import make_registry
+from cdc_shared.spark import build_spark_session
+from cdc_shared.tables import has_commits
+from confluent_kafka import KafkaException, TopicPartition
+from pyspark.sql import SparkSession
+
+from cdc_cli import infra
+from cdc_cli.checks import (
+    Difference,
+    PoisonCheck,
+    SourceCoverage,
+    change_topic_state,
+    quarantined_poison,
+    source_coverage,
+)
+from cdc_cli.local_run import (
+    Echo,
+    Progress,
+    check_outputs,
+    oracle_rows,
+    wait_until_healthy,
+    write_pipeline_config,
+)
+from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
+from cdc_cli.verify import silver_hashes
+from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+
+Fault = Literal["kill", "broker restart", "es outage", "es slowdown"]
+
+#: The window each service's aimed kills wait for.
+WINDOWS = {
+    "ingestor": "after a bronze commit",
+    "merger": "after a silver commit",
+    "publisher-kafka": "after a Kafka transaction commit",
+    "publisher-es": "while documents are being indexed",
+}
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    """How much load, how many faults of each kind, and how far apart."""
+
+    events: int = 200_000
+    rate: float = 500.0  # messages per second offered to Kafka
+    keys: int = 5_000
+    seed: int = 42
+    kills: int = 50
+    broker_restarts: int = 3
+    es_outages: int = 3
+    es_slowdowns: int = 3
+    pause_s: float = 10.0  # mean pause between two faults
+    outage_s: float = 20.0  # how long Elasticsearch stays down or slowed
+    window_timeout_s: float = 60.0  # an aimed kill fires anyway after this long
+    workdir: Path = Path("data/chaos")
+    catch_up_timeout_s: float = 1800.0
+
+
+@dataclass
+class FaultRecord:
+    """What the injector did."""
+
+    kills: Counter[str] = field(default_factory=Counter)  # "<service> <how>" -> count
+    broker_restarts: int = 0
+    es_outages: int = 0
+    es_slowdowns: int = 0
+    problems: list[str] = field(default_factory=list)  # faults that could not be injected
+
+    def kills_of(self, service: str) -> int:
+        """All kills of one service, aimed or not."""
+        return sum(n for what, n in self.kills.items() if what.startswith(f"{service} "))
+
+
+@dataclass
+class ChaosResult:
+    """What the run saw; ``divergences`` must be 0."""
+
+    produced: ProduceReport = field(default_factory=ProduceReport)
+    faults: FaultRecord = field(default_factory=FaultRecord)
+    outputs: list[Difference] = field(default_factory=list)
+    coverage: list[SourceCoverage] = field(default_factory=list)
+    poison: PoisonCheck | None = None
+    topic_duplicates: dict[str, int] = field(default_factory=dict)
+    leaked_secrets: list[str] = field(default_factory=list)  # log files with a secret
+    silver_hash: str = ""
+    exit_codes: dict[str, int | None] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def divergences(self) -> int:
+        """Every key, offset, record or log line that is not as it must be."""
+        outputs = sum(len(d.missing) + len(d.extra) + len(d.different) for d in self.outputs)
+        coverage = sum(len(c.missing) + len(c.duplicated) + len(c.unknown) for c in self.coverage)
+        poison = 0
+        if self.poison is not None:
+            p = self.poison
+            poison = len(p.missing) + len(p.wrong_kind) + len(p.duplicated) + len(p.unexpected)
+        duplicates = sum(self.topic_duplicates.values())
+        return outputs + coverage + poison + duplicates + len(self.leaked_secrets)
+
+    @property
+    def passed(self) -> bool:
+        """Nothing diverged, everything was checked, and every service stopped cleanly."""
+        return (
+            self.divergences == 0
+            and bool(self.outputs)
+            and self.poison is not None
+            and all(code == 0 for code in self.exit_codes.values())
+        )
+
+
+def plan_faults(options: ChaosOptions, rng: random.Random) -> list[Fault]:
+    """The faults in a seeded random order."""
+    counts: dict[Fault, int] = {
+        "kill": options.kills,
+        "broker restart": options.broker_restarts,
+        "es outage": options.es_outages,
+        "es slowdown": options.es_slowdowns,
+    }
+    plan = [fault for fault, n in counts.items() for _ in range(n)]
+    rng.shuffle(plan)
+    return plan
+
+
+class WindowWatch:
+    """Waits for the moment a service enters its dangerous window."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+
+    def wait(self, service: str, entity_name: str, timeout_s: float) -> bool:
+        """Block until ``service`` just committed (or is indexing) for the entity."""
+        entity = self.config.entity(entity_name)
+        if service in ("ingestor", "merger"):
+            layer = "bronze" if service == "ingestor" else "silver"
+            log = Path(self.config.table_path(layer, entity.name)) / "_delta_log"
+            return _changes(lambda: _latest_commit(log), timeout_s, every_s=0.005)
+        if service == "publisher-kafka":
+            return self._wait_for_transaction(entity.change_topic_name, timeout_s)
+        return self._wait_for_indexing(entity.es_index_name, timeout_s)
+
+    def _wait_for_transaction(self, topic: str, timeout_s: float) -> bool:
+        progress = TopicPartition(self.config.publisher_kafka.progress_topic, 0)
+        consumer = make_consumer(
+            self.config.kafka,
+            f"cdc-publisher-kafka.{topic}",
+            **{"isolation.level": "read_committed"},
+        )
+
+        def committed() -> int | None:
+            try:
+                return int(consumer.committed([progress], timeout=5)[0].offset)
+            except KafkaException:
+                return None
+
+        try:
+            return _changes(committed, timeout_s, every_s=0.005)
+        finally:
+            consumer.close()
+
+    def _wait_for_indexing(self, alias: str, timeout_s: float) -> bool:
+        client = make_elasticsearch(self.config.elasticsearch)
+
+        def operations() -> int | None:
+            try:
+                stats = client.indices.stats(index=alias, metric="indexing")
+                indexing = stats["_all"]["primaries"]["indexing"]
+                return int(indexing["index_total"]) + int(indexing["delete_total"])
+            except Exception:  # not created yet, or Elasticsearch away
+                return None
+
+        try:
+            return _changes(operations, timeout_s, every_s=0.02)
+        finally:
+            client.close()
+
+
+def _latest_commit(log: Path) -> int | None:
+    try:
+        versions = [int(p.name[:20]) for p in os.scandir(log) if p.name.endswith(".json")]
+    except OSError:
+        return None
+    return max(versions, default=None)
+
+
+def _changes(read: Callable[[], int | None], timeout_s: float, every_s: float) -> bool:
+    """Whether ``read()`` moved on from its first known value within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    first = read()
+    while time.monotonic() < deadline:
+        time.sleep(every_s)
+        now = read()
+        if first is None:
+            first = now
+        elif now is not None and now != first:
+            return True
+    return False
+
+
+class FaultInjector(threading.Thread):
+    """Works through the fault plan while the load runs; see the module docstring."""
+
+    def __init__(
+        self,
+        plan: list[Fault],
+        services: dict[str, ServiceProcess],
+        config: PipelineConfig,
+        options: ChaosOptions,
+        echo: Echo,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.plan, self.services, self.config = plan, services, config
+        self.options, self.echo = options, echo
+        self.rng = random.Random(options.seed + 1)
+        self.settings = infra.InfraSettings()
+        self.windows = WindowWatch(config)
+        self.record = FaultRecord()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        """Inject every planned fault, with random pauses between them."""
+        for number, fault in enumerate(self.plan, 1):
+            pause = self.rng.uniform(0.5, 1.5) * self.options.pause_s
+            if self.stopping.wait(pause):
+                return
+            self.echo(f"fault {number}/{len(self.plan)}: {fault}")
+            try:
+                self._inject(fault)
+            except Exception as exc:
+                self.record.problems.append(f"{fault}: {type(exc).__name__}: {exc}")
+                self.echo(f"fault {number} could not be injected: {exc}")
+
+    def _inject(self, fault: Fault) -> None:
+        if fault == "kill":
+            self._kill(self.rng.choice(SERVICES))
+        elif fault == "broker restart":
+            infra.stop(self.settings, "kafka")
+            time.sleep(self.rng.uniform(2.0, 8.0))
+            infra.start_kafka(self.settings)
+            self.record.broker_restarts += 1
+        elif fault == "es outage":
+            infra.stop(self.settings, "elasticsearch")
+            time.sleep(self.options.outage_s)
+            infra.start_elasticsearch(self.settings)
+            self.record.es_outages += 1
+        else:
+            self._slow_down_elasticsearch(self.options.outage_s)
+            self.record.es_slowdowns += 1
+
+    def _kill(self, name: str) -> None:
+        service = self.services[name]
+        aimed = self.rng.random() < 0.5
+        how = "at random"
+        if aimed:
+            entity = self.rng.choice(self.config.entities).name
+            reached = self.windows.wait(name, entity, self.options.window_timeout_s)
+            how = WINDOWS[name] if reached else "at random (window not reached)"
+        else:
+            time.sleep(self.rng.uniform(0.0, 3.0))
+        process = service.process
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(60)
+        service.poll()
+        self.record.kills[f"{name} {how}"] += 1
+        service.start()
+
+    def _slow_down_elasticsearch(self, seconds: float) -> None:
+        """Freeze Elasticsearch for 1-3 s at a time, running 0.5 s between freezes."""
+        deadline = time.monotonic() + seconds
+        try:
+            while time.monotonic() < deadline:
+                infra.pause(self.settings, "elasticsearch")
+                time.sleep(self.rng.uniform(1.0, 3.0))
+                infra.resume(self.settings, "elasticsearch")
+                time.sleep(0.5)
+        finally:
+            infra.resume(self.settings, "elasticsearch")
+
+
+def _secret(rng: random.Random, kind: str) -> str:
+    return f"planted-{kind}-{rng.getrandbits(64):016x}"
+
+
+def _logs_with(secrets: list[str], folders: list[Path]) -> list[str]:
+    """Log files (and other text the run wrote) that contain a planted secret."""
+    pattern = re.compile("|".join(re.escape(s) for s in secrets).encode())
+    found = []
+    for folder in folders:
+        for path in folder.rglob("*"):
+            if path.is_file() and path.name != "pipeline.yaml":
+                try:
+                    if pattern.search(path.read_bytes()):
+                        found.append(str(path))
+                except OSError:
+                    continue
+    return found
+
+
+def silver_fingerprint(spark: SparkSession, config: PipelineConfig) -> str:
+    """One SHA-256 over every entity's silver content: same seed, same fingerprint."""
+    digest = hashlib.sha256()
+    for entity in config.entities:
+        path = config.table_path("silver", entity.name)
+        if not has_commits(spark, path):
+            continue
+        _, hashes = silver_hashes(spark, path, entity)
+        for key in sorted(hashes, key=lambda k: json.dumps(k, default=str)):
+            digest.update(f"{entity.name}|{json.dumps(key, default=str)}|{hashes[key]}\n".encode())
+    return digest.hexdigest()
+
+
+def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
+    """Run load and faults, wait for the catch-up, check everything; see the module docstring."""
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rng = random.Random(options.seed)
+    secrets = [_secret(rng, "sasl-password"), _secret(rng, "es-api-key")]
+    config_path = _prepare(options, secrets, echo)
+    config = load_config(config_path)
+    services = {
+        name: ServiceProcess(name, config_path, options.workdir / "logs" / f"{name}.log")
+        for name in SERVICES
+    }
+    for service in services.values():
+        service.start()
+    result = ChaosResult()
+    progress = Progress(list(services.values()), echo)
+    progress.start()
+    injector = FaultInjector(plan_faults(options, rng), services, config, options, echo)
+    spark: SparkSession | None = None
+    try:
+        wait_until_healthy(list(services.values()), config, options.catch_up_timeout_s)
+        generator = WorkloadGenerator(
+            config.entities,
+            make_registry(config),
+            WorkloadSpec(
+                events=options.events, keys=options.keys, seed=options.seed, poison_share=0.002
+            ),
+        )
+        echo(
+            f"producing {options.events:,} change events at {options.rate:,.0f} msgs/s under "
+            f"{len(injector.plan)} faults"
+        )
+        injector.start()
+        result.produced = produce(config.kafka, generator.messages(), rate=options.rate)
+        echo(f"produced {result.produced.produced:,} messages; faults still to come may follow")
+        injector.join()
+        result.faults = injector.record
+        echo("faults over; waiting for the pipeline to catch up")
+        _restart_stopped(services, echo)
+        expected = oracle_rows(config)
+        spark = build_spark_session(config.spark, "cdc-chaos-check")
+        spark.sparkContext.setLogLevel("ERROR")
+        deadline = time.monotonic() + options.catch_up_timeout_s
+        while True:
+            result.outputs = check_outputs(spark, config, expected)
+            if all(d.agrees for d in result.outputs) or time.monotonic() > deadline:
+                break
+            _restart_stopped(services, echo)
+            wait_a_little(list(services.values()), 10)
+        _check_the_rest(spark, config, result)
+    finally:
+        injector.stopping.set()
+        progress.done.set()
+        for name, service in services.items():
+            result.exit_codes[name] = service.stop()
+            result.peak_rss[name] = service.peak_rss
+        if spark is not None:
+            spark.stop()
+    result.leaked_secrets = _logs_with(secrets, [options.workdir])
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _prepare(options: ChaosOptions, secrets: list[str], echo: Echo) -> Path:
+    """Servers up, a fresh workdir, the pipeline file (secrets planted), source topics."""
+    served = infra.up()
+    echo(f"kafka {served.kafka_bootstrap_servers} · elasticsearch {served.elasticsearch_url}")
+    if options.workdir.exists():
+        shutil.rmtree(options.workdir)
+    options.workdir.mkdir(parents=True)
+    config_path = write_pipeline_config(
+        options.workdir,
+        served,
+        prefix="chaos",
+        kafka_options={"sasl.password": secrets[0]},
+        es_api_key=secrets[1],
+    )
+    config = load_config(config_path)
+    ensure_topics(config.kafka, [e.source_topic for e in config.entities])
+    return config_path
+
+
+def _check_the_rest(spark: SparkSession, config: PipelineConfig, result: ChaosResult) -> None:
+    """Offsets, poison records, change-topic duplicates and the silver fingerprint."""
+    result.coverage = [source_coverage(spark, config, e) for e in config.entities]
+    result.poison = quarantined_poison(spark, config, result.produced.poison)
+    result.topic_duplicates = {
+        e.change_topic_name: len(change_topic_state(config, e).duplicates) for e in config.entities
+    }
+    result.silver_hash = silver_fingerprint(spark, config)
+
+
+def _restart_stopped(services: dict[str, ServiceProcess], echo: Echo) -> None:
+    """A service that stopped by itself is a finding: say so, and start it again."""
+    for service in services.values():
+        if not service.alive:
+            code = service.process.returncode if service.process is not None else None
+            echo(f"{service.name} had stopped by itself (exit {code}); starting it again")
+            service.start()
+
+
+def summary_rows(result: ChaosResult) -> list[tuple[str, str]]:
+    """The chaos table: volumes, faults, checks and the verdict, as (label, value) rows."""
+    faults = result.faults
+    rows = [
+        ("events produced", f"{result.produced.produced:,}"),
+        ("poison records injected", f"{len(result.produced.poison):,}"),
+        *[(f"kills {name}", f"{faults.kills_of(name)}") for name in SERVICES],
+        *[(f"  {how}", str(n)) for how, n in sorted(faults.kills.items())],
+        ("broker restarts", str(faults.broker_restarts)),
+        ("Elasticsearch outages", str(faults.es_outages)),
+        ("Elasticsearch slowdowns", str(faults.es_slowdowns)),
+        *[("fault not injected", p) for p in faults.problems],
+        *[("check", c.describe()) for c in result.coverage],
+        *[("check", d.describe()) for d in result.outputs],
+        *[
+            ("check", f"{topic}: {n} duplicate (key, sequence, op)")
+            for topic, n in result.topic_duplicates.items()
+        ],
+        ("check", result.poison.describe() if result.poison else "quarantine not checked"),
+        (
+            "check",
+            f"planted secrets found in {result.leaked_secrets}"
+            if result.leaked_secrets
+            else "no planted secret in any log",
+        ),
+        ("silver fingerprint", result.silver_hash or "n/a"),
+        *[(f"peak RSS {name}", f"{rss / 2**20:,.0f} MiB") for name, rss in result.peak_rss.items()],
+        *[(f"exit code {name}", str(code)) for name, code in result.exit_codes.items()],
+        ("wall time", str(dt.timedelta(seconds=round(result.seconds)))),
+        ("divergences", str(result.divergences)),
+        ("verdict", "PASSED" if result.passed else "FAILED"),
+    ]
+    return rows

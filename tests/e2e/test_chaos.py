@@ -1,0 +1,56 @@
+"""`cdc chaos` in a short mode: SIGKILLs of every kind, a broker restart, an Elasticsearch
+outage and slowdown under load, then zero divergences in every output and log."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cdc_cli import infra
+from support.servers import TEST_INFRA
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+CDC = str(Path(sys.executable).with_name("cdc"))
+
+
+def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_path: Path) -> None:
+    # The run restarts the servers it finds with `cdc infra`: point it at the session's own.
+    env = {
+        **os.environ,
+        "CDC_INFRA_STATE_DIR": str(TEST_INFRA.state_dir),
+        "CDC_INFRA_KAFKA_PORT": str(TEST_INFRA.kafka_port),
+        "CDC_INFRA_KAFKA_CONTROLLER_PORT": str(TEST_INFRA.kafka_controller_port),
+        "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
+        "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
+    }
+    run = subprocess.run(
+        [
+            CDC,
+            "chaos",
+            *("--events", "2500", "--rate", "100", "--keys", "300"),
+            *("--kills", "5", "--broker-restarts", "1", "--es-outages", "1"),
+            *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
+            *("--workdir", str(tmp_path / "chaos"), "--timeout", "600"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    summary = run.stdout[run.stdout.find("events produced") :]
+    assert run.returncode == 0, (
+        f"chaos run failed:\n{summary or run.stdout[-4000:]}\n{run.stderr[-3000:]}"
+    )
+    assert re.search(r"divergences\s+0\b", summary), summary
+    kills = [int(n) for n in re.findall(r"kills \S+\s+(\d+)", summary)]
+    assert sum(kills) == 5, summary
+    assert re.search(r"broker restarts\s+1\b", summary), summary
+    assert re.search(r"Elasticsearch outages\s+1\b", summary), summary
+    assert "no planted secret in any log" in summary
+    assert len(re.findall(r": 0 duplicate \(key, sequence, op\)", summary)) == 2, summary
+    assert "fault not injected" not in summary
