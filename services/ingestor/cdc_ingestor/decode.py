@@ -5,12 +5,18 @@ schema; Spark's ``from_avro`` decodes the payload after the header with that wri
 and resolves it to the reader schema (``avroSchema``), in PERMISSIVE mode so a malformed
 payload yields null instead of failing the batch. A record that cannot be decoded, or
 breaks the contract, gets an ``error_kind`` and goes to quarantine with its raw bytes.
+
+Writer schemas the reader cannot resolve (Avro's own compatibility check, in the JVM that
+decodes) are not decoded at all: their records are quarantined as ``incompatible_schema``
+with the reason, and a subject's newer version that cannot read the older ones never
+becomes the reader (it would make every older record unreadable and bronze unmergeable).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.config import EntityConfig
@@ -39,6 +45,8 @@ BRONZE_PROPERTIES = {
 }
 _CONFLUENT = bytes([0x00])
 _SINGLE_OBJECT = bytes([0xC3, 0x01])
+#: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.
+_REASONS: dict[tuple[bytes, bytes], str | None] = {}
 
 
 @dataclass(frozen=True)
@@ -51,12 +59,20 @@ class DecodePlan:
     key_reader: KnownSchema
 
     @classmethod
-    def from_schemas(cls, schemas: EntitySchemas, registry: SchemaRegistry) -> DecodePlan:
-        """Every known version of the entity's schemas, under each framing it may arrive in."""
+    def from_schemas(
+        cls,
+        schemas: EntitySchemas,
+        registry: SchemaRegistry,
+        value_reader: KnownSchema | None = None,
+    ) -> DecodePlan:
+        """Every known version of the entity's schemas, under each framing it may arrive in.
+
+        The value reader is ``value_reader``, else the newest version.
+        """
         return cls(
             value_writers=_by_header(schemas.values),
             key_writers=_by_header((schemas.key,)),
-            value_reader=schemas.value,
+            value_reader=value_reader or schemas.value,
             key_reader=schemas.key,
         )
 
@@ -69,8 +85,100 @@ class DecodePlan:
             key_reader=self.key_reader,
         )
 
+    def incompatible(self, spark: SparkSession, part: Literal["value", "key"]) -> dict[bytes, str]:
+        """Header -> why its writer cannot be read as the reader, for ``part`` (value, key)."""
+        writers, reader = (
+            (self.value_writers, self.value_reader)
+            if part == "value"
+            else (self.key_writers, self.key_reader)
+        )
+        reasons: dict[bytes, str] = {}
+        for prefix, writer in writers.items():
+            why = incompatibility(spark, reader, writer)
+            if why is not None:
+                version = f" v{reader.version}" if reader.version else ""
+                reasons[prefix] = (
+                    f"writer schema {_label(prefix, writer)} ({writer.full_name}) cannot be "
+                    f"resolved to the reader schema fingerprint:{reader.fingerprint.hex()} "
+                    f"({reader.full_name}{version}): {why}"
+                )
+        return reasons
 
-def _by_header(schemas: tuple[KnownSchema, ...] | list[KnownSchema]) -> dict[bytes, KnownSchema]:
+
+def readable_reader(spark: SparkSession, versions: Sequence[KnownSchema]) -> KnownSchema:
+    """The newest of ``versions`` (oldest first) that can read every version it replaces.
+
+    A version that cannot is skipped: it never becomes the reader, so records of the
+    versions before it keep decoding, and its own records are the incompatible ones.
+    """
+    reader, readable = versions[0], [versions[0]]
+    for version in versions[1:]:
+        if all(incompatibility(spark, version, older) is None for older in readable):
+            reader = version
+            readable.append(version)
+    return reader
+
+
+def incompatibility(spark: SparkSession, reader: KnownSchema, writer: KnownSchema) -> str | None:
+    """Why Avro cannot resolve data written with ``writer`` to ``reader``; None if it can.
+
+    Asks Avro's ``SchemaCompatibility`` in the JVM (the library ``from_avro`` decodes with)
+    and names the first offending field by its path (``after.id``): a record inside a
+    union is checked against the reader's record of the same name, so the reason is the
+    field's rather than "reader union lacking writer type". Answers are cached (a few JVM
+    calls per pair of schemas, asked for every batch).
+    """
+    if reader.fingerprint == writer.fingerprint:
+        return None
+    pair = (reader.fingerprint, writer.fingerprint)
+    if pair not in _REASONS:
+        jvm = spark.sparkContext._jvm
+        assert jvm is not None
+        parse = jvm.org.apache.avro.Schema.Parser
+        _REASONS[pair] = _reason(
+            jvm, parse().parse(reader.json()), parse().parse(writer.json()), []
+        )
+    return _REASONS[pair]
+
+
+def _reason(jvm: Any, reader: Any, writer: Any, path: list[str]) -> str | None:
+    """The first incompatibility of two JVM Avro schemas, ``path`` naming where they sit."""
+    check = jvm.org.apache.avro.SchemaCompatibility.checkReaderWriterCompatibility
+    result = check(reader, writer).getResult()
+    if result.getCompatibility().toString() == "COMPATIBLE":
+        return None
+    found = result.getIncompatibilities()[0]
+    kind, location = found.getType().toString(), str(found.getLocation())
+    here = [*path, *_field_names(reader, location)]
+    if kind == "MISSING_UNION_BRANCH" and location.rsplit("/", 1)[-1].isdigit():
+        branch = found.getWriterFragment().getTypes()[int(location.rsplit("/", 1)[-1])]
+        if branch.getType().getName() == "record":
+            for candidate in found.getReaderFragment().getTypes():
+                if candidate.getFullName() == branch.getFullName():
+                    deeper = _reason(jvm, candidate, branch, here)
+                    if deeper is not None:
+                        return deeper
+    where = ".".join(here) or "the top-level type"
+    if kind == "READER_FIELD_MISSING_DEFAULT_VALUE":
+        return f"{where}: the writer schema has no such field and the reader's has no default"
+    return f"{where}: {kind.lower()}: {found.getMessage()}"
+
+
+def _field_names(reader: Any, location: str) -> list[str]:
+    """The record field names along an Avro compatibility ``location`` (``/fields/1/type``)."""
+    names: list[str] = []
+    node, tokens = reader, location.strip("/").split("/")
+    for token, following in zip(tokens, [*tokens[1:], ""], strict=True):
+        if token == "fields" and node.getType().getName() == "record" and following.isdigit():
+            field = node.getFields()[int(following)]
+            names.append(str(field.name()))
+            node = field.schema()
+        elif token in ("items", "values") and node.getType().getName() in ("array", "map"):
+            node = node.getElementType() if token == "items" else node.getValueType()
+    return names
+
+
+def _by_header(schemas: Sequence[KnownSchema]) -> dict[bytes, KnownSchema]:
     headers: dict[bytes, KnownSchema] = {}
     for schema in schemas:
         headers[_SINGLE_OBJECT + schema.fingerprint] = schema
@@ -96,10 +204,13 @@ def _decoded(
     writers: Mapping[bytes, KnownSchema],
     reader: KnownSchema,
     reader_type: T.DataType,
+    incompatible: Mapping[bytes, str],
 ) -> Column:
     options = {"mode": "PERMISSIVE", "avroSchema": reader.json()}
     decoded: Column | None = None
     for prefix, writer in writers.items():
+        if prefix in incompatible:
+            continue  # quarantined with the reason; from_avro would only say null
         payload = column.substr(F.lit(len(prefix) + 1), F.length(column))
         branch = from_avro(payload, writer.json(), options)
         decoded = (
@@ -110,20 +221,27 @@ def _decoded(
     return decoded if decoded is not None else F.lit(None).cast(reader_type)
 
 
+def _label(prefix: bytes, writer: KnownSchema) -> str:
+    """How a writer schema is named in bronze and in messages: by what its header carries."""
+    if prefix[:1] == _CONFLUENT:
+        return f"id:{writer.schema_id}"
+    return f"fingerprint:{writer.fingerprint.hex()}"
+
+
+def _by_prefix(head: Column, texts: Mapping[bytes, str]) -> Column:
+    """The text of the header ``head`` holds; null for any other header."""
+    chosen: Column | None = None
+    for prefix, text in texts.items():
+        chosen = (
+            F.when(head == F.lit(prefix), F.lit(text))
+            if chosen is None
+            else chosen.when(head == F.lit(prefix), F.lit(text))
+        )
+    return chosen if chosen is not None else F.lit(None).cast("string")
+
+
 def _writer_name(head: Column, writers: Mapping[bytes, KnownSchema]) -> Column:
-    name: Column | None = None
-    for prefix, writer in writers.items():
-        label = (
-            f"id:{writer.schema_id}"
-            if prefix[:1] == _CONFLUENT
-            else f"fingerprint:{writer.fingerprint.hex()}"
-        )
-        name = (
-            F.when(head == F.lit(prefix), F.lit(label))
-            if name is None
-            else name.when(head == F.lit(prefix), F.lit(label))
-        )
-    return name if name is not None else F.lit(None).cast("string")
+    return _by_prefix(head, {prefix: _label(prefix, w) for prefix, w in writers.items()})
 
 
 def avro_type(spark: SparkSession, schema: KnownSchema) -> T.DataType:
@@ -149,7 +267,12 @@ def _decoded_ok(decoded: Column, decoded_type: T.DataType) -> Column:
 
 
 def _framing_errors(
-    column: Column, head: Column, writer: Column, decoded_ok: Column, what: str
+    column: Column,
+    head: Column,
+    writer: Column,
+    incompatible: Column,
+    decoded_ok: Column,
+    what: str,
 ) -> list[tuple[Column, str, Column]]:
     framed = (F.substring(column, 1, 1) == F.lit(_CONFLUENT)) | (
         F.substring(column, 1, 2) == F.lit(_SINGLE_OBJECT)
@@ -180,6 +303,11 @@ def _framing_errors(
             F.concat(F.lit(f"no writer schema is known for the {what} header "), F.hex(head)),
         ),
         (
+            incompatible.isNotNull(),
+            "incompatible_schema",
+            F.concat(F.lit(f"{what} "), incompatible),
+        ),
+        (
             ~decoded_ok,
             "corrupt",
             F.concat(
@@ -197,6 +325,8 @@ def decode(
     """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error."""
     value_type = avro_type(spark, plan.value_reader)
     key_type = avro_type(spark, plan.key_reader)
+    value_incompatible = plan.incompatible(spark, "value")
+    key_incompatible = plan.incompatible(spark, "key")
     value_head, key_head = header(F.col("value")), header(F.col("key"))
     step = raw.select(
         F.col("topic").alias("kafka_topic"),
@@ -210,11 +340,16 @@ def decode(
         _writer_name(value_head, plan.value_writers).alias("writer_schema"),
         _writer_name(key_head, plan.key_writers).alias("key_writer_schema"),
         _decoded(
-            F.col("value"), value_head, plan.value_writers, plan.value_reader, value_type
+            F.col("value"),
+            value_head,
+            plan.value_writers,
+            plan.value_reader,
+            value_type,
+            value_incompatible,
         ).alias("envelope"),
-        _decoded(F.col("key"), key_head, plan.key_writers, plan.key_reader, key_type).alias(
-            "decoded_key"
-        ),
+        _decoded(
+            F.col("key"), key_head, plan.key_writers, plan.key_reader, key_type, key_incompatible
+        ).alias("decoded_key"),
     )
     value, key = F.col("raw_value"), F.col("raw_key")
     checks = [
@@ -223,6 +358,7 @@ def decode(
             value,
             F.col("value_header"),
             F.col("writer_schema"),
+            _by_prefix(F.col("value_header"), value_incompatible),
             _decoded_ok(F.col("envelope"), value_type),
             "value",
         )
@@ -241,6 +377,7 @@ def decode(
             key,
             F.col("key_header"),
             F.col("key_writer_schema"),
+            _by_prefix(F.col("key_header"), key_incompatible),
             _decoded_ok(F.col("decoded_key"), key_type),
             "key",
         )

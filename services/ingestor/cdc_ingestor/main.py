@@ -48,8 +48,10 @@ from cdc_ingestor.decode import (
     bronze_rows,
     check_sequence_paths,
     decode,
+    incompatibility,
     quarantine_columns,
     quarantine_rows,
+    readable_reader,
 )
 
 SERVICE = "ingestor"
@@ -83,10 +85,37 @@ class EntityIngestion:
         self.registry = registry
         self.runner = runner
         self.identity = QueryIdentity()
-        self.plan = DecodePlan.from_schemas(entity_schemas(entity, registry), registry)
+        self.plan = self._newest_plan()
         self.bronze_path = config.table_path("bronze", entity.name)
         self.quarantine_path = config.table_path("quarantine", SERVICE)
         check_sequence_paths(spark, entity, self.plan)
+
+    def _newest_plan(self) -> DecodePlan:
+        """Every version the registry knows, and the reader to resolve them to.
+
+        The reader is the pinned value schema, else the newest version that can read the
+        versions before it; an error line names each version it cannot read.
+        """
+        schemas = entity_schemas(self.entity, self.registry)
+        pinned = self.entity.value_schema is not None
+        reader = schemas.value if pinned else readable_reader(self.spark, schemas.values)
+        for version in schemas.values:
+            reason = incompatibility(self.spark, reader, version)
+            if reason is not None:
+                log.error(
+                    "a value schema version is incompatible with the reader: records written "
+                    "with it go to quarantine as incompatible_schema",
+                    extra={
+                        "service": SERVICE,
+                        "entity": self.entity.name,
+                        "subject": version.subject,
+                        "version": version.version,
+                        "fingerprint": version.fingerprint.hex(),
+                        "reader_version": reader.version,
+                        "reason": reason,
+                    },
+                )
+        return DecodePlan.from_schemas(schemas, self.registry, reader)
 
     def create_tables(self) -> None:
         """Bronze and quarantine, with explicit schemas, unless they exist."""
@@ -145,6 +174,8 @@ class EntityIngestion:
             )
             lap("bronze")
             errors = {kind: n for kind, n in counts.items() if kind != "ok"}
+            if errors.get("incompatible_schema"):
+                self._log_incompatible(batch_id, errors["incompatible_schema"], rejected)
             if errors:
                 collected = len(rejected) == sum(errors.values())
                 quarantined = (
@@ -167,6 +198,22 @@ class EntityIngestion:
                 },
                 extra={"errors": errors, **lap.laps},
             ),
+        )
+
+    def _log_incompatible(self, batch_id: int, count: int, rejected: list[Any]) -> None:
+        """One error line per batch that quarantined records of an incompatible schema."""
+        reasons = sorted(
+            {r.error_message for r in rejected if r.error_kind == "incompatible_schema"}
+        )
+        log.error(
+            "records written with a schema incompatible with the reader went to quarantine",
+            extra={
+                "service": SERVICE,
+                "entity": self.entity.name,
+                "batch_id": batch_id,
+                "incompatible_schema": count,
+                "reasons": reasons or "see quarantine/ingestor",
+            },
         )
 
     def _check(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
@@ -230,8 +277,7 @@ class EntityIngestion:
                 "schemas": [s.fingerprint.hex() for s in learned["value"] + learned["key"]],
             },
         )
-        newest = DecodePlan.from_schemas(entity_schemas(self.entity, self.registry), self.registry)
-        self.plan = newest.with_writers(
+        self.plan = self._newest_plan().with_writers(
             [*self.plan.value_writers.values(), *learned["value"]],
             [*self.plan.key_writers.values(), *learned["key"]],
         )

@@ -1,0 +1,211 @@
+"""Faults that must fail loudly and never lose silently: a producer switching to a writer
+schema the reader cannot resolve, and a full disk under the storage root."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cdc_cli.workload import GeneratedMessage, produce
+from cdc_ingestor.main import start
+from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
+from cdc_shared.clients import make_consumer
+from cdc_shared.config import KafkaConfig
+from cdc_shared.streaming import StreamRunner
+from confluent_kafka import TopicPartition
+from pyspark.sql import SparkSession
+from support.ingestion import bronze, generate, quarantine, topic_offsets
+from support.pipelines import Pipeline, PipelineFactory
+from support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration]
+
+
+def topic_values(kafka: KafkaConfig, topic: str) -> dict[tuple[int, int], bytes | None]:
+    """Every record's value by (partition, offset), read back with a plain consumer."""
+    wanted = topic_offsets(kafka, topic)
+    consumer = make_consumer(kafka, group_id=f"read-back-{topic}")
+    partitions = {p for p, _ in wanted}
+    consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+    values: dict[tuple[int, int], bytes | None] = {}
+    try:
+        while len(values) < len(wanted):
+            message = consumer.poll(10)
+            assert message is not None, f"read {len(values)} of {len(wanted)} records back"
+            assert message.error() is None, message.error()
+            values[(int(message.partition() or 0), int(message.offset() or 0))] = message.value()
+    finally:
+        consumer.close()
+    assert set(values) == wanted
+    return values
+
+
+def variant(schema: KnownSchema, change: Callable[[dict[str, Any]], None]) -> KnownSchema:
+    """``schema`` with ``change`` applied to its row record (Debezium's ``Value``)."""
+    definition = copy.deepcopy(dict(schema.definition))
+    row = next(b for b in definition["fields"][0]["type"] if isinstance(b, dict))
+    change(row)
+    return parse_schema(definition)
+
+
+def retype_id(row: dict[str, Any]) -> None:
+    """``id`` int -> string: no Avro promotion either way."""
+    next(f for f in row["fields"] if f["name"] == "id")["type"] = "string"
+
+
+def drop_email(row: dict[str, Any]) -> None:
+    """``email`` removed: the reader requires it and has no default for it."""
+    row["fields"] = [f for f in row["fields"] if f["name"] != "email"]
+
+
+def rewrite(
+    messages: list[GeneratedMessage],
+    decoder: AvroDecoder,
+    writer: KnownSchema,
+    convert: Callable[[dict[str, Any]], dict[str, Any]],
+) -> Iterator[GeneratedMessage]:
+    """The (non-tombstone) messages re-encoded with ``writer``, their rows ``convert``ed."""
+    encoder = AvroEncoder(writer)
+    for message in messages:
+        envelope = decoder.decode(message.value)
+        if envelope is None:
+            continue
+        for side in ("before", "after"):
+            if envelope[side] is not None:
+                envelope[side] = convert(envelope[side])
+        yield GeneratedMessage(
+            message.entity, message.topic, message.key, encoder.encode(envelope), "event"
+        )
+
+
+def write_schema(folder: Path, name: str, schema: KnownSchema) -> None:
+    (folder / name).write_text(json.dumps(schema.definition))
+
+
+#: The reason a quarantined record's message gives: for the retyped writer (True), else.
+WHY = {
+    True: "id: type_mismatch: reader type: INT not compatible with writer type: STRING",
+    False: "email: the writer schema has no such field and the reader's has no default",
+}
+
+
+def run_in_thread(runner: StreamRunner) -> tuple[threading.Thread, list[BaseException]]:
+    """``runner.run()`` in a thread; what it raised, if anything, lands in the list."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            runner.run()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, failed
+
+
+def test_incompatible_writer_schema_is_quarantined_and_the_stream_goes_on(
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    make_pipeline: PipelineFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A producer deploys, as the subject's newest version, a value schema whose ``id`` is a
+    string (the reader's is an int), and another producer writes with a schema lacking a
+    required field. Their records go to quarantine as ``incompatible_schema``, with an error
+    logged; compatible records before, between and after them reach bronze; nothing is lost
+    or doubled, and the stream keeps running."""
+    caplog.set_level(logging.INFO)
+    pipeline = make_pipeline(
+        entities=("customers",), ingestor={"trigger_interval": "1 second", "metrics_port": 0}
+    )
+    topic = pipeline.topic("customers")
+    registry = FileSchemaRegistry([pipeline.schema_dir])
+    v1 = registry.latest(f"{topic}-value")
+    retyped, without_email = variant(v1, retype_id), variant(v1, drop_email)
+    good = generate(pipeline, events=1600, keys=200, poison_share=0, redelivery_share=0)
+    decoder = AvroDecoder(registry, v1)
+    bad_type = list(rewrite(good[900:1000], decoder, retyped, lambda r: {**r, "id": str(r["id"])}))
+    bad_field = list(
+        rewrite(
+            good[1000:1100],
+            decoder,
+            without_email,
+            lambda r: {k: v for k, v in r.items() if k != "email"},
+        )
+    )
+    first = good[:800]
+    then = [*good[800:900], *bad_type, *good[900:1000], *bad_field, *good[1000:]]
+
+    produce(kafka_config, iter(first))
+    runner = start(pipeline.config, once=False, spark=spark)
+    thread, failed = run_in_thread(runner)
+    try:
+        wait_for(lambda: landed(spark, pipeline) == len(first))
+        # Deployed while the ingestor runs: the retyped schema as the subject's version 2
+        # (the newest), the other under a subject of its own.
+        write_schema(pipeline.schema_dir, f"{topic}-value.v2.avsc", retyped)
+        write_schema(pipeline.schema_dir, f"{topic}-legacy-value.avsc", without_email)
+        produce(kafka_config, iter(then))
+        wait_for(lambda: landed(spark, pipeline) == len(first) + len(then) or bool(failed))
+        assert not failed and thread.is_alive(), f"the ingestor stopped: {failed}"
+    finally:
+        runner.request_stop()
+        thread.join(180)
+    assert not failed, f"the ingestor failed: {failed}"
+
+    # The oracle: the topic read back, each record classified by its framing header.
+    values = topic_values(kafka_config, topic)
+    writers = {retyped.header: retyped, without_email.header: without_email}
+    expected = {c: writers[v[:10]] for c, v in values.items() if v and v[:10] in writers}
+    assert len(expected) == len(bad_type) + len(bad_field)
+
+    rows = quarantine(spark, pipeline).where(f"kafka_topic = '{topic}'").collect()
+    quarantined = {(r.kafka_partition, r.kafka_offset): r for r in rows}
+    assert len(quarantined) == len(rows), "a record quarantined twice"
+    assert set(quarantined) == set(expected)
+    for coordinates, writer in expected.items():
+        row = quarantined[coordinates]
+        assert row.error_kind == "incompatible_schema", row.error_message
+        assert f"value writer schema fingerprint:{writer.fingerprint.hex()}" in row.error_message
+        assert f"reader schema fingerprint:{v1.fingerprint.hex()}" in row.error_message
+        assert WHY[writer is retyped] in row.error_message
+        assert row.raw_value == values[coordinates]
+
+    in_bronze = assert_bronze_holds_the_rest(spark, pipeline, set(values), set(quarantined))
+    assert len(in_bronze) == len(good)
+    table = bronze(spark, pipeline, "customers")
+    assert table.schema["after"].dataType["id"].dataType.simpleString() == "int"  # type: ignore[index]
+    assert table.where("after.email is null and after is not null").count() == 0
+
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("incompatible" in m for m in errors), errors
+
+
+def assert_bronze_holds_the_rest(
+    spark: SparkSession,
+    pipeline: Pipeline,
+    topic: set[tuple[int, int]],
+    quarantined: set[tuple[int, int]],
+) -> set[tuple[int, int]]:
+    """Bronze holds every record of the topic not in quarantine, once; returns its offsets."""
+    rows = bronze(spark, pipeline, "customers").select("kafka_partition", "kafka_offset")
+    in_bronze = [(r.kafka_partition, r.kafka_offset) for r in rows.collect()]
+    assert len(in_bronze) == len(set(in_bronze)), "duplicate offsets in bronze"
+    assert not set(in_bronze) & quarantined, "records both in bronze and in quarantine"
+    assert set(in_bronze) | quarantined == topic, "records neither in bronze nor in quarantine"
+    return set(in_bronze)
+
+
+def landed(spark: SparkSession, pipeline: Pipeline) -> int:
+    """Records in bronze and quarantine so far (-1 before the tables exist)."""
+    try:
+        return bronze(spark, pipeline, "customers").count() + quarantine(spark, pipeline).count()
+    except Exception:
+        return -1
