@@ -47,8 +47,9 @@ CHANGE_COLUMNS = (
     "source_sequence",
 )
 
-# Versions are 2 * sequence (+1 for a delete): the sequence must fit in 62 bits.
-_MAX_SEQUENCE_FOR_VERSION = (1 << 62) - 1
+#: The largest source sequence an ES version can carry: versions are 2 * sequence (+1 for
+#: a delete), and Elasticsearch versions are signed 64-bit.
+MAX_SEQUENCE_FOR_VERSION = (1 << 62) - 1
 
 
 def change_feed(spark: SparkSession, silver_path: str, settings: ChangeFeedConfig) -> DataFrame:
@@ -128,7 +129,7 @@ def external_version(op: str, source_sequence: list[int], commit_version: int) -
     silver. With a composite sequence, which one number cannot order, it is the silver
     commit version (strictly growing per key, but new after a rebuild of silver).
     """
-    if len(source_sequence) == 1 and 0 <= source_sequence[0] <= _MAX_SEQUENCE_FOR_VERSION:
+    if len(source_sequence) == 1 and 0 <= source_sequence[0] <= MAX_SEQUENCE_FOR_VERSION:
         return 2 * source_sequence[0] + (1 if op == "d" else 0)
     return commit_version
 

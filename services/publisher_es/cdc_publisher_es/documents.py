@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from cdc_shared.changefeed import _MAX_SEQUENCE_FOR_VERSION
+from cdc_shared.changefeed import MAX_SEQUENCE_FOR_VERSION
 from cdc_shared.config import PublisherEsConfig
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -131,7 +131,7 @@ def external_version_column(op: Column, sequence: Column, commit_version: Column
     """
     first = F.get(sequence, 0).cast("long")  # null, not an error, when it is empty
     one_in_range = (
-        (F.size(sequence) == 1) & (first >= 0) & (first <= F.lit(_MAX_SEQUENCE_FOR_VERSION))
+        (F.size(sequence) == 1) & (first >= 0) & (first <= F.lit(MAX_SEQUENCE_FOR_VERSION))
     )
     delete = F.when(op == "d", F.lit(1)).otherwise(F.lit(0))
     return F.when(one_in_range, first * 2 + delete).otherwise(commit_version.cast("long"))
