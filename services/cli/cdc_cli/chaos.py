@@ -52,6 +52,7 @@ from cdc_cli.local_run import (
     Echo,
     Progress,
     check_outputs,
+    health_port,
     oracle_rows,
     wait_until_healthy,
     write_pipeline_config,
@@ -286,6 +287,11 @@ class FaultInjector(threading.Thread):
         service = self.services[name]
         aimed = self.rng.random() < 0.5
         how = "at random"
+        # A kill during a JVM start proves little: let the service come up first.
+        deadline = time.monotonic() + self.options.window_timeout_s
+        port = health_port(self.config, name)
+        while not service.healthy(port) and time.monotonic() < deadline:
+            time.sleep(1.0)
         if aimed:
             entity = self.rng.choice(self.config.entities).name
             reached = self.windows.wait(name, entity, self.options.window_timeout_s)
@@ -298,7 +304,8 @@ class FaultInjector(threading.Thread):
             process.wait(60)
         service.poll()
         self.record.kills[f"{name} {how}"] += 1
-        service.start()
+        if not self.stopping.is_set():  # the run ends: its supervisor stops the services
+            service.start()
 
     def _slow_down_elasticsearch(self, seconds: float) -> None:
         """Freeze Elasticsearch for 1-3 s at a time, running 0.5 s between freezes."""
@@ -397,6 +404,8 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
         _check_the_rest(spark, config, result)
     finally:
         injector.stopping.set()
+        if injector.is_alive():  # interrupted: let the fault in progress finish first
+            injector.join(options.window_timeout_s + options.outage_s + 120)
         progress.done.set()
         for name, service in services.items():
             result.exit_codes[name] = service.stop()

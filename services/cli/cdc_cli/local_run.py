@@ -110,6 +110,16 @@ class Progress(threading.Thread):
             self.echo(f"[{time.monotonic() - started:5.0f} s] {lines}")
 
 
+def health_port(config: PipelineConfig, service: str) -> int:
+    """The port a service serves /health and /metrics on."""
+    return {
+        "ingestor": config.ingestor.metrics_port,
+        "merger": config.merger.metrics_port,
+        "publisher-kafka": config.publisher_kafka.metrics_port,
+        "publisher-es": config.publisher_es.metrics_port,
+    }[service]
+
+
 def wait_until_healthy(
     services: list[ServiceProcess], config: PipelineConfig, timeout_s: float
 ) -> None:
@@ -117,12 +127,6 @@ def wait_until_healthy(
 
     The load starts after that, so the delays measure the pipeline, not four JVM starts.
     """
-    ports = {
-        "ingestor": config.ingestor.metrics_port,
-        "merger": config.merger.metrics_port,
-        "publisher-kafka": config.publisher_kafka.metrics_port,
-        "publisher-es": config.publisher_es.metrics_port,
-    }
     deadline = time.monotonic() + timeout_s
     waiting = list(services)
     while waiting:
@@ -131,7 +135,7 @@ def wait_until_healthy(
             raise RuntimeError(f"{', '.join(dead)} stopped during start-up; see its log")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{', '.join(s.name for s in waiting)} not healthy in time")
-        waiting = [s for s in waiting if not s.healthy(ports[s.name])]
+        waiting = [s for s in waiting if not s.healthy(health_port(config, s.name))]
         wait_a_little(services, 2)
 
 
