@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from cdc_shared.config import ConfigError, PipelineConfig, load_config
 from cdc_shared.observability import configure_logging
-from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
 
 StartStreams = Callable[[PipelineConfig, list[str] | None, bool], StreamRunner]
 
@@ -27,8 +27,10 @@ def service_main(
     args = parser.parse_args(argv)
     configure_logging()
     log = logging.getLogger(f"cdc_{service}")
+    config: PipelineConfig | None = None
     try:
-        runner = start(load_config(args.config), args.entity, args.once)
+        config = load_config(args.config)
+        runner = start(config, args.entity, args.once)
         runner.install_signal_handlers()
         runner.run()
     except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
@@ -36,5 +38,14 @@ def service_main(
         return 2
     except StreamFailedError as exc:
         log.error("%s", exc, extra={"service": service})
+        return 1
+    except Exception as exc:  # e.g. creating a table at start on a full disk
+        if config is None or not NO_SPACE.search(str(exc)):
+            raise
+        log.error(
+            "cannot start: %s",
+            no_space_message(config.storage_root, str(exc)),
+            extra={"service": service},
+        )
         return 1
     return 0

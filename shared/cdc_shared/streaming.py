@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import re
 import signal
 import threading
 import time
@@ -58,6 +59,39 @@ class Failure:
 
 #: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
 OnFailure = Callable[[str, str], Failure | None]
+
+#: How the JVM and the OS say a write failed for want of space (ENOSPC, EDQUOT).
+NO_SPACE = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded")
+
+
+def no_space_message(storage_root: str, error: str = "") -> str:
+    """What to tell the operator when a write under ``storage_root`` found the disk full.
+
+    Names the path being written when the JVM's ``error`` shows it.
+    """
+    written = re.search(rf"{re.escape(storage_root.rstrip('/'))}[^\s'\",;]*", error)
+    return (
+        f"stopped: no space left on device under the storage root {storage_root}"
+        + (f" (writing {written.group(0).rstrip('.')})" if written else "")
+        + ". Delta commits and the stream's checkpoint are atomic, so the failed micro-batch "
+        "committed nothing (at most unreferenced files remain); free space or grow the "
+        "volume, then restart: the stream resumes from its checkpoint and writes nothing twice"
+    )
+
+
+def recognising_full_storage(storage_root: str, on_failure: OnFailure | None) -> OnFailure:
+    """``on_failure``, after recognising a full disk.
+
+    A full disk stops the service with a one-line message naming the storage root, not
+    the JVM's stack trace.
+    """
+
+    def read(entity: str, error: str) -> Failure | None:
+        if NO_SPACE.search(error):
+            return Failure(no_space_message(storage_root, error))
+        return on_failure(entity, error) if on_failure else None
+
+    return read
 
 
 def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
@@ -466,7 +500,8 @@ def start_streams(
 ) -> StreamRunner:
     """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result.
 
-    ``on_failure`` reads a failed query's error (transient: restarted; see StreamRunner).
+    ``on_failure`` reads a failed query's error (transient: restarted; see StreamRunner);
+    a full disk is recognised for every service.
     """
     entities = config.select_entities(entity_names)
     if not entities:
@@ -478,7 +513,7 @@ def start_streams(
         settings.metrics_host,
         settings.metrics_port,
         source_metric(lag) if isinstance(lag, str) else lag,  # None: foreachBatch reports it
-        on_failure,
+        recognising_full_storage(config.storage_root, on_failure),
     )
     try:
         for entity in entities:

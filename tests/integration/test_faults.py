@@ -3,10 +3,15 @@ schema the reader cannot resolve, and a full disk under the storage root."""
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import logging
+import os
+import random
+import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +25,15 @@ from cdc_shared.config import KafkaConfig
 from cdc_shared.streaming import StreamRunner
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
-from support.ingestion import bronze, generate, quarantine, topic_offsets
+from support.ingestion import bronze, generate, launch_ingestor, quarantine, topic_offsets
 from support.pipelines import Pipeline, PipelineFactory
-from support.waiting import wait_for
+from support.waiting import free_port, wait_for
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+#: The full-disk test's tmpfs: room for the JVM's needs (checkpoint, Delta logs) and a few
+#: batches of bronze, not for the whole topic.
+SMALL_DISK_MB = 4
 
 
 def topic_values(kafka: KafkaConfig, topic: str) -> dict[tuple[int, int], bytes | None]:
@@ -209,3 +218,125 @@ def landed(spark: SparkSession, pipeline: Pipeline) -> int:
         return bronze(spark, pipeline, "customers").count() + quarantine(spark, pipeline).count()
     except Exception:
         return -1
+
+
+def mount_tmpfs(folder: Path, size_mb: int, remount: bool = False) -> None:
+    """A tmpfs of ``size_mb`` at ``folder`` (or the mounted one resized); fails the test
+    with mount's own words when it cannot."""
+    command = (
+        ["mount", "-o", f"remount,size={size_mb}m", str(folder)]
+        if remount
+        else ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(folder)]
+    )
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.fail(
+            f"cannot mount a {size_mb} MiB tmpfs at {folder} (this test needs root and "
+            f"mount): {done.stderr.strip()}"
+        )
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs for a storage root, unmounted afterwards whatever happened."""
+    if os.geteuid() != 0:
+        pytest.fail("the full-disk test mounts a tmpfs and must run as root")
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mount_tmpfs(folder, SMALL_DISK_MB)
+    try:
+        yield folder
+    finally:
+        for _ in range(10):  # a JVM that just exited may still hold files for a moment
+            if subprocess.run(["umount", str(folder)], check=False).returncode == 0:
+                break
+            time.sleep(1)
+        else:
+            subprocess.run(["umount", "--lazy", str(folder)], check=True)
+
+
+def wide_rows(pipeline: Pipeline, events: int) -> list[GeneratedMessage]:
+    """Valid change events whose ``last_name`` carries 8 KiB of incompressible text."""
+    registry = FileSchemaRegistry([pipeline.schema_dir])
+    v1 = registry.latest(f"{pipeline.topic('customers')}-value")
+    noise = random.Random(7)
+    return list(
+        rewrite(
+            generate(pipeline, events=events, keys=events, poison_share=0, redelivery_share=0),
+            AvroDecoder(registry, v1),
+            v1,
+            lambda r: {**r, "last_name": base64.b64encode(noise.randbytes(6144)).decode()},
+        )
+    )
+
+
+def test_full_disk_stops_clearly_commits_nothing_half_way_and_resumes(
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    make_pipeline: PipelineFactory,
+    small_disk: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The storage root on a 4 MiB tmpfs and more than that to ingest: the ingestor stops
+    (exit 1) with one line saying no space is left under the storage root; bronze stays
+    readable with whole batches only; once the disk is grown, a restart lands every record
+    exactly once."""
+    pipeline = make_pipeline(
+        entities=("customers",),
+        storage_root=str(small_disk),
+        ingestor={
+            "max_offsets_per_trigger": 150,
+            "metrics_port": free_port(),
+            "metrics_host": "127.0.0.1",
+        },
+    )
+    topic = pipeline.topic("customers")
+    messages = wide_rows(pipeline, 700)
+    volume = sum(len(m.value or b"") for m in messages)
+    assert volume > 1.4 * SMALL_DISK_MB * 2**20, volume
+    report = produce(kafka_config, iter(messages))
+    assert report.produced == len(messages)
+
+    log = tmp_path / "ingestor.log"
+    first = launch_ingestor(pipeline, log, "--once")
+    assert first.wait(300) == 1, f"the ingestor did not fail on a full disk; see {log}"
+    failure = [
+        json.loads(line)["msg"]
+        for line in log.read_text().splitlines()
+        if '"level": "error", "logger": "cdc_ingestor"' in line
+    ]
+    assert len(failure) == 1, f"not one error line from the ingestor; see {log}"
+    assert "'customers' stopped: no space left on device under the storage root" in failure[0]
+    assert str(small_disk) in failure[0], failure[0]
+
+    # Nothing half-way: bronze reads, its log has every version, and it holds whole batches
+    # in order: a gap-free prefix of each partition.
+    table = pipeline.config.table_path("bronze", "customers")
+    history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").orderBy("version").collect()
+    assert [h.version for h in history] == list(range(len(history)))
+    appended = sum(
+        int(h.operationMetrics["numOutputRows"]) for h in history if h.operation == "WRITE"
+    )
+    rows = bronze(spark, pipeline, "customers").select("kafka_partition", "kafka_offset")
+    by_partition: dict[int, list[int]] = {}
+    for row in rows.collect():
+        by_partition.setdefault(row.kafka_partition, []).append(row.kafka_offset)
+    landed = sum(len(offsets) for offsets in by_partition.values())
+    assert 0 < landed == appended < len(messages), (landed, appended)
+    for offsets in by_partition.values():
+        assert sorted(offsets) == list(range(len(offsets)))
+
+    mount_tmpfs(small_disk, 10 * SMALL_DISK_MB, remount=True)
+    monkeypatch.setenv("CDC_INGESTOR__MAX_OFFSETS_PER_TRIGGER", "1000")  # the rest at once
+    second = launch_ingestor(pipeline, log, "--once")
+    assert second.wait(300) == 0, f"the ingestor did not resume; see {log}"
+    quarantined = {
+        (r.kafka_partition, r.kafka_offset)
+        for r in quarantine(spark, pipeline).where(f"kafka_topic = '{topic}'").collect()
+    }
+    assert not quarantined
+    in_bronze = assert_bronze_holds_the_rest(
+        spark, pipeline, topic_offsets(kafka_config, topic), quarantined
+    )
+    assert len(in_bronze) == len(messages)
