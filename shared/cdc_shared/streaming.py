@@ -524,3 +524,23 @@ def start_streams(
         runner.stop_now()
         raise
     return runner
+
+
+def rebuilding_on_schema_change(layer: str) -> OnFailure:
+    """Reads a Delta source's schema change as "build the stream again".
+
+    Delta ends a stream whose source table gained a column (``DELTA_SCHEMA_CHANGED*``,
+    "try restarting the query"), and a query keeps the schema it was built with; rebuilt,
+    it reads the new schema. ``layer`` names the source in the log (bronze, silver).
+    """
+
+    def read(entity: str, error: str) -> Failure | None:
+        if "DELTA_SCHEMA_CHANGED" in error:
+            return Failure(
+                f"{layer}/{entity} changed its schema; rebuilding the stream to read it",
+                transient=True,
+                rebuild=True,
+            )
+        return None
+
+    return read

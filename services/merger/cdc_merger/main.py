@@ -15,10 +15,10 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
-    Failure,
     QueryIdentity,
     StreamRunner,
     foreach_batch_writer,
+    rebuilding_on_schema_change,
     start_streams,
 )
 from cdc_shared.tables import (
@@ -180,21 +180,6 @@ class EntityMerge:
         return expire_tombstones(self.spark, self.layout.tombstone_path, cutoff)
 
 
-def schema_changes(entity: str, error: str) -> Failure | None:
-    """A bronze schema change stops a Delta stream; build it again to read the new column.
-
-    Delta ends a stream whose source gained a column (``DELTA_SCHEMA_CHANGED*``, "try
-    restarting the query"); rebuilt, it reads the new schema and the MERGE evolves silver.
-    """
-    if "DELTA_SCHEMA_CHANGED" in error:
-        return Failure(
-            f"bronze/{entity} changed its schema; rebuilding the stream to read it",
-            transient=True,
-            rebuild=True,
-        )
-    return None
-
-
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -219,7 +204,7 @@ def start(
         spark,
         "numFilesOutstanding",
         open_stream,
-        on_failure=schema_changes,
+        on_failure=rebuilding_on_schema_change("bronze"),
     )
 
 

@@ -29,6 +29,7 @@ from cdc_shared.streaming import (
     QueryIdentity,
     StreamRunner,
     foreach_batch_writer,
+    rebuilding_on_schema_change,
     start_streams,
 )
 from cdc_shared.tables import (
@@ -330,7 +331,14 @@ def start(
 
     # Lag: silver versions not yet published.
     return start_streams(
-        SERVICE, config, config.publisher_es, entity_names, spark, None, open_stream
+        SERVICE,
+        config,
+        config.publisher_es,
+        entity_names,
+        spark,
+        None,
+        open_stream,
+        on_failure=rebuilding_on_schema_change("silver"),
     )
 
 

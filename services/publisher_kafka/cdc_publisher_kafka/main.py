@@ -22,6 +22,7 @@ from cdc_shared.streaming import (
     QueryIdentity,
     StreamRunner,
     foreach_batch_writer,
+    rebuilding_on_schema_change,
     start_streams,
 )
 from cdc_shared.tables import wait_for_table
@@ -166,7 +167,7 @@ def start(
             ],
         ],
     )
-    publications: list[EntityPublication] = []
+    publications: dict[str, EntityPublication] = {}
 
     def open_stream(
         spark: SparkSession, entity: EntityConfig, runner: StreamRunner
@@ -174,14 +175,29 @@ def start(
         silver_path = config.table_path("silver", entity.name)
         hint = f"start the merger for entity {entity.name!r} first"
         wait_for_table(spark, silver_path, 0 if once else 3600, hint, log)
+        # Registered on every (re)build: after silver's schema changed, the rebuilt stream
+        # publishes with the newest schemas.
+        registry.refresh()
         contract = register_contract(entity, entity_schemas(entity, registry), registry)
-        publication = EntityPublication(spark, config, entity, runner, contract)
-        publication.publisher.start()
-        publications.append(publication)
+        publication = publications.get(entity.name)
+        if publication is None:
+            publication = EntityPublication(spark, config, entity, runner, contract)
+            publication.publisher.start()
+            publications[entity.name] = publication
+        publication.contract = contract
         return publication.writer(once), publication.identity
 
-    runner = start_streams(SERVICE, config, settings, entity_names, spark, None, open_stream)
-    for publication in publications:
+    runner = start_streams(
+        SERVICE,
+        config,
+        settings,
+        entity_names,
+        spark,
+        None,
+        open_stream,
+        on_failure=rebuilding_on_schema_change("silver"),
+    )
+    for publication in publications.values():
         runner.on_close(publication.publisher.close)
     return runner
 
