@@ -26,6 +26,20 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 log = logging.getLogger(__name__)
 
+#: Errors librdkafka does not flag retriable on every call (e.g. reading the progress
+#: right after a broker start answers NOT_COORDINATOR) but that pass with time.
+_TRANSIENT_CODES = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+    }
+)
+
 Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
 
 
@@ -246,7 +260,8 @@ class TransactionalPublisher:
                 error: KafkaError = exc.args[0]
                 if error.fatal():
                     raise PublisherFatalError(self._fatal_message(error)) from None
-                if attempt == attempts or error.txn_requires_abort() or not error.retriable():
+                transient = error.retriable() or error.code() in _TRANSIENT_CODES
+                if attempt == attempts or error.txn_requires_abort() or not transient:
                     self._on_problem(f"Kafka {what} failing: {error.str()}")
                     raise
                 self._backoff(attempt, f"{what} failed, retrying: {error.str()}")

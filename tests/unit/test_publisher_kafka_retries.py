@@ -1,0 +1,58 @@
+"""publisher-kafka's retry rule: which Kafka errors are waited out, which stop it."""
+
+from __future__ import annotations
+
+import pytest
+from cdc_publisher_kafka.transactions import TransactionalPublisher
+from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
+from confluent_kafka import KafkaError, KafkaException
+
+
+def _publisher(problems: list[str]) -> TransactionalPublisher:
+    # Nothing listens on port 9: the clients are built, never used.
+    return TransactionalPublisher(
+        KafkaConfig(bootstrap_servers="127.0.0.1:9"),
+        PublisherKafkaConfig(retry_attempts=3, max_backoff_s=0.01),
+        "changes",
+        on_problem=problems.append,
+    )
+
+
+def _failing(times: int, code: int) -> tuple[list[int], object]:
+    calls: list[int] = []
+
+    def call() -> str:
+        calls.append(1)
+        if len(calls) <= times:
+            raise KafkaException(KafkaError(code))
+        return "done"
+
+    return calls, call
+
+
+@pytest.mark.parametrize(
+    "code", [KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS]
+)
+def test_coordinator_errors_after_a_broker_start_are_retried(code: int) -> None:
+    problems: list[str] = []
+    publisher = _publisher(problems)
+    try:
+        calls, call = _failing(2, code)
+        assert publisher._with_retries("read progress", call) == "done"  # type: ignore[arg-type]
+        assert len(calls) == 3
+        assert len(problems) == 2 and "retrying" in problems[0]
+    finally:
+        publisher.close()
+
+
+def test_a_permanent_error_is_not_retried() -> None:
+    problems: list[str] = []
+    publisher = _publisher(problems)
+    try:
+        calls, call = _failing(5, KafkaError.TOPIC_AUTHORIZATION_FAILED)
+        with pytest.raises(KafkaException):
+            publisher._with_retries("read progress", call)  # type: ignore[arg-type]
+        assert len(calls) == 1
+        assert problems and "failing" in problems[0]
+    finally:
+        publisher.close()
