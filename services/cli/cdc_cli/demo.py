@@ -29,6 +29,7 @@ from cdc_cli.local_run import (
     Echo,
     Progress,
     check_outputs,
+    health_port,
     oracle_rows,
     produce_delays,
     wait_until_healthy,
@@ -97,7 +98,9 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     ]
     for service in services:
         service.start()
+    ports = ", ".join(f"{name} {health_port(config, name)}" for name in SERVICES)
     echo(f"started {', '.join(SERVICES)}; logs in {options.workdir / 'logs'}")
+    echo(f"/metrics and /health on 127.0.0.1 ports: {ports}")
     result = DemoResult(produced=ProduceReport())
     progress = Progress(services, echo)
     progress.start()

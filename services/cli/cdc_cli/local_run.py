@@ -8,6 +8,7 @@ silver, the change topics and the indexes with the oracle. Used by ``cdc demo``,
 from __future__ import annotations
 
 import datetime as dt
+import socket
 import threading
 import time
 import uuid
@@ -69,7 +70,8 @@ def write_pipeline_config(
         entity["change_topic"] = f"{run}.{entity['change_topic']}"
         entity["es_index"] = f"{run}-{entity['es_index']}"
     for section in ("ingestor", "merger", "publisher_kafka", "publisher_es"):
-        document[section] = {"trigger_interval": "1 second"}
+        # Ports free now, not the example's: two runs (or a run and a test) can coexist.
+        document[section] = {"trigger_interval": "1 second", "metrics_port": free_port()}
     document["ingestor"]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
         document["kafka"]["options"] = kafka_options
@@ -78,6 +80,13 @@ def write_pipeline_config(
     path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def machine_used_bytes() -> int:
