@@ -94,6 +94,7 @@ def rewrite(
 
 
 def write_schema(folder: Path, name: str, schema: KnownSchema) -> None:
+    """Deploy ``schema`` as the file ``name`` of a registry folder."""
     (folder / name).write_text(json.dumps(schema.definition))
 
 
