@@ -136,6 +136,9 @@ class IngestorConfig(StreamingServiceConfig):
     starting_offsets: str = "earliest"  # earliest, latest, or Spark's per-partition JSON
     max_offsets_per_trigger: int | None = Field(default=1_000_000, gt=0)
     metrics_port: int = Field(default=9101, ge=0, lt=65536)
+    # Records whose writer schema the reader cannot resolve: stop the entity (DESIGN.md),
+    # or quarantine them as incompatible_schema and go on.
+    on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
 
 
 class MergerConfig(StreamingServiceConfig):

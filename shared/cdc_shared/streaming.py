@@ -49,12 +49,14 @@ class Failure:
     ``transient``: restart the query from its checkpoint after a backoff (forever, while
     the error stays transient); else stop the service with ``message``. ``rebuild``: build
     the query again before restarting it (its source's schema changed, and a query keeps
-    the schema it was built with).
+    the schema it was built with). ``entity_only``: stop this entity's stream but keep the
+    others running (``/health`` says so; the service exits 1 when it stops).
     """
 
     message: str
     transient: bool = False
     rebuild: bool = False
+    entity_only: bool = False
 
 
 #: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
@@ -220,6 +222,7 @@ class StreamRunner:
         self._stop = threading.Event()
         self._lag = lag
         self._problems: dict[str, str] = {}  # entity -> what keeps it from progressing
+        self._stopped: dict[str, str] = {}  # entity -> why its stream alone was stopped
         self._on_failure = on_failure
         self._max_restart_backoff_s = max_restart_backoff_s
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
@@ -359,6 +362,13 @@ class StreamRunner:
             for entity, query in self.queries.items():
                 self._raise_if_failed(entity, query)
             self._wait_for_progress_logs()
+            if self._stopped:
+                raise StreamFailedError(
+                    "; ".join(
+                        f"{self.service} stream for entity {entity!r} {message}"
+                        for entity, message in self._stopped.items()
+                    )
+                )
         finally:
             self.close()
 
@@ -398,9 +408,17 @@ class StreamRunner:
 
     def _raise_if_failed(self, entity: str, query: StreamingQuery) -> None:
         error = query.exception()
-        if error is None:
+        if error is None or entity in self._stopped:
             return
         failure = self._on_failure(entity, str(error)) if self._on_failure else None
+        if failure is not None and failure.entity_only and not failure.transient:
+            self._stopped[entity] = failure.message
+            self.set_problem(entity, f"stopped: {failure.message}")
+            log.error(
+                "stream stopped; the other entities go on",
+                extra={"service": self.service, "entity": entity, "reason": failure.message},
+            )
+            return
         if failure is not None and failure.transient:
             if not self._stop.is_set():  # stopping: the next start resumes from the checkpoint
                 if failure.rebuild:

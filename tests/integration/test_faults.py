@@ -21,8 +21,8 @@ from cdc_cli.workload import GeneratedMessage, produce
 from cdc_ingestor.main import start
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
 from cdc_shared.clients import make_consumer
-from cdc_shared.config import KafkaConfig
-from cdc_shared.streaming import StreamRunner
+from cdc_shared.config import KafkaConfig, PipelineConfig
+from cdc_shared.streaming import StreamFailedError, StreamRunner
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, generate, launch_ingestor, quarantine, topic_offsets
@@ -120,7 +120,51 @@ def run_in_thread(runner: StreamRunner) -> tuple[threading.Thread, list[BaseExce
     return thread, failed
 
 
-def test_incompatible_writer_schema_is_quarantined_and_the_stream_goes_on(
+def assert_incompatible(row: Any, writer: KnownSchema, reader: KnownSchema, retyped: bool) -> None:
+    """A quarantined record names its kind, both schemas and why they do not resolve."""
+    assert row.error_kind == "incompatible_schema", row.error_message
+    assert f"value writer schema fingerprint:{writer.fingerprint.hex()}" in row.error_message
+    assert f"reader schema fingerprint:{reader.fingerprint.hex()}" in row.error_message
+    assert WHY[retyped] in row.error_message
+
+
+def quarantining(config: PipelineConfig) -> PipelineConfig:
+    """``config`` with ``ingestor.on_incompatible_schema: quarantine`` (it is frozen)."""
+    ingestor = config.ingestor.model_copy(update={"on_incompatible_schema": "quarantine"})
+    return config.model_copy(update={"ingestor": ingestor})
+
+
+def stop_customers_with(
+    spark: SparkSession,
+    pipeline: Pipeline,
+    runner: StreamRunner,
+    landed_first: int,
+    deploy_and_produce: Callable[[], object],
+    orders: int,
+) -> str:
+    """Run the ingestor until the customers stream stopped while orders go on; the error
+    the service ended with."""
+    thread, failed = run_in_thread(runner)
+    try:
+        wait_for(lambda: landed(spark, pipeline) == landed_first)
+        deploy_and_produce()  # while the ingestor runs
+
+        def customers_stopped() -> bool:
+            problem = runner.health()["streams"]["customers"]["problem"] or ""
+            return problem.startswith("stopped")
+
+        wait_for(customers_stopped, timeout_s=300)
+        wait_for(lambda: bronze(spark, pipeline, "orders").count() == orders, timeout_s=300)
+        assert not failed and thread.is_alive(), f"orders stopped too: {failed}"
+        assert runner.queries["orders"].isActive
+    finally:
+        runner.request_stop()
+        thread.join(180)
+    assert len(failed) == 1 and isinstance(failed[0], StreamFailedError), failed
+    return str(failed[0])
+
+
+def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
@@ -128,18 +172,24 @@ def test_incompatible_writer_schema_is_quarantined_and_the_stream_goes_on(
 ) -> None:
     """A producer deploys, as the subject's newest version, a value schema whose ``id`` is a
     string (the reader's is an int), and another producer writes with a schema lacking a
-    required field. Their records go to quarantine as ``incompatible_schema``, with an error
-    logged; compatible records before, between and after them reach bronze; nothing is lost
-    or doubled, and the stream keeps running."""
+    required field. By default (DESIGN.md) the customers stream stops with a clear error
+    before the first such record's batch, writing nothing of it, while orders go on; the
+    service exits with that error. Restarted with ``on_incompatible_schema: quarantine``,
+    their records go to quarantine as ``incompatible_schema`` with an error logged, and
+    compatible records before, between and after them reach bronze: nothing is lost or
+    doubled."""
     caplog.set_level(logging.INFO)
     pipeline = make_pipeline(
-        entities=("customers",), ingestor={"trigger_interval": "1 second", "metrics_port": 0}
+        entities=("customers", "orders"),
+        ingestor={"trigger_interval": "1 second", "metrics_port": 0},
     )
     topic = pipeline.topic("customers")
     registry = FileSchemaRegistry([pipeline.schema_dir])
     v1 = registry.latest(f"{topic}-value")
     retyped, without_email = variant(v1, retype_id), variant(v1, drop_email)
-    good = generate(pipeline, events=1600, keys=200, poison_share=0, redelivery_share=0)
+    load = generate(pipeline, events=3200, keys=200, poison_share=0, redelivery_share=0)
+    good = [m for m in load if m.entity == "customers"]
+    orders = [m for m in load if m.entity == "orders"]
     decoder = AvroDecoder(registry, v1)
     bad_type = list(rewrite(good[900:1000], decoder, retyped, lambda r: {**r, "id": str(r["id"])}))
     bad_field = list(
@@ -153,40 +203,42 @@ def test_incompatible_writer_schema_is_quarantined_and_the_stream_goes_on(
     first = good[:800]
     then = [*good[800:900], *bad_type, *good[900:1000], *bad_field, *good[1000:]]
 
-    produce(kafka_config, iter(first))
-    runner = start(pipeline.config, once=False, spark=spark)
-    thread, failed = run_in_thread(runner)
-    try:
-        wait_for(lambda: landed(spark, pipeline) == len(first))
-        # Deployed while the ingestor runs: the retyped schema as the subject's version 2
-        # (the newest), the other under a subject of its own.
+    produce(kafka_config, iter(first + orders[:400]))
+
+    def deploy_and_produce() -> None:
+        # The retyped schema as the subject's version 2 (the newest), the other under a
+        # subject of its own.
         write_schema(pipeline.schema_dir, f"{topic}-value.v2.avsc", retyped)
         write_schema(pipeline.schema_dir, f"{topic}-legacy-value.avsc", without_email)
-        produce(kafka_config, iter(then))
-        wait_for(lambda: landed(spark, pipeline) == len(first) + len(then) or bool(failed))
-        assert not failed and thread.is_alive(), f"the ingestor stopped: {failed}"
-    finally:
-        runner.request_stop()
-        thread.join(180)
-    assert not failed, f"the ingestor failed: {failed}"
+        produce(kafka_config, iter(then + orders[400:]))
+
+    runner = start(pipeline.config, once=False, spark=spark)
+    stop = stop_customers_with(spark, pipeline, runner, len(first), deploy_and_produce, len(orders))
+    assert "entity 'customers' stopped:" in stop and "cannot be resolved" in stop, stop
+    assert "on_incompatible_schema: quarantine" in stop, stop
+    assert "\n" not in stop, stop
+    rows = bronze(spark, pipeline, "customers").select("kafka_partition", "kafka_offset")
+    before_the_stop = {(r.kafka_partition, r.kafka_offset) for r in rows.collect()}
+    assert len(first) <= len(before_the_stop) < len(good)
+    assert quarantine(spark, pipeline).count() == 0, "quarantined although the default stops"
+
+    # The operator chooses to set such records aside: the same checkpoint goes on.
+    start(quarantining(pipeline.config), once=True, spark=spark).run()
 
     # The oracle: the topic read back, each record classified by its framing header.
     values = topic_values(kafka_config, topic)
     writers = {retyped.header: retyped, without_email.header: without_email}
     expected = {c: writers[v[:10]] for c, v in values.items() if v and v[:10] in writers}
     assert len(expected) == len(bad_type) + len(bad_field)
+    assert not before_the_stop & set(expected), "an incompatible record reached bronze"
 
     rows = quarantine(spark, pipeline).where(f"kafka_topic = '{topic}'").collect()
     quarantined = {(r.kafka_partition, r.kafka_offset): r for r in rows}
     assert len(quarantined) == len(rows), "a record quarantined twice"
     assert set(quarantined) == set(expected)
     for coordinates, writer in expected.items():
-        row = quarantined[coordinates]
-        assert row.error_kind == "incompatible_schema", row.error_message
-        assert f"value writer schema fingerprint:{writer.fingerprint.hex()}" in row.error_message
-        assert f"reader schema fingerprint:{v1.fingerprint.hex()}" in row.error_message
-        assert WHY[writer is retyped] in row.error_message
-        assert row.raw_value == values[coordinates]
+        assert_incompatible(quarantined[coordinates], writer, v1, writer is retyped)
+        assert quarantined[coordinates].raw_value == values[coordinates]
 
     in_bronze = assert_bronze_holds_the_rest(spark, pipeline, set(values), set(quarantined))
     assert len(in_bronze) == len(good)

@@ -66,6 +66,15 @@ KAFKA_UNAVAILABLE = re.compile(
 #: Spark's failure when offsets the checkpoint needs are gone (failOnDataLoss is on).
 KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|OffsetOutOfRange")
 log = logging.getLogger("cdc_ingestor")
+#: How a batch stopped for an incompatible writer schema reads in the query's error.
+INCOMPATIBLE = re.compile(r"IncompatibleSchemaError: ([^\n]*)")
+
+
+class IncompatibleSchemaError(RuntimeError):
+    """A batch holds records whose writer schema the reader cannot resolve.
+
+    DESIGN.md: an incompatible change stops the affected entity with a clear error.
+    """
 
 
 class EntityIngestion:
@@ -169,6 +178,9 @@ class EntityIngestion:
                 decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
                 counts, rejected = self._check(decoded, batch_id)
             lap("check")
+            incompatible = counts.get("incompatible_schema", 0)
+            if incompatible and self.config.ingestor.on_incompatible_schema == "stop":
+                raise IncompatibleSchemaError(self._incompatible_stop(incompatible, rejected))
             idempotent_append(
                 bronze_rows(decoded), self.bronze_path, app, batch_id, merge_schema=True
             )
@@ -198,6 +210,20 @@ class EntityIngestion:
                 },
                 extra={"errors": errors, **lap.laps},
             ),
+        )
+
+    def _incompatible_stop(self, count: int, rejected: list[Any]) -> str:
+        """The one line an operator reads when the entity stops for an incompatible schema."""
+        reasons = sorted(
+            {r.error_message for r in rejected if r.error_kind == "incompatible_schema"}
+        )
+        return (
+            f"stopped: {count} record(s) of topic {self.entity.source_topic!r} were written "
+            f"with a schema the reader cannot resolve ({'; '.join(reasons[:3])}). Nothing of "
+            "the batch was written; the stream stops before the first such record's batch. "
+            "Deploy a reader schema that resolves it (or fix the producer), or set "
+            "ingestor.on_incompatible_schema: quarantine to set such records aside, then "
+            "restart"
         )
 
     def _log_incompatible(self, batch_id: int, count: int, rejected: list[Any]) -> None:
@@ -296,6 +322,8 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
     """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop."""
 
     def read(entity: str, error: str) -> Failure | None:
+        if incompatible := INCOMPATIBLE.search(error):
+            return Failure(incompatible.group(1), entity_only=True)
         if KAFKA_DATA_LOSS.search(error):
             topic = config.entity(entity).source_topic
             partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
