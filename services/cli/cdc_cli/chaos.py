@@ -22,7 +22,6 @@ import random
 import re
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -54,6 +53,7 @@ from cdc_cli.local_run import (
     check_outputs,
     health_port,
     oracle_rows,
+    unwind_on_sigterm,
     wait_until_healthy,
     write_pipeline_config,
 )
@@ -355,7 +355,7 @@ def silver_fingerprint(spark: SparkSession, config: PipelineConfig) -> str:
 def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
     """Run load and faults, wait for the catch-up, check everything; see the module docstring."""
     started = time.monotonic()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     rng = random.Random(options.seed)
     secrets = [_secret(rng, "sasl-password"), _secret(rng, "es-api-key")]
     config_path = _prepare(options, secrets, echo)

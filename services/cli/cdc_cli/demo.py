@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import shutil
-import signal
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from cdc_cli.local_run import (
     health_port,
     oracle_rows,
     produce_delays,
+    unwind_on_sigterm,
     wait_until_healthy,
     write_pipeline_config,
 )
@@ -81,8 +80,7 @@ class DemoResult:
 def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     """Run the whole demo; see the module docstring."""
     started_wall, started = dt.datetime.now(dt.UTC), time.monotonic()
-    # SIGTERM unwinds like Ctrl-C, so the services are stopped, not orphaned.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     served = infra.up()
     echo(f"kafka {served.kafka_bootstrap_servers} · elasticsearch {served.elasticsearch_url}")
     if options.workdir.exists():

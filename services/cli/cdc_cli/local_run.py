@@ -8,7 +8,9 @@ silver, the change topics and the indexes with the oracle. Used by ``cdc demo``,
 from __future__ import annotations
 
 import datetime as dt
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -80,6 +82,20 @@ def write_pipeline_config(
     path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C, once, so the services get stopped, not orphaned.
+
+    Later SIGTERMs (``timeout`` forwards its own, a supervisor repeats) are ignored: a
+    second unwinding in the middle of the clean-up would leave the services running.
+    """
+
+    def unwind(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, unwind)
 
 
 def free_port() -> int:
