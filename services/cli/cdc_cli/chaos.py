@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -25,7 +26,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -59,7 +60,14 @@ from cdc_cli.local_run import (
 )
 from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
 from cdc_cli.verify import silver_hashes
-from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_cli.workload import (
+    GeneratedMessage,
+    ProduceReport,
+    WorkloadGenerator,
+    WorkloadSpec,
+    ensure_topics,
+    produce,
+)
 
 Fault = Literal["kill", "broker restart", "es outage", "es slowdown"]
 
@@ -252,6 +260,7 @@ class FaultInjector(threading.Thread):
         self.windows = WindowWatch(config)
         self.record = FaultRecord()
         self.stopping = threading.Event()
+        self.done = 0  # faults injected (or given up on) so far
 
     def run(self) -> None:
         """Inject every planned fault, with random pauses between them."""
@@ -265,6 +274,7 @@ class FaultInjector(threading.Thread):
             except Exception as exc:
                 self.record.problems.append(f"{fault}: {type(exc).__name__}: {exc}")
                 self.echo(f"fault {number} could not be injected: {exc}")
+            self.done = number
 
     def _inject(self, fault: Fault) -> None:
         if fault == "kill":
@@ -318,6 +328,35 @@ class FaultInjector(threading.Thread):
                 time.sleep(0.5)
         finally:
             infra.resume(self.settings, "elasticsearch")
+
+
+def produce_alongside(
+    config: PipelineConfig,
+    messages: Iterator[GeneratedMessage],
+    options: ChaosOptions,
+    injector: FaultInjector,
+) -> ProduceReport:
+    """Produce the load in one slice per planned fault, each while its fault is under way.
+
+    Produced at once, the load would be in long before a long fault plan is through, and
+    most faults would hit an idle pipeline. The slices keep the generator's order, so the
+    same seed still makes the same records.
+    """
+    whole = ProduceReport()
+    slices = max(1, len(injector.plan))
+    size = max(1, options.events // slices)
+    for number in range(1, slices + 1):
+        chunk = itertools.islice(messages, None if number == slices else size)
+        part = produce(config.kafka, chunk, rate=options.rate)
+        whole.produced += part.produced
+        whole.seconds += part.seconds
+        whole.poison += part.poison
+        for kind, count in part.by_kind.items():
+            whole.by_kind[kind] = whole.by_kind.get(kind, 0) + count
+        while injector.done < number and injector.is_alive():
+            time.sleep(0.5)
+    whole.poison.sort()
+    return whole
 
 
 def _secret(rng: random.Random, kind: str) -> str:
@@ -385,8 +424,8 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
             f"{len(injector.plan)} faults"
         )
         injector.start()
-        result.produced = produce(config.kafka, generator.messages(), rate=options.rate)
-        echo(f"produced {result.produced.produced:,} messages; faults still to come may follow")
+        result.produced = produce_alongside(config, generator.messages(), options, injector)
+        echo(f"produced {result.produced.produced:,} messages")
         injector.join()
         result.faults = injector.record
         echo("faults over; waiting for the pipeline to catch up")
