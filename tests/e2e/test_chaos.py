@@ -3,7 +3,6 @@ outage and slowdown under load, then zero divergences in every output and log.""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from cdc_cli import infra
-from support.servers import TEST_INFRA
+from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CDC = str(Path(sys.executable).with_name("cdc"))
@@ -19,14 +18,7 @@ CDC = str(Path(sys.executable).with_name("cdc"))
 
 def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_path: Path) -> None:
     # The run restarts the servers it finds with `cdc infra`: point it at the session's own.
-    env = {
-        **os.environ,
-        "CDC_INFRA_STATE_DIR": str(TEST_INFRA.state_dir),
-        "CDC_INFRA_KAFKA_PORT": str(TEST_INFRA.kafka_port),
-        "CDC_INFRA_KAFKA_CONTROLLER_PORT": str(TEST_INFRA.kafka_controller_port),
-        "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
-        "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
-    }
+    env = infra_env()
     run = subprocess.run(
         [
             CDC,

@@ -3,14 +3,13 @@ agreeing with the oracle and every service stopping cleanly (exit 0)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from cdc_cli import infra
-from support.servers import TEST_INFRA
+from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CDC = str(Path(sys.executable).with_name("cdc"))
@@ -18,14 +17,7 @@ CDC = str(Path(sys.executable).with_name("cdc"))
 
 def test_short_demo_agrees_with_the_oracle(local_servers: infra.Endpoints, tmp_path: Path) -> None:
     # The demo brings up its servers with `cdc infra up`: point it at the session's own.
-    env = {
-        **os.environ,
-        "CDC_INFRA_STATE_DIR": str(TEST_INFRA.state_dir),
-        "CDC_INFRA_KAFKA_PORT": str(TEST_INFRA.kafka_port),
-        "CDC_INFRA_KAFKA_CONTROLLER_PORT": str(TEST_INFRA.kafka_controller_port),
-        "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
-        "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
-    }
+    env = infra_env()
     workdir = tmp_path / "demo"
     run = subprocess.run(
         [

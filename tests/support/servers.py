@@ -18,3 +18,16 @@ TEST_INFRA = infra.InfraSettings(
     es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
     es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
 )
+
+
+def infra_env() -> dict[str, str]:
+    """The environment for a ``cdc`` command that brings up servers with ``cdc infra up``
+    (demo, chaos): pointed at the test session's own servers."""
+    return {
+        **os.environ,
+        "CDC_INFRA_STATE_DIR": str(TEST_INFRA.state_dir),
+        "CDC_INFRA_KAFKA_PORT": str(TEST_INFRA.kafka_port),
+        "CDC_INFRA_KAFKA_CONTROLLER_PORT": str(TEST_INFRA.kafka_controller_port),
+        "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
+        "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
+    }

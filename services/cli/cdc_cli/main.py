@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import typer
 from cdc_shared.config import ConfigError, load_config
 
 from cdc_cli import infra
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="Operate the CDC replication pipeline.",
@@ -50,6 +54,22 @@ def infra_status() -> None:
         typer.echo(f"{name}: {'running' if is_running else 'stopped'}")
 
 
+def _run_or_exit(run: Callable[[], T]) -> T:
+    """``run()``; a server or run failure becomes one red line and exit 1."""
+    try:
+        return run()
+    except (infra.InfraError, RuntimeError) as exc:
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+def _print_summary(rows: list[tuple[str, str]]) -> None:
+    """A run's summary table, one ``label  value`` line per row."""
+    typer.echo("")
+    for label, value in rows:
+        typer.echo(f"  {label:<34} {value}")
+
+
 @app.command("demo")
 def demo(
     events: int = typer.Option(20_000, min=100, help="Change events to generate."),
@@ -69,14 +89,8 @@ def demo(
     options = DemoOptions(
         events=events, rate=rate, keys=keys, workdir=workdir, catch_up_timeout_s=timeout
     )
-    try:
-        result = run_demo(options, typer.echo)
-    except (infra.InfraError, RuntimeError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    typer.echo("")
-    for label, value in summary_rows(result):
-        typer.echo(f"  {label:<34} {value}")
+    result = _run_or_exit(lambda: run_demo(options, typer.echo))
+    _print_summary(summary_rows(result))
     typer.echo(f"\nreport: {result.report}")
     if down:
         infra.down()
@@ -125,14 +139,8 @@ def chaos(
         workdir=workdir,
         catch_up_timeout_s=timeout,
     )
-    try:
-        result = run_chaos(options, typer.echo)
-    except (infra.InfraError, RuntimeError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    typer.echo("")
-    for label, value in summary_rows(result):
-        typer.echo(f"  {label:<34} {value}")
+    result = _run_or_exit(lambda: run_chaos(options, typer.echo))
+    _print_summary(summary_rows(result))
     if not result.passed:
         raise typer.Exit(1)
 
