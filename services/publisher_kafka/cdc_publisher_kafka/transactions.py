@@ -255,7 +255,7 @@ class TransactionalPublisher:
         attempts = self.settings.retry_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return call()
+                result = call()
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 if error.fatal():
@@ -265,6 +265,10 @@ class TransactionalPublisher:
                     self._on_problem(f"Kafka {what} failing: {error.str()}")
                     raise
                 self._backoff(attempt, f"{what} failed, retrying: {error.str()}")
+            else:
+                if attempt > 1:  # recovered: /health must stop reporting the retries
+                    self._on_problem(None)
+                return result
         raise AssertionError("unreachable")
 
     def _backoff(self, attempt: int, problem: str) -> None:
