@@ -24,7 +24,7 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
             CDC,
             "chaos",
             *("--events", "2500", "--rate", "100", "--keys", "300"),
-            *("--kills", "5", "--broker-restarts", "1", "--es-outages", "1"),
+            *("--kills", "4", "--broker-restarts", "1", "--es-outages", "1"),
             *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
             *("--workdir", str(tmp_path / "chaos"), "--timeout", "600"),
         ],
