@@ -14,6 +14,7 @@ from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CDC = str(Path(sys.executable).with_name("cdc"))
+KILLS = 4
 
 
 def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_path: Path) -> None:
@@ -24,7 +25,7 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
             CDC,
             "chaos",
             *("--events", "2500", "--rate", "100", "--keys", "300"),
-            *("--kills", "4", "--broker-restarts", "1", "--es-outages", "1"),
+            *("--kills", str(KILLS), "--broker-restarts", "1", "--es-outages", "1"),
             *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
             *("--workdir", str(tmp_path / "chaos"), "--timeout", "600"),
         ],
@@ -40,7 +41,7 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
     )
     assert re.search(r"divergences\s+0\b", summary), summary
     kills = [int(n) for n in re.findall(r"kills \S+\s+(\d+)", summary)]
-    assert sum(kills) == 5, summary
+    assert sum(kills) == KILLS, summary
     assert re.search(r"broker restarts\s+1\b", summary), summary
     assert re.search(r"Elasticsearch outages\s+1\b", summary), summary
     assert "no planted secret in any log" in summary
