@@ -93,9 +93,9 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
 
     drain = launch_ingestor(pipeline, log, "--once")
     assert drain.wait(300) == 0, f"the draining run failed; see {log}"
-    report = ProduceReport(
-        produced=before.produced + after.produced, poison=before.poison + after.poison
-    )
+    report = ProduceReport()
+    for part in (before, after):
+        report.add(part)
     assert report.produced == len(messages)
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
     assert bronze(spark, pipeline, "customers").count() == len(messages) - len(report.poison)

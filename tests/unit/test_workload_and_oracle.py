@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from cdc_cli.oracle import EntityOracle, load_fingerprints
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec
+from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import (
     AvroDecoder,
     AvroEncoder,
@@ -265,3 +265,12 @@ def test_composite_key_and_multi_column_sequence(registry: FileSchemaRegistry) -
     send(7, 1, ts=99, lsn=50, quantity=4, offset=3)  # earlier ts wins the comparison: older
     assert {k: r["quantity"] for k, r in oracle.rows.items()} == {(7, 1): 3, (7, 2): 2}
     assert oracle.rows[(7, 1)]["amount"] == Decimal("9.99")
+
+
+def test_produce_reports_of_slices_add_up() -> None:
+    whole = ProduceReport()
+    whole.add(ProduceReport(2, {"event": 1, "poison": 1}, [("t", 1, 9, "corrupt")], 1.0))
+    whole.add(ProduceReport(3, {"event": 2, "tombstone": 1}, [("t", 0, 4, "null_key")], 2.0))
+    assert whole.produced == 5 and whole.seconds == 3.0
+    assert whole.by_kind == {"event": 3, "poison": 1, "tombstone": 1}
+    assert whole.poison == [("t", 0, 4, "null_key"), ("t", 1, 9, "corrupt")]

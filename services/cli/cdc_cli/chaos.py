@@ -347,15 +347,9 @@ def produce_alongside(
     size = max(1, options.events // slices)
     for number in range(1, slices + 1):
         chunk = itertools.islice(messages, None if number == slices else size)
-        part = produce(config.kafka, chunk, rate=options.rate)
-        whole.produced += part.produced
-        whole.seconds += part.seconds
-        whole.poison += part.poison
-        for kind, count in part.by_kind.items():
-            whole.by_kind[kind] = whole.by_kind.get(kind, 0) + count
+        whole.add(produce(config.kafka, chunk, rate=options.rate))
         while injector.done < number and injector.is_alive():
             time.sleep(0.5)
-    whole.poison.sort()
     return whole
 
 

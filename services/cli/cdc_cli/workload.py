@@ -387,6 +387,14 @@ class ProduceReport:
         """Messages per second, produce call to last delivery."""
         return self.produced / self.seconds if self.seconds else 0.0
 
+    def add(self, other: ProduceReport) -> None:
+        """Count ``other`` (a later produce call) in this report too."""
+        self.produced += other.produced
+        self.seconds += other.seconds
+        self.poison = sorted(self.poison + other.poison)
+        for kind, count in other.by_kind.items():
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + count
+
 
 def ensure_topics(kafka: KafkaConfig, topics: Sequence[str], partitions: int = 3) -> None:
     """Create the topics that do not exist yet (replication factor 1)."""
