@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import itertools
 import json
+import math
 import os
 import random
 import re
@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -332,11 +332,11 @@ class FaultInjector(threading.Thread):
 
 def produce_alongside(
     config: PipelineConfig,
-    messages: Iterator[GeneratedMessage],
-    options: ChaosOptions,
+    messages: list[GeneratedMessage],
+    rate: float,
     injector: FaultInjector,
 ) -> ProduceReport:
-    """Produce the load in one slice per planned fault, each while its fault is under way.
+    """Produce the load in equal slices, one per fault, each while its fault is under way.
 
     Produced at once, the load would be in long before a long fault plan is through, and
     most faults would hit an idle pipeline. The slices keep the generator's order, so the
@@ -344,10 +344,10 @@ def produce_alongside(
     """
     whole = ProduceReport()
     slices = max(1, len(injector.plan))
-    size = max(1, options.events // slices)
+    size = math.ceil(len(messages) / slices)
     for number in range(1, slices + 1):
-        chunk = itertools.islice(messages, None if number == slices else size)
-        whole.add(produce(config.kafka, chunk, rate=options.rate))
+        chunk = messages[(number - 1) * size : number * size]
+        whole.add(produce(config.kafka, iter(chunk), rate=rate))
         while injector.done < number and injector.is_alive():
             time.sleep(0.5)
     return whole
@@ -418,7 +418,10 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
             f"{len(injector.plan)} faults"
         )
         injector.start()
-        result.produced = produce_alongside(config, generator.messages(), options, injector)
+        # Listed first (the generator keeps every message for re-deliveries anyway), so
+        # the slices can be equal: re-deliveries and tombstones come on top of --events.
+        messages = list(generator.messages())
+        result.produced = produce_alongside(config, messages, options.rate, injector)
         echo(f"produced {result.produced.produced:,} messages")
         injector.join()
         result.faults = injector.record
