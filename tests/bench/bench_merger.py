@@ -37,6 +37,7 @@ from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  #
 from cdc_merger.apply import (  # noqa: E402
     SILVER_PROPERTIES,
     SilverLayout,
+    TruncateFloor,
     apply_batch,
     ensure_tables,
     silver_schema,
@@ -290,11 +291,18 @@ def main() -> None:
         ensure_table(spark, layout.silver_path, silver, properties)
         ensure_tables(spark, bronze, layout)  # tombstones and truncates; silver exists
 
-        def merge(s: SparkSession, e: DataFrame, layout: SilverLayout = layout) -> dict[str, int]:
+        truncates = TruncateFloor(spark, layout.truncate_path)  # one per variant, as the merger
+
+        def merge(
+            s: SparkSession,
+            e: DataFrame,
+            layout: SilverLayout = layout,
+            truncates: TruncateFloor = truncates,
+        ) -> dict[str, int]:
             def refuse(rejected: DataFrame) -> None:
                 raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
 
-            return apply_batch(s, e, layout, refuse).step_ms
+            return apply_batch(s, e, layout, refuse, truncates).step_ms
 
         variants.append(Variant(name, merge, layout.silver_path))
 

@@ -14,6 +14,7 @@ from cdc_merger.apply import (
     ERROR_MESSAGE,
     ApplyResult,
     SilverLayout,
+    TruncateFloor,
     apply_batch,
     ensure_tables,
     expire_tombstones,
@@ -51,6 +52,7 @@ class Silver:
             str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), entity.key
         )
         ensure_tables(spark, silver_bronze_schema or self.bronze_schema, self.layout)
+        self.truncates = TruncateFloor(spark, self.layout.truncate_path)  # kept, as the merger
         self.offset = 0
         self.rejected: list[Row] = []
 
@@ -95,12 +97,16 @@ class Silver:
     def apply(self, *events: dict[str, Any]) -> ApplyResult:
         frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
         try:
-            return apply_batch(self.spark, frame, self.layout, self.quarantine)
+            return apply_batch(self.spark, frame, self.layout, self.quarantine, self.truncates)
         finally:
             frame.unpersist()
 
     def apply_frame(self, events: DataFrame) -> ApplyResult:
-        return apply_batch(self.spark, events, self.layout, self.quarantine)
+        return apply_batch(self.spark, events, self.layout, self.quarantine, self.truncates)
+
+    def restart(self) -> None:
+        """Forget what the process kept in memory, as a restarted merger would."""
+        self.truncates = TruncateFloor(self.spark, self.layout.truncate_path)
 
     def quarantine(self, rejected: DataFrame) -> None:
         self.rejected += rejected.collect()
@@ -288,6 +294,11 @@ def test_truncate_deletes_older_rows_and_keeps_late_events_out(customers: Silver
     assert sorted(c[1:] for c in changes if c[1] == "delete") == [("delete", 1), ("delete", 2)]
 
     customers.apply(truncate)  # replayed: nothing newer than it is touched
+    assert names(customers) == {4: "after the truncate", 5: "newer"}
+    assert customers.changes() == changes
+
+    customers.restart()  # the truncate is read back from its table
+    customers.apply(customers.event("c", {"id": 6}, [18], customer("late, after a restart")))
     assert names(customers) == {4: "after the truncate", 5: "newer"}
     assert customers.changes() == changes
 

@@ -210,6 +210,35 @@ def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> D
     return flat.groupBy(*key).agg(newest).select(*key, "newest.*")
 
 
+class TruncateFloor:
+    """The newest truncate applied to one entity: events not newer than it are dropped.
+
+    Read from the truncates table on first use, then kept up to date in memory: the
+    merger is the table's only writer, and re-reading it would cost every batch a scan.
+    """
+
+    def __init__(self, spark: SparkSession, truncate_path: str) -> None:
+        self._spark = spark
+        self._path = truncate_path
+        self._sequence: list[int] | None = None
+        self._loaded = False
+
+    def get(self) -> list[int] | None:
+        """The newest truncate's sequence, or None when the entity was never truncated."""
+        if not self._loaded:
+            row = self._spark.read.format("delta").load(self._path).agg(F.max(SEQUENCE)).first()
+            newest = None if row is None else row[0]
+            self._sequence = None if newest is None else [int(v) for v in newest]
+            self._loaded = True
+        return self._sequence
+
+    def raise_to(self, sequence: list[int]) -> None:
+        """Remember a truncate just recorded (the floor never goes down)."""
+        current = self.get()
+        if current is None or sequence > current:
+            self._sequence = list(sequence)
+
+
 @dataclass(frozen=True)
 class BatchSummary:
     """One pass over a batch: events, rejected, the newest truncate, the latest ingest time."""
@@ -266,14 +295,17 @@ def apply_batch(
     events: DataFrame,
     layout: SilverLayout,
     quarantine: Callable[[DataFrame], None],
+    truncates: TruncateFloor | None = None,
 ) -> ApplyResult:
     """Apply one batch of bronze events to silver; idempotent.
 
     ``events`` should be persisted (it is read several times). Events that cannot be
     applied are handed to ``quarantine`` (bronze rows plus ``_cdc_error_kind`` and
-    ``_cdc_error_message``) and the rest is applied.
+    ``_cdc_error_message``) and the rest is applied. A long-lived caller passes the same
+    ``truncates`` every batch; without it the truncates table is read.
     """
     key = layout.key
+    truncates = truncates or TruncateFloor(spark, layout.truncate_path)
     lap = Stopwatch()
     silver = DeltaTable.forPath(spark, layout.silver_path).toDF().schema
     kind, message = rejection(events, key, silver)
@@ -287,19 +319,20 @@ def apply_batch(
     valid = checked.where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     if summary.truncate is not None:
         _truncate(spark, layout, summary.truncate)
+        truncates.raise_to(summary.truncate)
         lap("truncate")
-    candidates = _candidates(spark, latest_per_key(valid, key, silver), layout).persist()
-    try:
-        counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
-        lap("candidates")
-        if counts:
-            _merge_silver(spark, candidates, layout)
-            lap("merge")
-        if counts.get(DELETE):
-            _record_tombstones(spark, candidates, layout)
-            lap("tombstones")
-    finally:
-        candidates.unpersist()
+    # A local checkpoint cuts the lineage: the writes below then plan against the
+    # computed rows instead of re-planning the reads of bronze and the tombstones.
+    latest = latest_per_key(valid, key, silver)
+    candidates = _candidates(spark, latest, layout, truncates.get()).localCheckpoint(eager=False)
+    counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
+    lap("candidates")
+    if counts:
+        _merge_silver(spark, candidates, layout)
+        lap("merge")
+    if counts.get(DELETE):
+        _record_tombstones(spark, candidates, layout)
+        lap("tombstones")
     return ApplyResult(
         events=summary.events,
         rejected=summary.rejected,
@@ -324,18 +357,19 @@ def _summarise(checked: DataFrame) -> BatchSummary:
     return BatchSummary(int(row["events"]), int(row["rejected"]), truncate, row["ingested_until"])
 
 
-def _candidates(spark: SparkSession, latest: DataFrame, layout: SilverLayout) -> DataFrame:
-    """Events newer than every tombstone of their key and than every truncate."""
+def _candidates(
+    spark: SparkSession, latest: DataFrame, layout: SilverLayout, truncated: list[int] | None
+) -> DataFrame:
+    """Events newer than every tombstone of their key and than the newest truncate."""
     tombstones = spark.read.format("delta").load(layout.tombstone_path).alias("t")
-    truncates = spark.read.format("delta").load(layout.truncate_path).alias("t")
     not_newer = F.col(f"t.{SEQUENCE}") >= F.col(f"e.{SEQUENCE}")
     same_key = [F.col(f"e.`{k}`") == F.col(f"t.`{k}`") for k in layout.key]
-    return (
-        latest.alias("e")
-        .join(tombstones, on=reduce(Column.__and__, same_key, not_newer), how="left_anti")
-        .join(F.broadcast(truncates), on=not_newer, how="left_anti")
-        .withColumn(COMMIT_TS, F.current_timestamp())
+    candidates = latest.alias("e").join(
+        tombstones, on=reduce(Column.__and__, same_key, not_newer), how="left_anti"
     )
+    if truncated is not None:
+        candidates = candidates.where(F.col(SEQUENCE) > _sequence_literal(truncated))
+    return candidates.withColumn(COMMIT_TS, F.current_timestamp())
 
 
 def _on(key: list[str], target: str, source: str) -> str:

@@ -37,6 +37,7 @@ from cdc_merger.apply import (
     ERROR_KIND,
     ERROR_MESSAGE,
     SilverLayout,
+    TruncateFloor,
     apply_batch,
     ensure_tables,
     expire_tombstones,
@@ -98,6 +99,7 @@ class EntityMerge:
         self.identity = QueryIdentity()
         self.bronze_path = config.table_path("bronze", entity.name)
         self.layout = silver_layout(config, entity)
+        self.truncates = TruncateFloor(spark, self.layout.truncate_path)
         self.quarantine_path = config.table_path("quarantine", SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
@@ -143,7 +145,7 @@ class EntityMerge:
 
         events = batch.persist()
         try:
-            result = apply_batch(self.spark, events, self.layout, quarantine)
+            result = apply_batch(self.spark, events, self.layout, quarantine, self.truncates)
         finally:
             events.unpersist()
         expired = self.expire_tombstones(result.ingested_until)
