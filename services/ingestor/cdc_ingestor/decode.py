@@ -85,6 +85,13 @@ class DecodePlan:
             key_reader=self.key_reader,
         )
 
+    def incompatible_among(self, spark: SparkSession, values: set[bytes], keys: set[bytes]) -> bool:
+        """Whether any of these headers names a writer the reader cannot read."""
+        return bool(
+            values & self.incompatible(spark, "value").keys()
+            or keys & self.incompatible(spark, "key").keys()
+        )
+
     def incompatible(self, spark: SparkSession, part: Literal["value", "key"]) -> dict[bytes, str]:
         """Header -> why its writer cannot be read as the reader, for ``part`` (value, key)."""
         writers, reader = (
@@ -264,6 +271,33 @@ def _decoded_ok(decoded: Column, decoded_type: T.DataType) -> Column:
     for name in required:
         ok = ok & decoded[name].isNotNull()
     return ok
+
+
+#: Every ``error_kind`` that ``decode`` gives a record that does not go to bronze.
+ERROR_KINDS = (
+    "truncated",
+    "unknown_framing",
+    "unknown_schema",
+    "incompatible_schema",
+    "corrupt",
+    "null_key",
+)
+
+
+def batch_headers(raw: DataFrame) -> tuple[set[bytes], set[bytes]]:
+    """The framing headers a batch of Kafka records uses: values', then keys'.
+
+    One cheap pass over the raw bytes: which writer schemas the batch needs, before any
+    record is decoded.
+    """
+    rows = (
+        raw.select(header(F.col("value")).alias("value"), header(F.col("key")).alias("key"))
+        .distinct()
+        .collect()
+    )
+    values = {bytes(r["value"]) for r in rows if r["value"] is not None}
+    keys = {bytes(r["key"]) for r in rows if r["key"] is not None}
+    return values, keys
 
 
 def _framing_errors(

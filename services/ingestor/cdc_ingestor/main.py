@@ -11,6 +11,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
@@ -36,15 +37,16 @@ from cdc_shared.tables import (
     idempotent_append,
 )
 from confluent_kafka import KafkaError, KafkaException
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Observation, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_ingestor.decode import (
     BRONZE_PROPERTIES,
+    ERROR_KINDS,
     KAFKA_SCHEMA,
     DecodePlan,
+    batch_headers,
     bronze_rows,
     check_sequence_paths,
     decode,
@@ -68,6 +70,11 @@ KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|Offs
 log = logging.getLogger("cdc_ingestor")
 #: How a batch stopped for an incompatible writer schema reads in the query's error.
 INCOMPATIBLE = re.compile(r"IncompatibleSchemaError: ([^\n]*)")
+
+
+def observation_ready(observation: Observation) -> bool:
+    """Whether the action an observation watched has run (``get`` would wait forever)."""
+    return bool(observation._jo is not None and observation._jo.future().isCompleted())
 
 
 class IncompatibleSchemaError(RuntimeError):
@@ -163,42 +170,45 @@ class EntityIngestion:
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Decode, then append bronze and quarantine idempotently (txnAppId + batch id).
 
-        Two passes over the batch, each decoding once: the first counts the outcomes and
-        collects the (rare) records to quarantine, the second writes bronze. Only the raw
-        Kafka records are cached between them (decoded nested rows cost more to cache
-        than to decode again).
+        A cheap pass over the framing headers first: writer schemas new to the registry
+        are learned, and a batch holding an incompatible one is refused (when so
+        configured) before anything is written. Then one decoding pass writes bronze while
+        counting the outcomes and collecting the (rare) records to quarantine (observed
+        metrics). A replayed batch, whose bronze write Delta skips without running it, is
+        counted by a pass of its own. Each pass reads the batch's offsets from Kafka again:
+        caching the raw records instead cost ~650 MiB more peak RSS at 500k-record batches
+        for no throughput (``tests/bench/bench_ingestor.py``).
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
         lap = Stopwatch()
-        raw = batch.persist(StorageLevel.MEMORY_AND_DISK)  # flat bytes: cheap to cache
-        try:
-            decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
-            counts, rejected = self._check(decoded, batch_id)
-            if counts.get("unknown_schema") and self._learn_writers(rejected):
-                decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
-                counts, rejected = self._check(decoded, batch_id)
-            lap("check")
-            incompatible = counts.get("incompatible_schema", 0)
-            if incompatible and self.config.ingestor.on_incompatible_schema == "stop":
-                raise IncompatibleSchemaError(self._incompatible_stop(incompatible, rejected))
-            idempotent_append(
-                bronze_rows(decoded), self.bronze_path, app, batch_id, merge_schema=True
+        values, keys = batch_headers(batch)
+        self._learn_writers(values, keys)
+        lap("headers")
+        refused = self.plan.incompatible_among(self.spark, values, keys)
+        if refused and self.config.ingestor.on_incompatible_schema == "stop":
+            self._stop_for_incompatible(batch, batch_id)
+        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
+        observation = Observation(f"ingest-{self.entity.name}-{batch_id}")
+        observed = decoded.observe(observation, *self._outcome_metrics(batch_id))
+        idempotent_append(bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True)
+        lap("bronze")
+        counts, rejected = self._outcomes(
+            observation.get
+            if observation_ready(observation)
+            else decoded.agg(*self._outcome_metrics(batch_id)).first()  # a replay
+        )
+        errors = {kind: n for kind, n in counts.items() if kind != "ok"}
+        if errors.get("incompatible_schema"):
+            self._log_incompatible(batch_id, errors["incompatible_schema"], rejected)
+        if errors:
+            collected = len(rejected) == sum(errors.values())
+            quarantined = (
+                self.spark.createDataFrame(rejected, QUARANTINE_SCHEMA)
+                if collected
+                else quarantine_rows(decoded, self.entity, batch_id)  # many: another pass
             )
-            lap("bronze")
-            errors = {kind: n for kind, n in counts.items() if kind != "ok"}
-            if errors.get("incompatible_schema"):
-                self._log_incompatible(batch_id, errors["incompatible_schema"], rejected)
-            if errors:
-                collected = len(rejected) == sum(errors.values())
-                quarantined = (
-                    self.spark.createDataFrame(rejected, QUARANTINE_SCHEMA)
-                    if collected
-                    else quarantine_rows(decoded, self.entity, batch_id)  # many: a third pass
-                )
-                idempotent_append(quarantined, self.quarantine_path, app, batch_id)
-                lap("quarantine")
-        finally:
-            raw.unpersist()
+            idempotent_append(quarantined, self.quarantine_path, app, batch_id)
+            lap("quarantine")
         self.runner.report(
             self.entity.name,
             batch_id,
@@ -211,6 +221,43 @@ class EntityIngestion:
                 extra={"errors": errors, **lap.laps},
             ),
         )
+
+    def _stop_for_incompatible(self, raw: DataFrame, batch_id: int) -> None:
+        """Refuse a batch holding records the reader cannot resolve, naming them."""
+        decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
+        counts, rejected = self._outcomes(decoded.agg(*self._outcome_metrics(batch_id)).first())
+        count = counts.get("incompatible_schema", 0)
+        raise IncompatibleSchemaError(self._incompatible_stop(count, rejected))
+
+    def _outcome_metrics(self, batch_id: int) -> list[Column]:
+        """Aggregates of a decoded batch: records per outcome, and the records to quarantine.
+
+        The records come as quarantine rows, up to ``MAX_COLLECTED_QUARANTINE`` of them.
+        """
+        kind = F.col("error_kind")
+        record = F.struct(*quarantine_columns(self.entity, batch_id))
+        return [
+            F.count_if(kind.isNull()).alias("ok"),
+            *[F.count_if(kind == name).alias(name) for name in ERROR_KINDS],
+            F.count(kind).alias("rejected"),
+            F.slice(
+                F.collect_list(F.when(kind.isNotNull(), record)), 1, MAX_COLLECTED_QUARANTINE
+            ).alias("rows"),
+        ]
+
+    @staticmethod
+    def _outcomes(row: Mapping[str, Any] | Row | None) -> tuple[dict[str, int], list[Any]]:
+        """Counts per outcome (only those that occurred) and the collected records."""
+        assert row is not None
+        counts = {"ok": int(row["ok"]), **{kind: int(row[kind]) for kind in ERROR_KINDS}}
+        unclassified = int(row["rejected"]) - sum(counts[kind] for kind in ERROR_KINDS)
+        if unclassified:
+            counts["unclassified"] = unclassified
+        counts = {name: n for name, n in counts.items() if n}
+        collected = list(row["rows"])
+        if int(row["rejected"]) > MAX_COLLECTED_QUARANTINE:
+            collected = []  # written by a pass of their own
+        return counts, collected
 
     def _incompatible_stop(self, count: int, rejected: list[Any]) -> str:
         """The one line an operator reads when the entity stops for an incompatible schema."""
@@ -242,41 +289,17 @@ class EntityIngestion:
             },
         )
 
-    def _check(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
-        """One pass: records per outcome, and up to a limit of the records to quarantine."""
-        outcome = F.coalesce(F.col("error_kind"), F.lit("ok"))
-        record = F.struct(*quarantine_columns(self.entity, batch_id))
-        rows = (
-            decoded.select(
-                outcome.alias("outcome"),
-                F.when(F.col("error_kind").isNotNull(), record).alias("rejected"),
-            )
-            .groupBy("outcome")
-            .agg(
-                F.count("*").alias("n"),
-                F.slice(F.collect_list("rejected"), 1, MAX_COLLECTED_QUARANTINE).alias("rows"),
-            )
-            .collect()
-        )
-        counts = {r.outcome: int(r.n) for r in rows}
-        collected = [row for r in rows for row in r.rows]
-        if sum(n for k, n in counts.items() if k != "ok") > MAX_COLLECTED_QUARANTINE:
-            collected = []  # written by a pass of their own
-        return counts, collected
-
-    def _learn_writers(self, rejected: list[Any]) -> bool:
-        """Ask the registry about unknown headers; True if it knew some (decode again).
+    def _learn_writers(self, values: set[bytes], keys: set[bytes]) -> None:
+        """Ask the registry about headers the plan does not know, and add what it knows.
 
         The reader becomes the subject's newest schema (unless pinned), so a compatible new
         column reaches bronze (the bronze write merges the schema).
         """
-        headers = {
-            (part, bytes(data))
-            for row in rejected
-            if row.error_kind == "unknown_schema"
-            for part, data in (("value", row.raw_value), ("key", row.raw_key))
-            if data is not None
+        headers = {("value", h) for h in values - self.plan.value_writers.keys()} | {
+            ("key", h) for h in keys - self.plan.key_writers.keys()
         }
+        if not headers:
+            return
         self.registry.refresh()
         known = {"value": self.plan.value_writers, "key": self.plan.key_writers}
         learned: dict[str, list[Any]] = {"value": [], "key": []}
@@ -294,7 +317,7 @@ class EntityIngestion:
             if schema not in learned[part]:
                 learned[part].append(schema)
         if not learned["value"] and not learned["key"]:
-            return False
+            return
         log.info(
             "new writer schemas",
             extra={
@@ -315,7 +338,6 @@ class EntityIngestion:
                 "value_reader": self.plan.value_reader.fingerprint.hex(),
             },
         )
-        return True
 
 
 def kafka_failures(config: PipelineConfig) -> OnFailure:
