@@ -16,10 +16,10 @@ Needs a running Elasticsearch (``make infra-up``, or the test servers: ``--es-ur
 
 2. Delay: the publisher runs continuously (trigger 250 ms) while this process commits
    ``--rate`` changes per second to silver (one commit per second, or as fast as it can
-   when a commit takes longer; the time taken is printed), after one warm-up commit that
-   is not measured; a poller thread counts each commit's documents every 100 ms. The
-   delay of a commit is from its Delta commit timestamp to all its documents being
-   searchable (refresh_interval 1 s). Prints p50, p99 and max.
+   when a commit takes longer; the time taken is printed), after ``--warmup-seconds`` of
+   the same load that are not measured; a poller thread counts each commit's documents
+   every 100 ms. The delay of a commit is from its Delta commit timestamp to all its
+   documents being searchable (refresh_interval 1 s). Prints p50, p99 and max.
 
     .venv/bin/python tests/bench/bench_publisher_es.py [--changes 1000000] [--rounds 3]
         [--rate 2000] [--seconds 60] [--es-url http://127.0.0.1:9200]
@@ -293,12 +293,17 @@ def delay(args: argparse.Namespace, work: Path) -> None:
     try:
         while not es.indices.exists_alias(name=index):  # the publisher is up
             time.sleep(0.5)
-        # Steady state: one warm-up commit (negative ids, not measured) must be searchable
-        # first, so the JVM's first jobs and the first bulk requests are not counted.
-        silver_rows(spark, -per_commit, per_commit).write.format("delta").mode("append").save(
-            str(table)
-        )
-        while es.count(index=index, query={"range": {"id": {"lt": 0}}})["count"] < per_commit:
+        # Steady state: --warmup-seconds of the same load (negative ids, not measured) must
+        # be searchable first, so the JVM's first jobs and bulk requests are not counted.
+        warmup = max(1, args.warmup_seconds)
+        for w in range(warmup):
+            silver_rows(spark, -(w + 1) * per_commit, per_commit).write.format("delta").mode(
+                "append"
+            ).save(str(table))
+            time.sleep(1.0)
+        while es.count(index=index, query={"range": {"id": {"lt": 0}}})["count"] < (
+            warmup * per_commit
+        ):
             time.sleep(0.2)
         polling.start()
         started = next_commit = time.monotonic()
@@ -307,7 +312,7 @@ def delay(args: argparse.Namespace, work: Path) -> None:
                 "append"
             ).save(str(table))
             with lock:
-                committed[k] = commit_timestamp_s(table, k + 2)  # 0: creation, 1: warm-up
+                committed[k] = commit_timestamp_s(table, k + 1 + warmup)  # 0: creation
             next_commit += 1.0
             time.sleep(max(0.0, next_commit - time.monotonic()))
         writing_s = time.monotonic() - started
@@ -325,7 +330,8 @@ def delay(args: argparse.Namespace, work: Path) -> None:
     p50 = statistics.median(delays)
     p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
     print(
-        f"delay at {args.rate:,} changes/s for {args.seconds} s ({len(committed)} commits in "
+        f"delay at {args.rate:,} changes/s for {args.seconds} s after {warmup} s of warm-up "
+        f"({len(committed)} commits in "
         f"{writing_s:.0f} s, {missing} never visible): p50 {p50:.2f} s  p99 {p99:.2f} s  "
         f"max {delays[-1]:.2f} s (goal p99 < 5 s)"
     )
@@ -374,6 +380,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", type=int, default=2000)
     parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument(
+        "--warmup-seconds",
+        type=int,
+        default=15,
+        help="seconds of the same load before the measured ones (the publisher's JIT warm-up)",
+    )
     parser.add_argument("--es-url", default="http://127.0.0.1:9200")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-delay", action="store_true")
