@@ -6,17 +6,21 @@ import shutil
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cdc_cli.workload import (
     produce,
 )
+from cdc_ingestor import main as ingestor_main
 from cdc_ingestor.main import start
 from cdc_shared.config import KafkaConfig
+from cdc_shared.streaming import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from support.ingestion import (
     assert_bronze_exactly_once,
+    assert_quarantine_exactly_once,
     bronze,
     generate,
     generate_across_schema_change,
@@ -89,6 +93,38 @@ def test_replayed_batch_writes_nothing_twice(
     assert bronze(spark, pipeline, "customers").count() == bronze_before
     assert quarantine(spark, pipeline).count() == quarantine_before
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+
+
+def test_crash_between_bronze_and_quarantine_commits_loses_nothing(
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    make_pipeline: PipelineFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replayed batch's bronze write is skipped, unobserved; its quarantine still lands."""
+    pipeline = make_pipeline(entities=("customers",))
+    report = produce(
+        kafka_config, iter(generate(pipeline, events=2000, keys=200, poison_share=0.01))
+    )
+    assert report.poison
+    quarantine_path = pipeline.config.table_path("quarantine", "ingestor")
+    append = ingestor_main.idempotent_append
+
+    def crash_at_the_quarantine_commit(frame: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        if path == quarantine_path:
+            raise RuntimeError("simulated crash after the bronze commit")
+        append(frame, path, *args, **kwargs)
+
+    monkeypatch.setattr(ingestor_main, "idempotent_append", crash_at_the_quarantine_commit)
+    with pytest.raises(StreamFailedError, match="simulated crash"):
+        ingest_once(pipeline, spark)
+    assert bronze(spark, pipeline, "customers").count() > 0  # the bronze commit happened
+    assert quarantine(spark, pipeline).count() == 0
+
+    monkeypatch.undo()
+    ingest_once(pipeline, spark)  # replays the batch
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+    assert_quarantine_exactly_once(spark, pipeline, report)
 
 
 def test_new_checkpoint_gets_a_new_app_id_and_writes(

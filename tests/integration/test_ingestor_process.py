@@ -14,7 +14,12 @@ import pytest
 from cdc_cli.workload import ProduceReport, produce
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
-from support.ingestion import assert_bronze_exactly_once, generate, launch_ingestor
+from support.ingestion import (
+    assert_bronze_exactly_once,
+    assert_quarantine_exactly_once,
+    generate,
+    launch_ingestor,
+)
 from support.pipelines import Pipeline, PipelineFactory
 from support.waiting import free_port
 
@@ -67,6 +72,7 @@ def test_exactly_once_under_sigkill(
     assert drain.wait(300) == 0, f"the draining run failed; see {log}"
     assert kills >= 5
     assert_bronze_exactly_once(spark, pipeline, kafka_config, reports[0])
+    assert_quarantine_exactly_once(spark, pipeline, reports[0])
 
 
 def test_sigterm_finishes_the_batch_and_exits_zero(

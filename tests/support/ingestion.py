@@ -80,6 +80,16 @@ def topic_offsets(kafka: KafkaConfig, topic: str) -> set[tuple[int, int]]:
         consumer.close()
 
 
+def assert_quarantine_exactly_once(
+    spark: SparkSession, pipeline: Pipeline, report: ProduceReport
+) -> None:
+    """The ingestor's quarantine holds each poison record of the report once, and nothing else."""
+    rows = quarantine(spark, pipeline).select("kafka_topic", "kafka_partition", "kafka_offset")
+    held = [(r.kafka_topic, r.kafka_partition, r.kafka_offset) for r in rows.collect()]
+    assert len(held) == len(set(held)), "duplicate records in quarantine"
+    assert set(held) == {(t, p, o) for t, p, o, _ in report.poison}
+
+
 def assert_bronze_exactly_once(
     spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig, report: ProduceReport
 ) -> None:

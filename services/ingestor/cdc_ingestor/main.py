@@ -184,18 +184,20 @@ class EntityIngestion:
         values, keys = batch_headers(batch)
         self._learn_writers(values, keys)
         lap("headers")
+        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
         refused = self.plan.incompatible_among(self.spark, values, keys)
         if refused and self.config.ingestor.on_incompatible_schema == "stop":
-            self._stop_for_incompatible(batch, batch_id)
-        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
+            counts, rejected = self._count(decoded, batch_id)
+            count = counts.get("incompatible_schema", 0)
+            raise IncompatibleSchemaError(self._incompatible_stop(count, rejected))
         observation = Observation(f"ingest-{self.entity.name}-{batch_id}")
         observed = decoded.observe(observation, *self._outcome_metrics(batch_id))
         idempotent_append(bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True)
         lap("bronze")
-        counts, rejected = self._outcomes(
-            observation.get
+        counts, rejected = (
+            self._outcomes(observation.get)
             if observation_ready(observation)
-            else decoded.agg(*self._outcome_metrics(batch_id)).first()  # a replay
+            else self._count(decoded, batch_id)  # a replay: Delta skipped the write
         )
         errors = {kind: n for kind, n in counts.items() if kind != "ok"}
         if errors.get("incompatible_schema"):
@@ -222,12 +224,9 @@ class EntityIngestion:
             ),
         )
 
-    def _stop_for_incompatible(self, raw: DataFrame, batch_id: int) -> None:
-        """Refuse a batch holding records the reader cannot resolve, naming them."""
-        decoded = decode(self.spark, raw, self.plan, self.entity.sequence_by)
-        counts, rejected = self._outcomes(decoded.agg(*self._outcome_metrics(batch_id)).first())
-        count = counts.get("incompatible_schema", 0)
-        raise IncompatibleSchemaError(self._incompatible_stop(count, rejected))
+    def _count(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
+        """A pass of its own over the batch: what ``_outcome_metrics`` observes on a write."""
+        return self._outcomes(decoded.agg(*self._outcome_metrics(batch_id)).first())
 
     def _outcome_metrics(self, batch_id: int) -> list[Column]:
         """Aggregates of a decoded batch: records per outcome, and the records to quarantine.
