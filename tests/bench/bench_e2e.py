@@ -74,7 +74,13 @@ import yaml
 from cdc_cli import infra
 from cdc_cli.local_run import Progress, wait_until_healthy, write_pipeline_config
 from cdc_cli.oracle import load_fingerprints
-from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
+from cdc_cli.processes import (
+    SERVICES,
+    ServiceProcess,
+    owns_its_memory,
+    process_snapshot,
+    wait_a_little,
+)
 from cdc_cli.workload import (
     GeneratedMessage,
     WorkloadGenerator,
@@ -95,7 +101,6 @@ Mark = tuple[str, Key, Seq]  # entity, key, sequence: one change event
 STAGES = ("silver", "topic", "index")
 ES_POLL_S = 0.5
 _TICK = os.sysconf("SC_CLK_TCK")
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 # --- probe keys ------------------------------------------------------------------------
@@ -710,23 +715,17 @@ class Meter(threading.Thread):
 
     def sample(self) -> None:
         """One pass over /proc."""
+        snapshot = process_snapshot()
         with self.lock:
             rss = dict.fromkeys(self.peak_rss, 0)
-            for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
+            for process in snapshot.values():
+                name = self.single.get(process.pid) or self.groups.get(process.group)
+                if name is None:
                     continue
-                try:
-                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    pid = int(entry.name)
-                    name = self.single.get(pid) or self.groups.get(int(stat[2]))
-                    if name is None:
-                        continue
-                    ticks = sum(int(v) for v in stat[11:15])  # utime stime cutime cstime
-                    seen = self.cpu_ticks[name]
-                    seen[pid] = max(seen.get(pid, 0), ticks)
-                    rss[name] += int((entry / "statm").read_text().split()[1]) * _PAGE
-                except (OSError, IndexError, ValueError):
-                    continue
+                seen = self.cpu_ticks[name]
+                seen[process.pid] = max(seen.get(process.pid, 0), process.cpu_ticks)
+                if owns_its_memory(process, snapshot):
+                    rss[name] += process.resident_bytes
             for name, value in rss.items():
                 self.peak_rss[name] = max(self.peak_rss[name], value)
 

@@ -27,26 +27,10 @@ import uuid
 from pathlib import Path
 
 import yaml
+from cdc_cli.processes import group_rss_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def tree_rss_mb(pgid: int) -> float:
-    total = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) != pgid:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / 1024
 
 
 def run_measured(command: list[str], log: Path) -> tuple[float, float]:
@@ -57,7 +41,7 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
     )
     peak = 0.0
     while process.poll() is None:
-        peak = max(peak, tree_rss_mb(process.pid))
+        peak = max(peak, group_rss_bytes(process.pid) / 2**20)
         time.sleep(0.25)
     if process.returncode != 0:
         raise SystemExit(f"{command[0]} failed ({process.returncode}); see {log}")

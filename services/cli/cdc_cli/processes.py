@@ -22,18 +22,59 @@ SERVICES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-def _group_rss_bytes(pgid: int) -> int:
-    total = 0
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process as /proc shows it at one instant."""
+
+    pid: int
+    parent: int
+    group: int
+    virtual_pages: int
+    resident_bytes: int
+    cpu_ticks: int  # user + system, with reaped children
+
+
+def process_snapshot() -> dict[int, ProcessSample]:
+    """Every process now, by pid (processes that end while we look are left out)."""
+    snapshot: dict[int, ProcessSample] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) == pgid:  # field 5 of stat: the process group
-                total += int((entry / "statm").read_text().split()[1]) * _PAGE
+            statm = (entry / "statm").read_text().split()
+            snapshot[int(entry.name)] = ProcessSample(
+                pid=int(entry.name),
+                parent=int(stat[1]),
+                group=int(stat[2]),
+                virtual_pages=int(statm[0]),
+                resident_bytes=int(statm[1]) * _PAGE,
+                cpu_ticks=sum(int(v) for v in stat[11:15]),
+            )
         except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-    return total
+            continue
+    return snapshot
+
+
+def owns_its_memory(sample: ProcessSample, snapshot: dict[int, ProcessSample]) -> bool:
+    """False for a child that still shares its parent's address space.
+
+    The JVM starts commands (Hadoop's ``chmod``, ``df``) with ``posix_spawn``, whose
+    child runs in the parent's memory until it execs: for that instant /proc shows it
+    with the whole JVM's size and RSS. Summing it would count the JVM twice.
+    """
+    parent = snapshot.get(sample.parent)
+    return parent is None or parent.virtual_pages != sample.virtual_pages
+
+
+def group_rss_bytes(group: int, snapshot: dict[int, ProcessSample] | None = None) -> int:
+    """Resident memory of process group ``group``: each address space counted once."""
+    snapshot = process_snapshot() if snapshot is None else snapshot
+    return sum(
+        s.resident_bytes
+        for s in snapshot.values()
+        if s.group == group and owns_its_memory(s, snapshot)
+    )
 
 
 @dataclass
@@ -64,7 +105,7 @@ class ServiceProcess:
     def poll(self) -> None:
         """Read new log lines and sample memory."""
         if self.process is not None and self.process.poll() is None:
-            self.peak_rss = max(self.peak_rss, _group_rss_bytes(self.process.pid))
+            self.peak_rss = max(self.peak_rss, group_rss_bytes(self.process.pid))
         try:
             with self.log_path.open("rb") as log:
                 log.seek(self._read_upto)

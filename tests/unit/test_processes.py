@@ -1,0 +1,31 @@
+"""Memory accounting of the service processes (``cdc_cli.processes``)."""
+
+from __future__ import annotations
+
+import os
+
+from cdc_cli.processes import ProcessSample, group_rss_bytes, owns_its_memory, process_snapshot
+
+MIB = 2**20
+
+
+def sample(pid: int, parent: int, virtual_pages: int, rss_mib: int) -> ProcessSample:
+    return ProcessSample(pid, parent, 100, virtual_pages, rss_mib * MIB, 0)
+
+
+def test_a_spawned_child_still_in_its_parents_memory_is_counted_once() -> None:
+    jvm = sample(101, 100, 900_000, 1_200)
+    spawning = sample(102, 101, 900_000, 1_200)  # posix_spawn: same address space
+    chmod = sample(103, 101, 1_500, 1)  # after exec: its own
+    snapshot = {p.pid: p for p in (jvm, spawning, chmod)}
+
+    assert [owns_its_memory(p, snapshot) for p in (jvm, spawning, chmod)] == [True, False, True]
+    assert group_rss_bytes(100, snapshot) == 1_201 * MIB
+
+
+def test_the_current_process_group_is_measured() -> None:
+    snapshot = process_snapshot()
+    me = snapshot[os.getpid()]
+
+    assert me.resident_bytes > 0
+    assert group_rss_bytes(me.group, snapshot) >= me.resident_bytes
