@@ -305,3 +305,22 @@ def test_fingerprint_matches_avro_spec(files: FileSchemaRegistry) -> None:
     # The spec's example: CRC-64-AVRO("null") = 0x63dd24e7cc258f8a, written little-endian.
     null_fingerprint = bytes.fromhex(fastavro.schema.fingerprint('"null"', "CRC-64-AVRO"))
     assert null_fingerprint == (0x63DD24E7CC258F8A).to_bytes(8, "little")
+
+
+def test_a_file_registry_lists_what_it_resolves_and_an_http_one_does_not(tmp_path: Path) -> None:
+    """The ingestor plans every listed schema and then needs no look at a batch's headers."""
+    (tmp_path / f"{CUSTOMERS}.avsc").write_text((SCHEMAS / f"{CUSTOMERS}.avsc").read_text())
+    files = FileSchemaRegistry([tmp_path])
+    v1 = files.latest(CUSTOMERS)
+    assert files.listing() == [v1]
+
+    (tmp_path / f"{CUSTOMERS}.v2.avsc").write_text((SCHEMAS / f"{CUSTOMERS}.v2.avsc").read_text())
+    assert files.listing() == [v1], "listed before the registry looked again"
+    files.refresh()
+    assert {s.fingerprint for s in files.listing()} == {
+        v1.fingerprint,
+        files.latest(CUSTOMERS).fingerprint,
+    }
+    assert len(files.listing()) == 2
+
+    assert ConfluentSchemaRegistry("mock://listing", files=files).listing() is None

@@ -45,6 +45,8 @@ BRONZE_PROPERTIES = {
 }
 _CONFLUENT = bytes([0x00])
 _SINGLE_OBJECT = bytes([0xC3, 0x01])
+#: Starts the error that fails a write which met a record of an incompatible writer schema.
+REFUSED_INCOMPATIBLE = "cdc-ingestor refused a record of an incompatible writer schema: "
 #: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.
 _REASONS: dict[tuple[bytes, bytes], str | None] = {}
 
@@ -83,13 +85,6 @@ class DecodePlan:
             key_writers={**self.key_writers, **_by_header(key)},
             value_reader=self.value_reader,
             key_reader=self.key_reader,
-        )
-
-    def incompatible_among(self, spark: SparkSession, values: set[bytes], keys: set[bytes]) -> bool:
-        """Whether any of these headers names a writer the reader cannot read."""
-        return bool(
-            values & self.incompatible(spark, "value").keys()
-            or keys & self.incompatible(spark, "key").keys()
         )
 
     def incompatible(self, spark: SparkSession, part: Literal["value", "key"]) -> dict[bytes, str]:
@@ -354,9 +349,19 @@ def _framing_errors(
 
 
 def decode(
-    spark: SparkSession, raw: DataFrame, plan: DecodePlan, sequence_by: list[str]
+    spark: SparkSession,
+    raw: DataFrame,
+    plan: DecodePlan,
+    sequence_by: list[str],
+    *,
+    refuse_incompatible: bool = False,
 ) -> DataFrame:
-    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error."""
+    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error.
+
+    With ``refuse_incompatible``, a record of an incompatible writer schema fails the job
+    that evaluates it (an error starting ``REFUSED_INCOMPATIBLE``): a write of the batch
+    stops before its commit, so nothing of the batch is written.
+    """
     value_type = avro_type(spark, plan.value_reader)
     key_type = avro_type(spark, plan.key_reader)
     value_incompatible = plan.incompatible(spark, "value")
@@ -444,9 +449,15 @@ def decode(
     )
     # Decode once per row and pass: the optimizer would otherwise inline the decoding into
     # both a filter and the projection above it. A generator is a barrier it keeps.
-    return decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row")).select(
-        "_row.*"
-    )
+    rows = decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row"))
+    rows = rows.select("_row.*")
+    if refuse_incompatible:  # above the barrier: the decoding is not evaluated twice
+        kind = F.col("error_kind")
+        refused = F.raise_error(F.concat(F.lit(REFUSED_INCOMPATIBLE), F.col("error_message")))
+        rows = rows.withColumn(
+            "error_kind", F.when(kind == F.lit("incompatible_schema"), refused).otherwise(kind)
+        )
+    return rows
 
 
 def bronze_rows(decoded: DataFrame) -> DataFrame:

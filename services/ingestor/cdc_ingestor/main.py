@@ -45,6 +45,7 @@ from cdc_ingestor.decode import (
     BRONZE_PROPERTIES,
     ERROR_KINDS,
     KAFKA_SCHEMA,
+    REFUSED_INCOMPATIBLE,
     DecodePlan,
     batch_headers,
     bronze_rows,
@@ -102,6 +103,7 @@ class EntityIngestion:
         self.runner = runner
         self.identity = QueryIdentity()
         self.plan = self._newest_plan()
+        self._listed: set[bytes] = set()  # fingerprints the registry listed for the plan
         self.bronze_path = config.table_path("bronze", entity.name)
         self.quarantine_path = config.table_path("quarantine", SERVICE)
         check_sequence_paths(spark, entity, self.plan)
@@ -170,30 +172,36 @@ class EntityIngestion:
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Decode, then append bronze and quarantine idempotently (txnAppId + batch id).
 
-        A cheap pass over the framing headers first: writer schemas new to the registry
-        are learned, and a batch holding an incompatible one is refused (when so
-        configured) before anything is written. Then one decoding pass writes bronze while
-        counting the outcomes and collecting the (rare) records to quarantine (observed
-        metrics). A replayed batch, whose bronze write Delta skips without running it, is
-        counted by a pass of its own. Each pass reads the batch's offsets from Kafka again:
-        caching the raw records instead cost ~650 MiB more peak RSS at 500k-record batches
-        for no throughput (``tests/bench/bench_ingestor.py``).
+        The decode plan is brought up to date with the registry first (``_update_plan``).
+        Then one decoding pass writes bronze while counting the outcomes and collecting
+        the (rare) records to quarantine (observed metrics); when so configured, a record
+        of an incompatible writer schema fails that write before its commit, and the
+        batch is refused. A replayed batch, whose bronze write Delta skips without running
+        it, is counted by a pass of its own. Each pass reads the batch's offsets from
+        Kafka again: caching the raw records instead cost ~650 MiB more peak RSS at
+        500k-record batches for no throughput (``tests/bench/bench_ingestor.py``).
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
         lap = Stopwatch()
-        values, keys = batch_headers(batch)
-        self._learn_writers(values, keys)
-        lap("headers")
-        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
-        refused = self.plan.incompatible_among(self.spark, values, keys)
-        if refused and self.config.ingestor.on_incompatible_schema == "stop":
-            counts, rejected = self._count(decoded, batch_id)
-            count = counts.get("incompatible_schema", 0)
-            raise IncompatibleSchemaError(self._incompatible_stop(count, rejected))
+        self._update_plan(batch)
+        lap("plan")
+        refuse = self.config.ingestor.on_incompatible_schema == "stop"
+        decoded = self._decode(batch, refuse_incompatible=refuse)
         observation = Observation(f"ingest-{self.entity.name}-{batch_id}")
         observed = decoded.observe(observation, *self._outcome_metrics(batch_id))
-        idempotent_append(bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True)
+        try:
+            idempotent_append(
+                bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True
+            )
+        except Exception as error:
+            if REFUSED_INCOMPATIBLE not in str(error):
+                raise
+            counts, rejected = self._count(self._decode(batch), batch_id)
+            count = counts.get("incompatible_schema", 0)
+            raise IncompatibleSchemaError(self._incompatible_stop(count, rejected)) from None
         lap("bronze")
+        if refuse:
+            decoded = self._decode(batch)  # what follows counts and quarantines, never refuses
         counts, rejected = (
             self._outcomes(observation.get)
             if observation_ready(observation)
@@ -223,6 +231,34 @@ class EntityIngestion:
                 extra={"errors": errors, **lap.laps},
             ),
         )
+
+    def _decode(self, batch: DataFrame, *, refuse_incompatible: bool = False) -> DataFrame:
+        return decode(
+            self.spark,
+            batch,
+            self.plan,
+            self.entity.sequence_by,
+            refuse_incompatible=refuse_incompatible,
+        )
+
+    def _update_plan(self, batch: DataFrame) -> None:
+        """Give the decode plan every writer schema the batch may need, before decoding it.
+
+        A registry that lists its schemas (files) is read again, and the plan gets all of
+        them: a header outside the plan then resolves nowhere, no look at the batch needed.
+        A registry that resolves ids it does not list (HTTP) is asked about the headers
+        the batch uses that the plan lacks: one cheap pass over the framing headers.
+        """
+        self.registry.refresh()
+        listing = self.registry.listing()
+        if listing is None:
+            self._learn_writers(*batch_headers(batch))
+            return
+        known = {s.fingerprint for s in listing}
+        if known == self._listed:
+            return
+        self._listed = known
+        self.plan = self._newest_plan().with_writers(listing, listing)
 
     def _count(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
         """A pass of its own over the batch: what ``_outcome_metrics`` observes on a write."""
@@ -299,7 +335,6 @@ class EntityIngestion:
         }
         if not headers:
             return
-        self.registry.refresh()
         known = {"value": self.plan.value_writers, "key": self.plan.key_writers}
         learned: dict[str, list[Any]] = {"value": [], "key": []}
         for part, data in headers:

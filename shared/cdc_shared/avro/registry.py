@@ -124,6 +124,14 @@ class SchemaRegistry(ABC):
         """Look again for schemas added since start (new files)."""
         return
 
+    def listing(self) -> list[KnownSchema] | None:
+        """Every schema ``resolve`` can return, as of the last ``refresh``.
+
+        None for a registry that resolves ids it does not list (an HTTP registry): a
+        header it has not been asked about may still resolve.
+        """
+        return None
+
     def latest(self, subject: str) -> KnownSchema:
         """The newest version of ``subject``."""
         versions = self.versions(subject)
@@ -167,6 +175,10 @@ class FileSchemaRegistry(SchemaRegistry):
             if path not in self._loaded:
                 self._add(load_schema_file(path))
                 self._loaded.add(path)
+
+    def listing(self) -> list[KnownSchema]:
+        """Every schema file loaded: a fingerprint not among them does not resolve."""
+        return list(self._by_fingerprint.values())
 
     def _add(self, known: KnownSchema) -> None:
         self._by_fingerprint.setdefault(known.fingerprint, known)
@@ -232,6 +244,10 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         self._client = SchemaRegistryClient.new_client({"url": url, **(options or {})})
         self._files = files or FileSchemaRegistry()
         self._by_id: dict[int, KnownSchema] = {}
+
+    def refresh(self) -> None:
+        """Look again for schema files (single-object framing resolves through them)."""
+        self._files.refresh()
 
     def resolve(self, header: Header) -> KnownSchema:
         """The schema with the header's id (asked once, then cached)."""
