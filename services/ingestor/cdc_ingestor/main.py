@@ -14,7 +14,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from cdc_shared.avro import AvroSerdeError, SchemaRegistry, UnknownSchemaError, read_header
+from cdc_shared.avro import (
+    AvroSerdeError,
+    KnownSchema,
+    SchemaRegistry,
+    UnknownSchemaError,
+    read_header,
+)
 from cdc_shared.clients import make_admin, spark_kafka_options
 from cdc_shared.config import EntityConfig, KafkaConfig, PipelineConfig
 from cdc_shared.observability import Stopwatch
@@ -257,8 +263,9 @@ class EntityIngestion:
         known = {s.fingerprint for s in listing}
         if known == self._listed:
             return
+        new = sorted(f.hex() for f in known - self._listed) if self._listed else []
         self._listed = known
-        self.plan = self._newest_plan().with_writers(listing, listing)
+        self._replan(listing, listing, new)
 
     def _count(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
         """A pass of its own over the batch: what ``_outcome_metrics`` observes on a write."""
@@ -352,26 +359,20 @@ class EntityIngestion:
                 learned[part].append(schema)
         if not learned["value"] and not learned["key"]:
             return
-        log.info(
-            "new writer schemas",
-            extra={
-                "service": SERVICE,
-                "entity": self.entity.name,
-                "schemas": [s.fingerprint.hex() for s in learned["value"] + learned["key"]],
-            },
-        )
-        self.plan = self._newest_plan().with_writers(
+        self._replan(
             [*self.plan.value_writers.values(), *learned["value"]],
             [*self.plan.key_writers.values(), *learned["key"]],
+            [s.fingerprint.hex() for s in learned["value"] + learned["key"]],
         )
-        log.info(
-            "reader schema",
-            extra={
-                "service": SERVICE,
-                "entity": self.entity.name,
-                "value_reader": self.plan.value_reader.fingerprint.hex(),
-            },
-        )
+
+    def _replan(self, values: list[KnownSchema], keys: list[KnownSchema], new: list[str]) -> None:
+        """The newest plan with these writer schemas; log the ``new`` ones and the reader."""
+        context = {"service": SERVICE, "entity": self.entity.name}
+        if new:
+            log.info("new writer schemas", extra={**context, "schemas": new})
+        self.plan = self._newest_plan().with_writers(values, keys)
+        reader = self.plan.value_reader.fingerprint.hex()
+        log.info("reader schema", extra={**context, "value_reader": reader})
 
 
 def kafka_failures(config: PipelineConfig) -> OnFailure:
