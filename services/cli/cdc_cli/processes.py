@@ -61,7 +61,9 @@ def owns_its_memory(sample: ProcessSample, snapshot: dict[int, ProcessSample]) -
 
     The JVM starts commands (Hadoop's ``chmod``, ``df``) with ``posix_spawn``, whose
     child runs in the parent's memory until it execs: for that instant /proc shows it
-    with the whole JVM's size and RSS. Summing it would count the JVM twice.
+    with the whole JVM's size and RSS. Summing it would count the JVM twice. (A child
+    just forked, e.g. a PySpark worker, also matches until it maps memory of its own:
+    its pages are then still the parent's.)
     """
     parent = snapshot.get(sample.parent)
     return parent is None or parent.virtual_pages != sample.virtual_pages

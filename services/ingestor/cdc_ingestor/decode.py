@@ -349,19 +349,9 @@ def _framing_errors(
 
 
 def decode(
-    spark: SparkSession,
-    raw: DataFrame,
-    plan: DecodePlan,
-    sequence_by: list[str],
-    *,
-    refuse_incompatible: bool = False,
+    spark: SparkSession, raw: DataFrame, plan: DecodePlan, sequence_by: list[str]
 ) -> DataFrame:
-    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error.
-
-    With ``refuse_incompatible``, a record of an incompatible writer schema fails the job
-    that evaluates it (an error starting ``REFUSED_INCOMPATIBLE``): a write of the batch
-    stops before its commit, so nothing of the batch is written.
-    """
+    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error."""
     value_type = avro_type(spark, plan.value_reader)
     key_type = avro_type(spark, plan.key_reader)
     value_incompatible = plan.incompatible(spark, "value")
@@ -449,15 +439,23 @@ def decode(
     )
     # Decode once per row and pass: the optimizer would otherwise inline the decoding into
     # both a filter and the projection above it. A generator is a barrier it keeps.
-    rows = decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row"))
-    rows = rows.select("_row.*")
-    if refuse_incompatible:  # above the barrier: the decoding is not evaluated twice
-        kind = F.col("error_kind")
-        refused = F.raise_error(F.concat(F.lit(REFUSED_INCOMPATIBLE), F.col("error_message")))
-        rows = rows.withColumn(
-            "error_kind", F.when(kind == F.lit("incompatible_schema"), refused).otherwise(kind)
-        )
-    return rows
+    return decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row")).select(
+        "_row.*"
+    )
+
+
+def refusing_incompatible(decoded: DataFrame) -> DataFrame:
+    """``decoded``, failing the job that meets a record of an incompatible writer schema.
+
+    The error starts with ``REFUSED_INCOMPATIBLE``; a write of the batch stops before its
+    commit, so nothing of the batch is written. Applied above ``decode``'s barrier, it
+    costs a comparison per record, not a second decoding.
+    """
+    kind = F.col("error_kind")
+    refused = F.raise_error(F.concat(F.lit(REFUSED_INCOMPATIBLE), F.col("error_message")))
+    return decoded.withColumn(
+        "error_kind", F.when(kind == F.lit("incompatible_schema"), refused).otherwise(kind)
+    )
 
 
 def bronze_rows(decoded: DataFrame) -> DataFrame:

@@ -61,6 +61,7 @@ from cdc_ingestor.decode import (
     quarantine_columns,
     quarantine_rows,
     readable_reader,
+    refusing_incompatible,
 )
 
 SERVICE = "ingestor"
@@ -109,7 +110,6 @@ class EntityIngestion:
         self.runner = runner
         self.identity = QueryIdentity()
         self.plan = self._newest_plan()
-        self._listed: set[bytes] = set()  # fingerprints the registry listed for the plan
         self.bronze_path = config.table_path("bronze", entity.name)
         self.quarantine_path = config.table_path("quarantine", SERVICE)
         check_sequence_paths(spark, entity, self.plan)
@@ -191,10 +191,11 @@ class EntityIngestion:
         lap = Stopwatch()
         self._update_plan(batch)
         lap("plan")
+        decoded = decode(self.spark, batch, self.plan, self.entity.sequence_by)
         refuse = self.config.ingestor.on_incompatible_schema == "stop"
-        decoded = self._decode(batch, refuse_incompatible=refuse)
+        written = refusing_incompatible(decoded) if refuse else decoded
         observation = Observation(f"ingest-{self.entity.name}-{batch_id}")
-        observed = decoded.observe(observation, *self._outcome_metrics(batch_id))
+        observed = written.observe(observation, *self._outcome_metrics(batch_id))
         try:
             idempotent_append(
                 bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True
@@ -202,12 +203,10 @@ class EntityIngestion:
         except Exception as error:
             if REFUSED_INCOMPATIBLE not in str(error):
                 raise
-            counts, rejected = self._count(self._decode(batch), batch_id)
+            counts, rejected = self._count(decoded, batch_id)
             count = counts.get("incompatible_schema", 0)
             raise IncompatibleSchemaError(self._incompatible_stop(count, rejected)) from None
         lap("bronze")
-        if refuse:
-            decoded = self._decode(batch)  # what follows counts and quarantines, never refuses
         counts, rejected = (
             self._outcomes(observation.get)
             if observation_ready(observation)
@@ -238,15 +237,6 @@ class EntityIngestion:
             ),
         )
 
-    def _decode(self, batch: DataFrame, *, refuse_incompatible: bool = False) -> DataFrame:
-        return decode(
-            self.spark,
-            batch,
-            self.plan,
-            self.entity.sequence_by,
-            refuse_incompatible=refuse_incompatible,
-        )
-
     def _update_plan(self, batch: DataFrame) -> None:
         """Give the decode plan every writer schema the batch may need, before decoding it.
 
@@ -260,12 +250,10 @@ class EntityIngestion:
         if listing is None:
             self._learn_writers(*batch_headers(batch))
             return
-        known = {s.fingerprint for s in listing}
-        if known == self._listed:
-            return
-        new = sorted(f.hex() for f in known - self._listed) if self._listed else []
-        self._listed = known
-        self._replan(listing, listing, new)
+        planned = {s.fingerprint for s in self.plan.value_writers.values()}
+        new = [s for s in listing if s.fingerprint not in planned]
+        if new:
+            self._replan(listing, listing, [s.fingerprint.hex() for s in new])
 
     def _count(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
         """A pass of its own over the batch: what ``_outcome_metrics`` observes on a write."""
