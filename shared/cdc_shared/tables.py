@@ -9,11 +9,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import ParamSpec, TypeVar
 
+from delta.exceptions import (
+    ConcurrentAppendException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentDeleteReadException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    DeltaConcurrentModificationException,
+    MetadataChangedException,
+)
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
+from tenacity import (
+    RetryCallState,
+    retry,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
 
 from cdc_shared.config import ConfigError
 
@@ -104,3 +121,44 @@ def has_commits(spark: SparkSession, path: str) -> bool:
     if not fs.exists(log_dir):
         return False
     return any(str(s.getPath().getName()).endswith(".json") for s in fs.listStatus(log_dir))
+
+
+#: A commit that lost a race with another writer of the same table (e.g. the merger's
+#: MERGE and ``cdc maintenance``'s OPTIMIZE): a write that is idempotent is simply retried.
+CONFLICTS = (
+    DeltaConcurrentModificationException,
+    ConcurrentAppendException,
+    ConcurrentDeleteReadException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    MetadataChangedException,
+)
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+def on_conflict_retry(write: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Retry an idempotent table write that lost a commit race (up to 6 attempts).
+
+    Each retry is logged as a warning by the write's own module logger.
+    """
+    log = logging.getLogger(write.__module__)
+
+    def before_sleep(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        log.warning(
+            "write conflict on %s (%s); retrying, attempt %d",
+            write.__name__,
+            type(error).__name__,
+            state.attempt_number,
+        )
+
+    return retry(
+        retry=retry_if_exception_type(CONFLICTS),
+        stop=stop_after_attempt(6),
+        wait=wait_random_exponential(multiplier=0.5, max=10),
+        before_sleep=before_sleep,
+        reraise=True,
+    )(write)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import random
+import threading
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -234,7 +237,6 @@ def test_generated_workload_in_random_batches_equals_the_oracle(
     spark: SparkSession, kafka_config: Any, make_pipeline: Any, tmp_path: Path
 ) -> None:
     """Ingest the generated load, merge bronze in random slices: silver == the oracle."""
-    import random
 
     from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
     from cdc_cli.workload import produce
@@ -401,3 +403,88 @@ def test_service_expiry_counts_retention_in_bronze_ingest_time(
     assert merge.expire_tombstones(now) is None  # checked at most once per interval
     merge.next_expiry = 0.0
     assert merge.expire_tombstones(now) == 1  # bronze has moved on by more than the retention
+
+
+def random_changes(
+    silver: Silver, rng: random.Random, expected: dict[int, str], count: int, keys: int
+) -> list[dict[str, Any]]:
+    """``count`` customer events on ``keys`` keys, newer than any before, shuffled.
+
+    ``expected`` (key -> first name) is updated as if they were applied in sequence order.
+    """
+    events = []
+    for _ in range(count):
+        key = rng.randrange(keys)
+        sequence = silver.offset + 1  # offsets grow by one per event: unique and increasing
+        if key in expected and rng.random() < 0.2:
+            events.append(silver.event("d", {"id": key}, [sequence]))
+            expected.pop(key)
+        else:
+            name = f"k{key}s{sequence}"
+            op = "u" if key in expected else "c"
+            events.append(silver.event(op, {"id": key}, [sequence], customer(name)))
+            expected[key] = name
+    rng.shuffle(events)  # Kafka order is not sequence order
+    return events
+
+
+def test_merges_beside_a_compaction_retry_the_commit_races_they_lose(
+    customers: Silver, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``cdc maintenance``'s OPTIMIZE runs over silver while batches merge into it.
+
+    One compaction per batch, started at a random moment of the batch: whichever of the
+    two commits second lost the race on files both read, and retries. Silver ends equal to
+    the events applied (an oracle kept here), every change once in the feed. Batches go on
+    until both sides have retried at least once.
+    """
+    from cdc_cli.maintenance import compact
+
+    caplog.set_level(logging.WARNING)
+    path = customers.layout.silver_path
+    rng = random.Random(11)
+    batch_started, stop = threading.Event(), threading.Event()
+    failures: list[Exception] = []
+
+    def compact_once_per_batch() -> None:
+        while not stop.is_set():
+            if not batch_started.wait(timeout=0.5):
+                continue
+            batch_started.clear()
+            stop.wait(rng.uniform(0.0, 3.0))  # somewhere in the batch: before, in or after MERGE
+            try:
+                compact(customers.spark, path)
+            except Exception as error:
+                failures.append(error)
+                return
+
+    def retries(write: str) -> int:
+        return sum(f"write conflict on {write} " in r.getMessage() for r in caplog.records)
+
+    batches = 0
+    expected: dict[int, str] = {}
+    compactor = threading.Thread(target=compact_once_per_batch, daemon=True)
+    compactor.start()
+    try:
+        while batches < 40 and not failures:
+            events = random_changes(customers, rng, expected, count=60, keys=120)
+            batch_started.set()
+            customers.apply(*events)
+            batches += 1
+            if retries("_merge_silver") and retries("compact"):
+                break
+    finally:
+        stop.set()
+        compactor.join(timeout=300)
+    assert not failures, failures
+    merge_retries, compact_retries = retries("_merge_silver"), retries("compact")
+    assert merge_retries >= 1 and compact_retries >= 1, (
+        f"in {batches} batches, {merge_retries} MERGE and {compact_retries} OPTIMIZE retries: "
+        "the test did not make both sides lose a race"
+    )
+    assert names(customers) == expected
+    assert customers.rejected == []
+    feed = customers.spark.read.format("delta").option("readChangeFeed", "true")
+    changes = feed.option("startingVersion", 0).load(path)
+    once = changes.where("_change_type IN ('insert', 'update_postimage', 'delete')")
+    assert once.groupBy("id", "_cdc_seq", "_change_type").count().where("count > 1").count() == 0

@@ -34,6 +34,7 @@ from typing import Any
 
 from cdc_merger.apply import expire_tombstones
 from cdc_shared.config import ChangeFeedConfig, EntityConfig, PipelineConfig
+from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 
@@ -227,7 +228,12 @@ def check_tombstone_retention(
         )
 
 
-def _optimize(spark: SparkSession, path: str) -> tuple[int, int]:
+@on_conflict_retry
+def compact(spark: SparkSession, path: str) -> tuple[int, int]:
+    """OPTIMIZE (bin-packing) the table at ``path``: (files removed, files added).
+
+    Safe beside a running merger: a compaction that loses a commit race is tried again.
+    """
     metrics = DeltaTable.forPath(spark, path).optimize().executeCompaction().head()
     if metrics is None:
         return 0, 0
@@ -296,7 +302,7 @@ def run_maintenance(
                 continue
             removed = added = vacuumed = None
             if optimize:
-                removed, added = _optimize(spark, path)
+                removed, added = compact(spark, path)
             if vacuum_hours is not None:
                 table = f"{layer}/{entity.name}"
                 fresh = stream_needs(config, entity, spark, ignore_services)

@@ -17,30 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from functools import reduce
-from typing import ParamSpec, TypeVar
 
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
-from delta.exceptions import (
-    ConcurrentAppendException,
-    ConcurrentDeleteDeleteException,
-    ConcurrentDeleteReadException,
-    ConcurrentTransactionException,
-    ConcurrentWriteException,
-    DeltaConcurrentModificationException,
-    MetadataChangedException,
-)
+from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
-from tenacity import (
-    RetryCallState,
-    retry,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
 log = logging.getLogger("cdc_merger")
 
@@ -60,18 +44,6 @@ TRUNCATE_SCHEMA = T.StructType(
         T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
         T.StructField("truncated_at", T.TimestampType(), False),
     ]
-)
-
-#: A commit that lost a race with another writer of the same table (e.g. ``cdc maintenance``
-#: running OPTIMIZE): every write here is idempotent, so it is simply tried again.
-CONFLICTS = (
-    DeltaConcurrentModificationException,
-    ConcurrentAppendException,
-    ConcurrentDeleteReadException,
-    ConcurrentDeleteDeleteException,
-    ConcurrentTransactionException,
-    ConcurrentWriteException,
-    MetadataChangedException,
 )
 
 
@@ -263,31 +235,6 @@ class ApplyResult:
     truncated: bool
     ingested_until: dt.datetime | None
     step_ms: dict[str, int] = dataclass_field(default_factory=dict)
-
-
-def _retry_log(state: RetryCallState) -> None:
-    error = state.outcome.exception() if state.outcome else None
-    log.warning(
-        "write conflict on %s (%s); retrying, attempt %d",
-        getattr(state.fn, "__name__", "write"),
-        type(error).__name__,
-        state.attempt_number,
-    )
-
-
-_T = TypeVar("_T")
-_P = ParamSpec("_P")
-
-
-def on_conflict_retry(write: Callable[_P, _T]) -> Callable[_P, _T]:
-    """Retry an idempotent table write that lost a commit race (up to 6 attempts)."""
-    return retry(
-        retry=retry_if_exception_type(CONFLICTS),
-        stop=stop_after_attempt(6),
-        wait=wait_random_exponential(multiplier=0.5, max=10),
-        before_sleep=_retry_log,
-        reraise=True,
-    )(write)
 
 
 def apply_batch(
