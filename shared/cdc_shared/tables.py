@@ -1,8 +1,9 @@
-"""Delta table contracts shared by the services: creation, idempotent appends, quarantine.
+"""Delta table contracts shared by the services: creation, idempotent writes, quarantine.
 
 Every table is created on first start with an explicit schema and properties. Appends
 from ``foreachBatch`` carry ``txnAppId``/``txnVersion``, so a replayed micro-batch (a crash
-after the Delta commit, before the checkpoint commit) writes nothing twice.
+after the Delta commit, before the checkpoint commit) writes nothing twice. A write
+that loses a commit race with another writer of the table is retried (``on_conflict_retry``).
 """
 
 from __future__ import annotations
