@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
+
+from cdc_cli.local_run import free_ports
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 180.0) -> None:
@@ -19,6 +20,4 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 180.0) -> None:
 
 def free_port() -> int:
     """A loopback port free right now (for a service's metrics/health server)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    return free_ports(1)[0]

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
+import yaml
 from cdc_cli.checkpoints import Commit, data_commits_from, delta_position
+from cdc_cli.infra import Endpoints
+from cdc_cli.local_run import write_pipeline_config
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
     RetentionTooShortError,
@@ -108,3 +112,13 @@ def test_preview_shows_length_hex_and_escaped_bytes() -> None:
     text = preview(b"\xc3\x01abc" * 10, width=4)
     assert text.startswith("50 bytes  hex c3 01 61 62...")
     assert "b'\\xc3\\x01ab'..." in text
+
+
+def test_local_run_gives_each_service_its_own_metrics_port(tmp_path: Path) -> None:
+    """The demo's four services each get a distinct free port (one shared port is fatal)."""
+    served = Endpoints("127.0.0.1:1", "http://127.0.0.1:2")
+    for _ in range(20):
+        document = yaml.safe_load(write_pipeline_config(tmp_path, served).read_text())
+        sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
+        ports = {document[s]["metrics_port"] for s in sections}
+        assert len(ports) == len(sections) and all(p > 0 for p in ports)

@@ -7,6 +7,7 @@ silver, the change topics and the indexes with the oracle. Used by ``cdc demo``,
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import signal
 import socket
@@ -71,9 +72,10 @@ def write_pipeline_config(
         entity["source_topic"] = f"{run}.{source}"
         entity["change_topic"] = f"{run}.{entity['change_topic']}"
         entity["es_index"] = f"{run}-{entity['es_index']}"
-    for section in ("ingestor", "merger", "publisher_kafka", "publisher_es"):
-        # Ports free now, not the example's: two runs (or a run and a test) can coexist.
-        document[section] = {"trigger_interval": "1 second", "metrics_port": free_port()}
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
+    # Ports free now, not the example's: two runs (or a run and a test) can coexist.
+    for section, port in zip(sections, free_ports(len(sections)), strict=True):
+        document[section] = {"trigger_interval": "1 second", "metrics_port": port}
     document["ingestor"]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
         document["kafka"]["options"] = kafka_options
@@ -98,11 +100,17 @@ def unwind_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, unwind)
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports nothing listens on right now.
+
+    The probes stay bound until all are chosen: one at a time, the kernel may hand out a
+    port just released twice (two services then fight over one metrics port).
+    """
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
 
 
 def machine_used_bytes() -> int:
