@@ -442,7 +442,7 @@ def test_merges_beside_a_compaction_retry_the_commit_races_they_lose(
 
     caplog.set_level(logging.WARNING)
     path = customers.layout.silver_path
-    rng = random.Random(11)
+    rng, moments = random.Random(11), random.Random(12)  # one per thread
     batch_started, stop = threading.Event(), threading.Event()
     failures: list[Exception] = []
 
@@ -451,7 +451,7 @@ def test_merges_beside_a_compaction_retry_the_commit_races_they_lose(
             if not batch_started.wait(timeout=0.5):
                 continue
             batch_started.clear()
-            stop.wait(rng.uniform(0.0, 3.0))  # somewhere in the batch: before, in or after MERGE
+            stop.wait(moments.uniform(0.0, 3.0))  # before, in or after the MERGE
             try:
                 compact(customers.spark, path)
             except Exception as error:

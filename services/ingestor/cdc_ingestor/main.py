@@ -356,8 +356,7 @@ class EntityIngestion:
     def _replan(self, values: list[KnownSchema], keys: list[KnownSchema], new: list[str]) -> None:
         """The newest plan with these writer schemas; log the ``new`` ones and the reader."""
         context = {"service": SERVICE, "entity": self.entity.name}
-        if new:
-            log.info("new writer schemas", extra={**context, "schemas": new})
+        log.info("new writer schemas", extra={**context, "schemas": new})
         self.plan = self._newest_plan().with_writers(values, keys)
         reader = self.plan.value_reader.fingerprint.hex()
         log.info("reader schema", extra={**context, "value_reader": reader})
