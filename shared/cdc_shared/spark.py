@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 
 from cdc_shared import jvm
@@ -33,6 +37,14 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # default of 50 costs seconds per small write on a laptop.
         "spark.databricks.delta.snapshotPartitions": "4" if local else "50",
         "spark.sql.streaming.stopGracefullyOnShutdown": "true",
+        # Auto compaction (tables with delta.autoOptimize.autoCompact): once 20 files under
+        # 4 MiB have gathered, a commit bins them together; the table then stays under
+        # the 50 files Delta keeps in its checksum file, so no commit replays the log.
+        "spark.databricks.delta.autoCompact.minNumFiles": "20",
+        "spark.databricks.delta.autoCompact.minFileSize": str(4 * 2**20),
+        # The merger's MERGE source is a local checkpoint already: Delta's own copy of it
+        # ("auto") would be a second one.
+        "spark.databricks.delta.merge.materializeSource": "none",
         "spark.databricks.delta.schema.autoMerge.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
     }
@@ -58,3 +70,45 @@ def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+class BackgroundCall:
+    """``call`` run in a thread that carries this thread's Spark job properties.
+
+    Lets two independent Spark actions (e.g. commits to two tables) overlap; ``wait``
+    joins the thread and raises what the call raised.
+    """
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                call()
+            except BaseException as error:
+                self._error = error
+
+        self._thread = InheritableThread(target=run, daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the call to end; re-raise its exception, if any."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+@contextmanager
+def counting_jobs(spark: SparkSession) -> Iterator[Callable[[], int]]:
+    """Tag the Spark jobs this thread (and threads it starts) runs inside the block.
+
+    Yields a function that counts them (read it after the block: Spark records jobs
+    through its listener bus, a moment after they start).
+    """
+    context = spark.sparkContext
+    tag = f"cdc-count-{uuid.uuid4().hex}"
+    context.addJobTag(tag)
+    try:
+        yield lambda: len(context._jsc.sc().statusTracker().getJobIdsForTag(tag))
+    finally:
+        context.removeJobTag(tag)

@@ -58,6 +58,15 @@ QUARANTINE_SCHEMA = T.StructType(
 QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
 
 
+#: Compact small files after a commit once enough have gathered (thresholds: the
+#: ``spark.databricks.delta.autoCompact.*`` settings in ``cdc_shared.spark``), so a table
+#: written every few seconds does not fragment between ``cdc maintenance`` runs.
+AUTO_COMPACT = {"delta.autoOptimize.autoCompact": "true"}
+
+#: Properties that only tune a table (no protocol change): set on tables made before.
+TUNING_PROPERTIES = ("delta.autoOptimize.autoCompact", "delta.checkpointInterval")
+
+
 def ensure_table(
     spark: SparkSession,
     path: str,
@@ -65,13 +74,24 @@ def ensure_table(
     properties: Mapping[str, str],
     partition_by: list[str] | None = None,
 ) -> None:
-    """Create the Delta table at ``path`` unless it exists (explicit schema and properties)."""
+    """Create the Delta table at ``path`` unless it exists (explicit schema and properties).
+
+    A table that exists gets the tuning properties it lacks (``TUNING_PROPERTIES``).
+    """
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
     for key, value in properties.items():
         builder = builder.property(key, value)
     if partition_by:
         builder = builder.partitionedBy(*partition_by)
     builder.execute()
+    tuning = {k: v for k, v in properties.items() if k in TUNING_PROPERTIES}
+    if tuning:
+        current = DeltaTable.forPath(spark, path).detail().first()
+        have = dict(current["properties"]) if current is not None else {}
+        missing = {k: v for k, v in tuning.items() if have.get(k) != v}
+        if missing:
+            settings = ", ".join(f"'{k}' = '{v}'" for k, v in missing.items())
+            spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({settings})")
 
 
 def idempotent_append(

@@ -1,21 +1,25 @@
-"""Benchmark: the merger's MERGE into a 1,000,000-row silver table, beside the seed-style one.
+"""Benchmark: the merger's batch into a 1,000,000-row silver table, beside two others.
 
 No servers needed: one local Spark session applies generated bronze batches (the real
 bronze schema of the example ``customers`` entity) straight to silver, the way the
 merger's foreachBatch does. Three variants, each on its own fresh silver table:
 
 - baseline: the seed-style merge: dedup per key, then a plain MERGE (update all / insert /
-  delete, no sequence checks, no tombstones) into a table without deletion vectors;
-- merger, no DVs: the merger's ``apply_batch`` (sequence checks, tombstones, truncates,
-  quarantine checks) on a silver table without deletion vectors (the layout before);
-- merger: ``apply_batch`` on silver as the merger creates it (deletion vectors on).
+  delete, no sequence checks, no tombstones) into a table with CDF, no deletion vectors;
+- before: the merger's batch before the lean path (``merger_before.py``), on silver as
+  the merger creates it (CDF and deletion vectors on);
+- lean: the merger's ``apply_batch`` today, on the same kind of silver.
 
-Each variant loads N rows, then merges batches of 10,000 and 100,000 changes (70%
-updates, 20% inserts, 10% deletes; updated and deleted keys skewed toward the newest
-keys) and seven 1,000-change batches. Prints changes/s (median per batch size), bytes the
-MERGE wrote and removed per batch, and the p50 wall time of the 1,000-change batches.
+Each variant loads N rows, then merges 2 warm-up and ``--small`` 1,000-change batches,
+then ``--repeats`` batches of 10,000 and of 100,000 changes (80% updates, 15% inserts,
+5% deletes; updated and deleted keys skewed toward the newest). Per batch it records the
+wall time, the Spark jobs the batch ran, the MERGE's own ``executionTimeMs`` (Delta's
+commit metrics) and the files in silver afterwards. Then a drift run: ``--drift`` more
+1,000-change batches with the lean path into a fresh 1M-row silver, no maintenance; it
+prints the p50 of the first and last 20 batches, the slowest batches and the files left.
 
-    .venv/bin/python tests/bench/bench_merger.py [--rows 1000000] [--repeats 3]
+    .venv/bin/python tests/bench/bench_merger.py [--rows 1000000] [--small 20]
+        [--repeats 3] [--drift 200] [--conf KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402
     SILVER_PROPERTIES,
+    MergeState,
     SilverLayout,
-    TruncateFloor,
     apply_batch,
     ensure_tables,
     silver_schema,
@@ -45,15 +50,16 @@ from cdc_merger.apply import (  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import SparkConfig  # noqa: E402
 from cdc_shared.schemas import entity_schemas  # noqa: E402
-from cdc_shared.spark import build_spark_session  # noqa: E402
+from cdc_shared.spark import build_spark_session, counting_jobs  # noqa: E402
 from cdc_shared.tables import ensure_table  # noqa: E402
 from delta.tables import DeltaTable  # noqa: E402
+from merger_before import apply_batch_before, delta_default_materialization  # noqa: E402
 from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 from support.entities import CUSTOMERS, SCHEMAS  # noqa: E402
 
-UPDATE_SHARE, INSERT_SHARE = 0.7, 0.2  # the rest are deletes
+UPDATE_SHARE, INSERT_SHARE = 0.8, 0.15  # the rest are deletes
 
 
 @dataclass
@@ -83,7 +89,7 @@ def fill(struct: T.StructType, values: dict[str, Column]) -> Column:
 def bronze_batch(
     spark: SparkSession, bronze: T.StructType, workload: Workload, changes: int, seed: int
 ) -> DataFrame:
-    """``changes`` bronze events: 70% updates, 20% inserts, 10% deletes (skewed keys)."""
+    """``changes`` bronze events: 80% updates, 15% inserts, 5% deletes (skewed keys)."""
     first_sequence, next_id = workload.take(changes)
     inserts = int(changes * INSERT_SHARE)
     workload.next_id += inserts
@@ -175,14 +181,30 @@ def seed_style_merge(spark: SparkSession, events: DataFrame, path: str) -> None:
         F.max_by(F.struct(*[c for c in columns if c != "id"]), F.col("_cdc_seq")).alias("n")
     )
     latest = latest.select("id", "n.*")
-    (
-        silver.alias("t")
-        .merge(latest.alias("s"), "t.id = s.id")
-        .whenMatchedDelete(condition="s._cdc_op = 'd'")
-        .whenMatchedUpdateAll(condition="s._cdc_op != 'd'")
-        .whenNotMatchedInsertAll(condition="s._cdc_op != 'd'")
-        .execute()
-    )
+    with delta_default_materialization(spark):
+        (
+            silver.alias("t")
+            .merge(latest.alias("s"), "t.id = s.id")
+            .whenMatchedDelete(condition="s._cdc_op = 'd'")
+            .whenMatchedUpdateAll(condition="s._cdc_op != 'd'")
+            .whenNotMatchedInsertAll(condition="s._cdc_op != 'd'")
+            .execute()
+        )
+
+
+Merge = Callable[[SparkSession, DataFrame], dict[str, int] | None]
+
+
+@dataclass
+class Batch:
+    """What one batch cost."""
+
+    changes: int
+    seconds: float
+    jobs: int
+    merge_ms: int
+    compacted: bool
+    steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,76 +212,152 @@ class Variant:
     """One way of merging, on its own silver table."""
 
     name: str
-    merge: Callable[[SparkSession, DataFrame], dict[str, int] | None]
+    merge: Merge
     silver_path: str
-    seconds: dict[int, list[float]] = field(default_factory=dict)
-    bytes_added: dict[int, list[int]] = field(default_factory=dict)
-    bytes_removed: dict[int, list[int]] = field(default_factory=dict)
+    batches: list[Batch] = field(default_factory=list)
+    files: dict[str, int] = field(default_factory=dict)  # when -> files in silver
+
+    def of_size(self, changes: int) -> list[Batch]:
+        return [b for b in self.batches if b.changes == changes]
 
 
-def last_merge_metrics(spark: SparkSession, path: str) -> dict[str, str]:
-    """operationMetrics of the newest MERGE in the table's history."""
-    history = DeltaTable.forPath(spark, path).history(5).where("operation = 'MERGE'")
-    row = history.orderBy(F.col("version").desc()).select("operationMetrics").first()
-    return dict(row[0]) if row and row[0] else {}
+def last_commits(spark: SparkSession, path: str) -> tuple[int, bool]:
+    """The newest MERGE's own ``executionTimeMs`` (Delta's commit metrics), and whether
+    an OPTIMIZE (auto compaction) committed after it."""
+    history = DeltaTable.forPath(spark, path).history(3).orderBy(F.col("version").desc())
+    rows = history.select("operation", "operationMetrics").collect()
+    merges = [dict(r[1] or {}) for r in rows if r[0] == "MERGE"]
+    compacted = bool(rows) and rows[0][0] == "OPTIMIZE"
+    return (int(merges[0].get("executionTimeMs", 0)) if merges else 0), compacted
 
 
-def run_variant(
+def file_count(spark: SparkSession, path: str) -> int:
+    return int(DeltaTable.forPath(spark, path).detail().first()["numFiles"])  # type: ignore[index]
+
+
+def run_batches(
     spark: SparkSession,
     variant: Variant,
     bronze: T.StructType,
-    rows: int,
+    workload: Workload,
     plan: list[int],
+    warmup: int = 0,
 ) -> None:
-    load_silver(spark, variant.silver_path, rows)
-    workload = Workload(next_id=rows)
+    """Merge ``plan``'s batches in order; the first ``warmup`` are not recorded."""
     for number, changes in enumerate(plan):
-        events = bronze_batch(spark, bronze, workload, changes, seed=number).persist()
-        events.count()
+        events = bronze_batch(spark, bronze, workload, changes, seed=len(variant.batches) + number)
+        events = events.localCheckpoint(eager=True)  # as a micro-batch: computed rows
         started = time.perf_counter()
-        steps = variant.merge(spark, events)
+        with counting_jobs(spark) as jobs:
+            steps = variant.merge(spark, events)
         elapsed = time.perf_counter() - started
-        events.unpersist()
-        metrics = last_merge_metrics(spark, variant.silver_path)
-        variant.seconds.setdefault(changes, []).append(elapsed)
-        variant.bytes_added.setdefault(changes, []).append(
-            int(metrics.get("numTargetBytesAdded", 0))
-        )
-        variant.bytes_removed.setdefault(changes, []).append(
-            int(metrics.get("numTargetBytesRemoved", 0))
-        )
+        time.sleep(0.2)  # let the listener bus record the last job
+        merge_ms, compacted = last_commits(spark, variant.silver_path)
+        batch = Batch(changes, elapsed, jobs(), merge_ms, compacted, steps or {})
+        if number >= warmup:
+            variant.batches.append(batch)
+        print(json.dumps({"variant": variant.name, **batch.__dict__}), flush=True)
+
+
+def lean_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
+    """A fresh silver as the merger creates it, merged by today's ``apply_batch``."""
+    layout = SilverLayout(
+        str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
+    )
+    ensure_tables(spark, bronze, layout)
+    load_silver(spark, layout.silver_path, rows)
+    state = MergeState(spark, layout)  # one per table, kept, as the merger
+
+    def refuse(rejected: DataFrame) -> None:
+        raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
+
+    def merge(s: SparkSession, e: DataFrame) -> dict[str, int]:
+        return apply_batch(s, e, layout, refuse, state).step_ms
+
+    return Variant("lean", merge, layout.silver_path)
+
+
+def before_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
+    layout = SilverLayout(
+        str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
+    )
+    ensure_tables(spark, bronze, layout)
+    load_silver(spark, layout.silver_path, rows)
+    return Variant("before", lambda s, e: apply_batch_before(s, e, layout), layout.silver_path)
+
+
+def baseline_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
+    path = str(root / "silver")
+    properties = {**SILVER_PROPERTIES, "delta.enableDeletionVectors": "false"}
+    ensure_table(spark, path, silver_schema(bronze, CUSTOMERS.key), properties)
+    load_silver(spark, path, rows)
+    return Variant("baseline", lambda s, e: seed_style_merge(s, e, path), path)
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def report(variants: list[Variant], rows: int) -> None:
+    base = variants[0]
+    print(f"\nsilver of {rows:,} rows; 1,000-change batches (after 2 warm-up batches)")
+    print(
+        f"{'variant':<10}{'p50 s':>8}{'p95 s':>8}{'x base':>8}{'MERGE p50 s':>13}"
+        f"{'other p50 s':>13}{'jobs p50':>10}{'files':>7}"
+    )
+    base_p50 = statistics.median(b.seconds for b in base.of_size(1_000))
+    for variant in variants:
+        small = variant.of_size(1_000)
+        seconds = [b.seconds for b in small]
+        other = [b.seconds - b.merge_ms / 1000 for b in small]
         print(
-            json.dumps(
-                {
-                    "variant": variant.name,
-                    "changes": changes,
-                    "seconds": round(elapsed, 2),
-                    "bytes_added": metrics.get("numTargetBytesAdded"),
-                    "bytes_removed": metrics.get("numTargetBytesRemoved"),
-                    "files_added": metrics.get("numTargetFilesAdded"),
-                    "files_removed": metrics.get("numTargetFilesRemoved"),
-                    "dvs_added": metrics.get("numTargetDeletionVectorsAdded"),
-                    "step_ms": steps,
-                }
-            ),
-            flush=True,
+            f"{variant.name:<10}{statistics.median(seconds):>8.2f}{p(seconds, 0.95):>8.2f}"
+            f"{base_p50 / statistics.median(seconds):>8.2f}"
+            f"{statistics.median(b.merge_ms for b in small) / 1000:>13.2f}"
+            f"{statistics.median(other):>13.2f}"
+            f"{statistics.median(b.jobs for b in small):>10.0f}{variant.files['after 1k']:>7}"
         )
+    for size in (10_000, 100_000):
+        if not base.of_size(size):
+            continue
+        print(f"\n{size:,}-change batches: medians")
+        print(f"{'variant':<10}{'changes/s':>11}{'x base':>8}{'MERGE s':>9}{'jobs':>6}")
+        base_rate = size / statistics.median(b.seconds for b in base.of_size(size))
+        for variant in variants:
+            batches = variant.of_size(size)
+            rate = size / statistics.median(b.seconds for b in batches)
+            print(
+                f"{variant.name:<10}{rate:>11,.0f}{rate / base_rate:>8.2f}"
+                f"{statistics.median(b.merge_ms for b in batches) / 1000:>9.2f}"
+                f"{statistics.median(b.jobs for b in batches):>6.0f}"
+            )
 
 
-def mib(values: list[int]) -> str:
-    return f"{statistics.median(values) / 2**20:,.1f}"
+def report_drift(drift: Variant) -> None:
+    seconds = [b.seconds for b in drift.batches]
+    first, last = statistics.median(seconds[:20]), statistics.median(seconds[-20:])
+    slowest = sorted(range(len(seconds)), key=lambda i: -seconds[i])[:5]
+    print(f"\ndrift: {len(seconds)} 1,000-change batches, lean path, no maintenance")
+    print(f"  p50 first 20 {first:.2f} s, last 20 {last:.2f} s: {last / first:.2f}x")
+    print(f"  p50 {statistics.median(seconds):.2f} s, p95 {p(seconds, 0.95):.2f} s")
+    print("  slowest: " + ", ".join(f"#{i} {seconds[i]:.2f} s" for i in slowest))
+    print(f"  files in silver: {drift.files['at start']} at start, {drift.files['at end']} at end")
+    compacted = [i for i, b in enumerate(drift.batches) if b.compacted]
+    print(f"  auto compactions after batches {compacted}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--repeats", type=int, default=3, help="batches per size (10k, 100k)")
-    parser.add_argument("--small", type=int, default=7, help="1,000-change batches")
+    parser.add_argument("--small", type=int, default=20, help="1,000-change batches")
+    parser.add_argument("--repeats", type=int, default=3, help="batches of 10k and of 100k")
+    parser.add_argument("--drift", type=int, default=200, help="batches of the drift run")
     parser.add_argument(
-        "--conf", action="append", default=[], help="extra Spark setting KEY=VALUE (repeatable)"
+        "--variants", default="baseline,before,lean", help="comma-separated, baseline first"
     )
     parser.add_argument(
-        "--merger-only", action="store_true", help="skip the baseline and no-DV variants"
+        "--conf", action="append", default=[], help="extra Spark setting KEY=VALUE (repeatable)"
     )
     args = parser.parse_args()
     conf = {"spark.ui.enabled": "false", "spark.driver.memory": "4g"}
@@ -269,63 +367,30 @@ def main() -> None:
     decode_plan = DecodePlan.from_schemas(entity_schemas(CUSTOMERS, registry), registry)
     empty = spark.createDataFrame([], KAFKA_SCHEMA)
     bronze = bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
-    plan = [10_000] * args.repeats + [100_000] * args.repeats + [1_000] * args.small
-
+    plan = [10_000] * args.repeats + [100_000] * args.repeats
     workdir = Path(tempfile.mkdtemp(prefix="bench-merger-"))
-    silver = silver_schema(bronze, CUSTOMERS.key)
-    variants: list[Variant] = []
+    makers = {"baseline": baseline_variant, "before": before_variant, "lean": lean_variant}
 
-    baseline_path = str(workdir / "baseline")
-    ensure_table(spark, baseline_path, silver, {"delta.enableChangeDataFeed": "true"})
-    variants.append(
-        Variant("baseline", lambda s, e: seed_style_merge(s, e, baseline_path), baseline_path)
-    )
-    for name, properties in (
-        ("merger, no DVs", {**SILVER_PROPERTIES, "delta.enableDeletionVectors": "false"}),
-        ("merger", SILVER_PROPERTIES),
-    ):
-        root = workdir / name.replace(", ", "-").replace(" ", "-")
-        layout = SilverLayout(
-            str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
-        )
-        ensure_table(spark, layout.silver_path, silver, properties)
-        ensure_tables(spark, bronze, layout)  # tombstones and truncates; silver exists
-
-        truncates = TruncateFloor(spark, layout.truncate_path)  # one per variant, as the merger
-
-        def merge(
-            s: SparkSession,
-            e: DataFrame,
-            layout: SilverLayout = layout,
-            truncates: TruncateFloor = truncates,
-        ) -> dict[str, int]:
-            def refuse(rejected: DataFrame) -> None:
-                raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
-
-            return apply_batch(s, e, layout, refuse, truncates).step_ms
-
-        variants.append(Variant(name, merge, layout.silver_path))
-
-    if args.merger_only:
-        variants = variants[-1:]
-    for variant in variants:
-        run_variant(spark, variant, bronze, args.rows, plan)
-
-    base = variants[0]
-    print(f"\nsilver of {args.rows:,} rows; medians over the batches of each size")
-    header = f"{'variant':<16}{'size':>9}{'changes/s':>12}{'x base':>8}{'MiB added':>11}"
-    print(header + f"{'MiB removed':>13}")
-    for size in (10_000, 100_000):
-        base_rate = size / statistics.median(base.seconds[size])
-        for variant in variants:
-            rate = size / statistics.median(variant.seconds[size])
-            print(
-                f"{variant.name:<16}{size:>9,}{rate:>12,.0f}{rate / base_rate:>8.2f}"
-                f"{mib(variant.bytes_added[size]):>11}{mib(variant.bytes_removed[size]):>13}"
-            )
-    print("\np50 wall time of a 1,000-change batch")
-    for variant in variants:
-        print(f"{variant.name:<16}{statistics.median(variant.seconds[1_000]):>8.2f} s")
+    variants = []
+    for name in args.variants.split(","):
+        variant = makers[name](spark, workdir / name, bronze, args.rows)
+        workload = Workload(next_id=args.rows)  # one key space and sequence per table
+        run_batches(spark, variant, bronze, workload, [1_000] * 2, warmup=2)
+        run_batches(spark, variant, bronze, workload, [1_000] * args.small)
+        variant.files["after 1k"] = file_count(spark, variant.silver_path)
+        run_batches(spark, variant, bronze, workload, plan)
+        variant.files["at end"] = file_count(spark, variant.silver_path)
+        variants.append(variant)
+    drift = None
+    if args.drift:
+        drift = lean_variant(spark, workdir / "drift", bronze, args.rows)
+        drift.files["at start"] = file_count(spark, drift.silver_path)
+        run_batches(spark, drift, bronze, Workload(next_id=args.rows), [1_000] * args.drift)
+        drift.files["at end"] = file_count(spark, drift.silver_path)
+    if args.small:
+        report(variants, args.rows)
+    if drift is not None:
+        report_drift(drift)
 
 
 if __name__ == "__main__":

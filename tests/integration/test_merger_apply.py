@@ -17,8 +17,8 @@ from cdc_merger.apply import (
     ERROR_KIND,
     ERROR_MESSAGE,
     ApplyResult,
+    MergeState,
     SilverLayout,
-    TruncateFloor,
     apply_batch,
     ensure_tables,
     expire_tombstones,
@@ -56,7 +56,7 @@ class Silver:
             str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), entity.key
         )
         ensure_tables(spark, silver_bronze_schema or self.bronze_schema, self.layout)
-        self.truncates = TruncateFloor(spark, self.layout.truncate_path)  # kept, as the merger
+        self.state = MergeState(spark, self.layout)  # kept, as the merger
         self.offset = 0
         self.rejected: list[Row] = []
 
@@ -101,16 +101,16 @@ class Silver:
     def apply(self, *events: dict[str, Any]) -> ApplyResult:
         frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
         try:
-            return apply_batch(self.spark, frame, self.layout, self.quarantine, self.truncates)
+            return apply_batch(self.spark, frame, self.layout, self.quarantine, self.state)
         finally:
             frame.unpersist()
 
     def apply_frame(self, events: DataFrame) -> ApplyResult:
-        return apply_batch(self.spark, events, self.layout, self.quarantine, self.truncates)
+        return apply_batch(self.spark, events, self.layout, self.quarantine, self.state)
 
     def restart(self) -> None:
         """Forget what the process kept in memory, as a restarted merger would."""
-        self.truncates = TruncateFloor(self.spark, self.layout.truncate_path)
+        self.state = MergeState(self.spark, self.layout)
 
     def quarantine(self, rejected: DataFrame) -> None:
         self.rejected += rejected.collect()
@@ -187,6 +187,47 @@ def test_delete_then_newer_insert(customers: Silver) -> None:
     customers.apply(customers.event("c", {"id": 1}, [30], customer("reborn")))
     assert names(customers) == {1: "reborn"}
     assert [c[1] for c in customers.changes()] == ["insert", "delete", "insert"]
+
+
+def test_tombstones_outlive_a_restart(customers: Silver) -> None:
+    customers.apply(customers.event("c", {"id": 1}, [10], customer("a")))
+    customers.apply(customers.event("d", {"id": 1}, [30]))
+    customers.restart()  # the index is loaded again from the tombstones table
+    assert len(customers.state.tombstones) == 1
+    customers.apply(customers.event("u", {"id": 1}, [20], customer("late")))
+    assert names(customers) == {}
+
+
+def test_a_newer_insert_retires_the_tombstone_it_overtakes(customers: Silver) -> None:
+    """Silver's row guards the key once it is newer than the delete: memory is freed."""
+    customers.apply(customers.event("d", {"id": 1}, [20]))
+    customers.apply(customers.event("d", {"id": 2}, [21]))
+    assert len(customers.state.tombstones) == 2
+    customers.apply(customers.event("c", {"id": 1}, [30], customer("reborn")))
+    assert len(customers.state.tombstones) == 1
+    customers.restart()  # the table still holds key 1's tombstone; the load leaves it out
+    assert len(customers.state.tombstones) == 1
+    customers.apply(
+        customers.event("u", {"id": 1}, [25], customer("late")),
+        customers.event("c", {"id": 2}, [15], customer("late")),
+    )
+    assert names(customers) == {1: "reborn"}
+
+
+def test_a_delete_whose_tombstone_committed_before_its_merge_still_applies(
+    customers: Silver,
+) -> None:
+    """The tombstones' append runs beside the MERGE: a crash may keep only the tombstone."""
+    customers.apply(customers.event("c", {"id": 1}, [10], customer("a")))
+    delete = customers.event("d", {"id": 1}, [30])
+    tombstone = customers.spark.createDataFrame(
+        [(1, [30], dt.datetime.now(dt.UTC))], "id int, _cdc_seq array<bigint>, deleted_at timestamp"
+    )
+    tombstone.write.format("delta").mode("append").save(customers.layout.tombstone_path)
+    customers.restart()  # the crash: the batch is replayed by a new process
+    customers.apply(delete)
+    assert names(customers) == {}
+    assert [c[1] for c in customers.changes()] == ["insert", "delete"]
 
 
 def test_replayed_batch_changes_nothing(customers: Silver) -> None:
@@ -367,6 +408,7 @@ def test_expired_tombstones_no_longer_block_older_events(customers: Silver) -> N
         )
         == 1
     )
+    customers.restart()  # the merger reloads its tombstones after an expiry
     customers.apply(customers.event("c", {"id": 1}, [40], customer("after expiry")))
     assert names(customers) == {1: "after expiry"}
 
@@ -494,3 +536,22 @@ def test_merges_beside_a_compaction_retry_the_commit_races_they_lose(
     changes = feed.option("startingVersion", 0).load(path)
     once = changes.where("_change_type IN ('insert', 'update_postimage', 'delete')")
     assert once.groupBy("id", "_cdc_seq", "_change_type").count().where("count > 1").count() == 0
+
+
+def test_tables_made_before_get_auto_compaction_at_the_next_start(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Tuning properties reach existing tables; protocol-changing ones are left alone."""
+    from cdc_shared.tables import ensure_table
+
+    path = str(tmp_path / "old")
+    spark.range(3).write.format("delta").save(path)  # made without our properties
+    wanted = {"delta.autoOptimize.autoCompact": "true", "delta.enableChangeDataFeed": "true"}
+    ensure_table(spark, path, T.StructType([T.StructField("id", T.LongType())]), wanted)
+    properties = spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first()["properties"]
+    assert properties.get("delta.autoOptimize.autoCompact") == "true"
+    assert "delta.enableChangeDataFeed" not in properties
+    layout = Silver(spark, tmp_path / "new", CUSTOMERS).layout
+    for table in (layout.silver_path, layout.tombstone_path):
+        detail = spark.sql(f"DESCRIBE DETAIL delta.`{table}`").first()
+        assert detail["properties"].get("delta.autoOptimize.autoCompact") == "true"

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.config import EntityConfig
 from cdc_shared.schemas import EntitySchemas
+from cdc_shared.tables import AUTO_COMPACT
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -42,6 +43,9 @@ BRONZE_PROPERTIES = {
     "delta.appendOnly": "true",
     # Statistics only for the Kafka coordinates: readers stream bronze, they do not skip.
     "delta.dataSkippingNumIndexedCols": "4",
+    # About one commit a second under load: a log checkpoint every ~100 s, not every 10 s.
+    "delta.checkpointInterval": "100",
+    **AUTO_COMPACT,
 }
 _CONFLUENT = bytes([0x00])
 _SINGLE_OBJECT = bytes([0xC3, 0x01])

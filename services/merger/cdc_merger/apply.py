@@ -2,29 +2,34 @@
 
 Per batch: set aside events that cannot be applied (for quarantine), apply a truncate
 (``op=t``) by deleting every row older than it, keep the latest event per key by its
-``sequence`` (compared element by element), drop events not newer than the key's
-tombstone or the last truncate, then one MERGE into silver that updates or deletes only
-when the event is newer than the row, and inserts only what is absent. Deletes also record
-a tombstone (key + sequence) in a side table, so a late older event cannot resurrect the
-row. Every step compares sequences, so applying the same batch twice changes nothing.
+``sequence`` (compared element by element), drop upserts not newer than the key's
+tombstone or the last truncate (both kept in memory, ``MergeState``), then one MERGE into
+silver that updates or deletes only when the event is newer than the row, and inserts
+only what is absent. Deletes also record a tombstone (key + sequence) in a side table, so
+a late older event cannot resurrect the row after a restart. Every step compares
+sequences, so applying the same batch twice changes nothing.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from functools import reduce
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.tables import on_conflict_retry
-from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, SparkSession
+from cdc_shared.spark import BackgroundCall
+from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
+from delta.tables import DeltaMergeBuilder, DeltaTable
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
+
+from cdc_merger.guards import TombstoneIndex, TruncateFloor, key_values, sequence_literal
 
 log = logging.getLogger("cdc_merger")
 
@@ -37,8 +42,9 @@ ERROR_MESSAGE = "_cdc_error_message"
 SILVER_PROPERTIES = {
     "delta.enableChangeDataFeed": "true",
     "delta.enableDeletionVectors": "true",
+    **AUTO_COMPACT,
 }
-TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true"}
+TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true", **AUTO_COMPACT}
 TRUNCATE_SCHEMA = T.StructType(
     [
         T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
@@ -182,45 +188,6 @@ def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> D
     return flat.groupBy(*key).agg(newest).select(*key, "newest.*")
 
 
-class TruncateFloor:
-    """The newest truncate applied to one entity: events not newer than it are dropped.
-
-    Read from the truncates table on first use, then kept up to date in memory: the
-    merger is the table's only writer, and re-reading it would cost every batch a scan.
-    """
-
-    def __init__(self, spark: SparkSession, truncate_path: str) -> None:
-        self._spark = spark
-        self._path = truncate_path
-        self._sequence: list[int] | None = None
-        self._loaded = False
-
-    def get(self) -> list[int] | None:
-        """The newest truncate's sequence, or None when the entity was never truncated."""
-        if not self._loaded:
-            row = self._spark.read.format("delta").load(self._path).agg(F.max(SEQUENCE)).first()
-            newest = None if row is None else row[0]
-            self._sequence = None if newest is None else [int(v) for v in newest]
-            self._loaded = True
-        return self._sequence
-
-    def raise_to(self, sequence: list[int]) -> None:
-        """Remember a truncate just recorded (the floor never goes down)."""
-        current = self.get()
-        if current is None or sequence > current:
-            self._sequence = list(sequence)
-
-
-@dataclass(frozen=True)
-class BatchSummary:
-    """One pass over a batch: events, rejected, the newest truncate, the latest ingest time."""
-
-    events: int
-    rejected: int
-    truncate: list[int] | None
-    ingested_until: dt.datetime | None
-
-
 @dataclass(frozen=True)
 class ApplyResult:
     """What a batch did: events read, rejected, keys offered to silver, deletes, truncates.
@@ -237,94 +204,166 @@ class ApplyResult:
     step_ms: dict[str, int] = dataclass_field(default_factory=dict)
 
 
+class MergeState:
+    """What a long-lived merger keeps from batch to batch for one entity.
+
+    The in-memory guards (the truncate floor and the tombstone index) and silver's
+    schema: the merger is silver's only writer, so the schema changes only when a batch
+    brings a column silver lacks (the MERGE then adds it), and is read again then.
+    """
+
+    def __init__(self, spark: SparkSession, layout: SilverLayout) -> None:
+        self._spark = spark
+        self._silver_path = layout.silver_path
+        self.truncates = TruncateFloor(spark, layout.truncate_path)
+        self.tombstones = TombstoneIndex.over(
+            spark, layout.tombstone_path, layout.silver_path, layout.key
+        )
+        self._schema: T.StructType | None = None
+
+    def load(self) -> None:
+        """Read the guards now (at start) instead of in the first batch."""
+        self.truncates.get()
+        len(self.tombstones)
+
+    def silver_schema(self, events: DataFrame) -> T.StructType:
+        """Silver's schema, read again when the events carry a column silver lacks."""
+        after = events.schema["after"].dataType
+        assert isinstance(after, T.StructType)
+        if self._schema is None or not set(after.fieldNames()) <= set(self._schema.fieldNames()):
+            self._schema = DeltaTable.forPath(self._spark, self._silver_path).toDF().schema
+        return self._schema
+
+
 def apply_batch(
     spark: SparkSession,
     events: DataFrame,
     layout: SilverLayout,
     quarantine: Callable[[DataFrame], None],
-    truncates: TruncateFloor | None = None,
+    state: MergeState | None = None,
 ) -> ApplyResult:
     """Apply one batch of bronze events to silver; idempotent.
 
-    ``events`` should be persisted (it is read several times). Events that cannot be
-    applied are handed to ``quarantine`` (bronze rows plus ``_cdc_error_kind`` and
-    ``_cdc_error_message``) and the rest is applied. A long-lived caller passes the same
-    ``truncates`` every batch; without it the truncates table is read.
+    Events that cannot be applied are handed to ``quarantine`` (bronze rows plus
+    ``_cdc_error_kind`` and ``_cdc_error_message``) and the rest is applied. A long-lived
+    caller passes the same ``state`` every batch; without it the side tables are read.
+
+    Spark jobs: one computes the newest event per key and the batch's counts (observed
+    metrics, no extra pass); a second brings the offered keys and sequences to the driver
+    (the tombstone index is consulted and updated there); then the MERGE, beside the
+    tombstones' append.
     """
     key = layout.key
-    truncates = truncates or TruncateFloor(spark, layout.truncate_path)
+    state = state or MergeState(spark, layout)
     lap = Stopwatch()
-    silver = DeltaTable.forPath(spark, layout.silver_path).toDF().schema
+    silver = state.silver_schema(events)
     kind, message = rejection(events, key, silver)
     # Kafka tombstones (a null value after a delete) carry nothing to apply.
     checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
-    summary = _summarise(checked)
-    lap("check")
-    if summary.rejected:
+    batch = Observation()  # a unique name: entities' batches may run at once
+    valid = (
+        checked.observe(batch, *_batch_metrics()).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
+    )
+    latest = latest_per_key(valid, key, silver)
+    floor = state.truncates.get()
+    if floor is not None:
+        latest = latest.where(F.col(SEQUENCE) > sequence_literal(floor))
+    # A local checkpoint: the MERGE (which reads its source twice) and the tombstones'
+    # append then read computed rows instead of planning bronze's read again.
+    candidates = latest.withColumn(COMMIT_TS, F.current_timestamp()).localCheckpoint(eager=True)
+    summary = batch.get
+    lap("prepare")
+    rejected = int(summary["rejected"])
+    if rejected:
         quarantine(checked.where(F.col(ERROR_KIND).isNotNull()).withColumn(ERROR_MESSAGE, message))
         lap("quarantine")
-    valid = checked.where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
-    if summary.truncate is not None:
-        _truncate(spark, layout, summary.truncate)
-        truncates.raise_to(summary.truncate)
+    truncate = summary["truncate"]
+    if truncate is not None:
+        truncate = [int(v) for v in truncate]
+        _truncate(spark, layout, truncate)
+        state.truncates.raise_to(truncate)
+        candidates = candidates.where(F.col(SEQUENCE) > sequence_literal(truncate))
         lap("truncate")
-    # A local checkpoint cuts the lineage: the writes below then plan against the
-    # computed rows instead of re-planning the reads of bronze and the tombstones.
-    latest = latest_per_key(valid, key, silver)
-    candidates = _candidates(spark, latest, layout, truncates.get()).localCheckpoint(eager=False)
-    counts = {r[OP]: int(r["count"]) for r in candidates.groupBy(OP).count().collect()}
-    lap("candidates")
-    if counts:
-        _merge_silver(spark, candidates, layout)
+    offered = Offered.of(candidates, key) if int(summary["applicable"]) else Offered.none()
+    stale = state.tombstones.stale_upserts(offered.upserts) if offered.upserts.num_rows else []
+    if stale:
+        candidates = _without_keys(spark, candidates, key, stale)
+        offered = offered.without(stale, key)
+    lap("guard")
+    if offered.keys:
+        _write_silver(spark, candidates, layout, with_tombstones=offered.deletes.num_rows > 0)
+        state.tombstones.record(offered.deletes, offered.upserts)
         lap("merge")
-    if counts.get(DELETE):
-        _record_tombstones(spark, candidates, layout)
-        lap("tombstones")
     return ApplyResult(
-        events=summary.events,
-        rejected=summary.rejected,
-        keys=sum(counts.values()),
-        deletes=counts.get(DELETE, 0),
-        truncated=summary.truncate is not None,
-        ingested_until=summary.ingested_until,
+        events=int(summary["events"]),
+        rejected=rejected,
+        keys=offered.keys,
+        deletes=offered.deletes.num_rows,
+        truncated=truncate is not None,
+        ingested_until=summary["ingested_until"],
         step_ms=lap.laps,
     )
 
 
-def _summarise(checked: DataFrame) -> BatchSummary:
-    valid_truncate = (F.col("op") == TRUNCATE) & F.col(ERROR_KIND).isNull()
-    row = checked.agg(
+def _batch_metrics() -> list[Column]:
+    """Counted while the batch is read: events, rejected, applicable, truncate, ingest time."""
+    error = F.col(ERROR_KIND)
+    op = F.col("op")
+    applicable = error.isNull() & ~F.col("is_tombstone") & op.isin(*UPSERT_OPS, DELETE)
+    return [
         F.count(F.lit(1)).alias("events"),
-        F.count(ERROR_KIND).alias("rejected"),
-        F.max(F.when(valid_truncate, F.col("sequence"))).alias("truncate"),
+        F.count(error).alias("rejected"),
+        F.count(F.when(applicable, 1)).alias("applicable"),
+        F.max(F.when((op == TRUNCATE) & error.isNull(), F.col("sequence"))).alias("truncate"),
         F.max("ingested_at").alias("ingested_until"),
-    ).first()
-    assert row is not None
-    truncate = None if row["truncate"] is None else [int(v) for v in row["truncate"]]
-    return BatchSummary(int(row["events"]), int(row["rejected"]), truncate, row["ingested_until"])
+    ]
 
 
-def _candidates(
-    spark: SparkSession, latest: DataFrame, layout: SilverLayout, truncated: list[int] | None
+@dataclass(frozen=True)
+class Offered:
+    """The keys and sequences a batch offers silver, on the driver, split by kind."""
+
+    upserts: pa.Table
+    deletes: pa.Table
+
+    @classmethod
+    def of(cls, candidates: DataFrame, key: list[str]) -> Offered:
+        """Collect the candidates' keys, sequences and ops (one small Spark job)."""
+        table = candidates.select(*[F.col(f"`{k}`") for k in key], SEQUENCE, OP).toArrow()
+        is_delete = pc.equal(table.column(OP), DELETE)
+        return cls(table.filter(pc.invert(is_delete)), table.filter(is_delete))
+
+    @classmethod
+    def none(cls) -> Offered:
+        """Nothing offered (every event was rejected, a truncate or a Kafka tombstone)."""
+        empty = pa.table({SEQUENCE: pa.array([], pa.list_(pa.int64()))})
+        return cls(empty, empty)
+
+    @property
+    def keys(self) -> int:
+        """How many keys the batch offers silver."""
+        return int(self.upserts.num_rows + self.deletes.num_rows)
+
+    def without(self, stale: list[Hashable], key: list[str]) -> Offered:
+        """The same without the given upserts' keys."""
+        drop = set(stale)
+        keep = [k not in drop for k in key_values(self.upserts, key)]
+        return Offered(self.upserts.filter(pa.array(keep, pa.bool_())), self.deletes)
+
+
+def _without_keys(
+    spark: SparkSession, candidates: DataFrame, key: list[str], keys: list[Hashable]
 ) -> DataFrame:
-    """Events newer than every tombstone of their key and than the newest truncate."""
-    tombstones = spark.read.format("delta").load(layout.tombstone_path).alias("t")
-    not_newer = F.col(f"t.{SEQUENCE}") >= F.col(f"e.{SEQUENCE}")
-    same_key = [F.col(f"e.`{k}`") == F.col(f"t.`{k}`") for k in layout.key]
-    candidates = latest.alias("e").join(
-        tombstones, on=reduce(Column.__and__, same_key, not_newer), how="left_anti"
+    """``candidates`` without the rows of ``keys`` (a broadcast anti-join on the key)."""
+    schema = T.StructType([candidates.schema[k] for k in key])
+    rows = [k if isinstance(k, tuple) else (k,) for k in keys]
+    return candidates.join(
+        F.broadcast(spark.createDataFrame(rows, schema)), on=key, how="left_anti"
     )
-    if truncated is not None:
-        candidates = candidates.where(F.col(SEQUENCE) > _sequence_literal(truncated))
-    return candidates.withColumn(COMMIT_TS, F.current_timestamp())
 
 
 def _on(key: list[str], target: str, source: str) -> str:
     return " AND ".join(f"{target}.`{k}` = {source}.`{k}`" for k in key)
-
-
-def _sequence_literal(sequence: list[int]) -> Column:
-    return F.array(*[F.lit(v).cast("long") for v in sequence])
 
 
 @on_conflict_retry
@@ -334,7 +373,7 @@ def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) ->
     In this order a crash in between replays the delete, which then finds nothing.
     """
     DeltaTable.forPath(spark, layout.silver_path).delete(
-        F.col(SEQUENCE) < _sequence_literal(sequence)
+        F.col(SEQUENCE) < sequence_literal(sequence)
     )
     spark.createDataFrame([(sequence, dt.datetime.now(dt.UTC))], TRUNCATE_SCHEMA).write.format(
         "delta"
@@ -342,20 +381,42 @@ def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) ->
     log.info("truncate at sequence %s applied to %s", sequence, layout.silver_path)
 
 
+def _write_silver(
+    spark: SparkSession, candidates: DataFrame, layout: SilverLayout, with_tombstones: bool
+) -> None:
+    """The MERGE, and the deletes' tombstones appended beside it (both must commit).
+
+    Either order of the two commits is safe: a replay re-applies the deletes (they are
+    never filtered by tombstones) and appends their tombstones again (the newest counts).
+    """
+    if not with_tombstones:
+        _merge_silver(spark, candidates, layout)
+        return
+    appended = BackgroundCall(lambda: _record_tombstones(spark, candidates, layout))
+    try:
+        _merge_silver(spark, candidates, layout)
+    finally:
+        appended.wait()
+
+
 @on_conflict_retry
 def _merge_silver(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
     silver = DeltaTable.forPath(spark, layout.silver_path)
+    silver_merge(silver, candidates, layout.key).execute()
+
+
+def silver_merge(silver: DeltaTable, candidates: DataFrame, key: list[str]) -> DeltaMergeBuilder:
+    """Silver's MERGE: update or delete only when newer, insert what is absent."""
     columns = [c for c in candidates.columns if c != OP] + [OP]
     values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     newer = f"s.{SEQUENCE} > t.{SEQUENCE}"
-    (
+    return (
         silver.alias("t")
-        .merge(candidates.alias("s"), _on(layout.key, "t", "s"))
+        .merge(candidates.alias("s"), _on(key, "t", "s"))
         .whenMatchedDelete(condition=f"s.{OP} = '{DELETE}' AND {newer}")
         .whenMatchedUpdate(condition=f"s.{OP} != '{DELETE}' AND {newer}", set=values)
         .whenNotMatchedInsert(condition=f"s.{OP} != '{DELETE}'", values=values)
         .withSchemaEvolution()
-        .execute()
     )
 
 
@@ -365,7 +426,7 @@ def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: Silve
     deletes = candidates.where(F.col(OP) == DELETE).select(
         *layout.key, SEQUENCE, F.col(COMMIT_TS).alias("deleted_at")
     )
-    deletes.write.format("delta").mode("append").save(layout.tombstone_path)
+    deletes.coalesce(1).write.format("delta").mode("append").save(layout.tombstone_path)
 
 
 @on_conflict_retry

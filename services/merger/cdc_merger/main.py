@@ -13,6 +13,7 @@ import time
 
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.service import service_main
+from cdc_shared.spark import counting_jobs
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
@@ -36,8 +37,8 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from cdc_merger.apply import (
     ERROR_KIND,
     ERROR_MESSAGE,
+    MergeState,
     SilverLayout,
-    TruncateFloor,
     apply_batch,
     ensure_tables,
     expire_tombstones,
@@ -99,7 +100,7 @@ class EntityMerge:
         self.identity = QueryIdentity()
         self.bronze_path = config.table_path("bronze", entity.name)
         self.layout = silver_layout(config, entity)
-        self.truncates = TruncateFloor(spark, self.layout.truncate_path)
+        self.state = MergeState(spark, self.layout)
         self.quarantine_path = config.table_path("quarantine", SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
@@ -109,6 +110,7 @@ class EntityMerge:
         wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
         bronze_schema = self.spark.read.format("delta").load(self.bronze_path).schema
         ensure_tables(self.spark, bronze_schema, self.layout)
+        self.state.load()
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
 
     def source(self) -> DataFrame:
@@ -143,12 +145,9 @@ class EntityMerge:
             rows = quarantine_rows(rejected, self.entity.name, batch_id)
             idempotent_append(rows, self.quarantine_path, app, batch_id)
 
-        events = batch.persist()
-        try:
-            result = apply_batch(self.spark, events, self.layout, quarantine, self.truncates)
-        finally:
-            events.unpersist()
-        expired = self.expire_tombstones(result.ingested_until)
+        with counting_jobs(self.spark) as spark_jobs:
+            result = apply_batch(self.spark, batch, self.layout, quarantine, self.state)
+            expired = self.expire_tombstones(result.ingested_until)
         counts = {
             # Spark does not count rows a MERGE reads: counted here for the batch log.
             "input_rows": result.events,
@@ -164,7 +163,11 @@ class EntityMerge:
             batch_id,
             BatchStats(
                 counts=counts,
-                extra={"merge_ms": int((time.monotonic() - started) * 1000), **result.step_ms},
+                extra={
+                    "merge_ms": int((time.monotonic() - started) * 1000),
+                    **result.step_ms,
+                    "spark_jobs": spark_jobs(),
+                },
             ),
         )
 
@@ -179,7 +182,10 @@ class EntityMerge:
             return None
         self.next_expiry = time.monotonic() + settings.tombstone_expiry_interval_s
         cutoff = ingested_until - dt.timedelta(hours=hours)
-        return expire_tombstones(self.spark, self.layout.tombstone_path, cutoff)
+        expired = expire_tombstones(self.spark, self.layout.tombstone_path, cutoff)
+        if expired:
+            self.state.tombstones.forget()  # reloaded by the next batch, without them
+        return expired
 
 
 def start(

@@ -1,0 +1,163 @@
+"""What the merger keeps in memory to keep stale events out of silver.
+
+Two guards, each loaded once from its side table and then kept current by the merger
+(the tables' only writer), so a batch consults them without reading a table:
+
+- ``TruncateFloor``: the newest truncate; events not newer than it are dropped.
+- ``TombstoneIndex``: the newest delete per key that silver's rows no longer show; an
+  upsert not newer than its key's tombstone is dropped, so a late event cannot
+  resurrect a deleted row.
+
+Sequences are lists of longs compared element by element; in memory each is packed into
+one Python int that orders the same way (``pack_sequence``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Iterable, Iterator
+
+import pyarrow as pa
+from cdc_shared.silver import SEQUENCE
+from pyspark.sql import Column, SparkSession
+from pyspark.sql import functions as F
+
+log = logging.getLogger("cdc_merger")
+
+_LONG_OFFSET = 1 << 63  # shifts a signed long into 0 .. 2**64 - 1
+_LONG_BITS = 64
+
+
+def pack_sequence(sequence: Iterable[int]) -> int:
+    """One int that orders like the sequence (element by element) among equal lengths.
+
+    A sequence's length is fixed per entity (one element per ``sequence_by`` path), so
+    packed sequences of one entity compare exactly as the lists do.
+    """
+    packed = 0
+    for value in sequence:
+        packed = (packed << _LONG_BITS) | (int(value) + _LONG_OFFSET)
+    return packed
+
+
+def sequence_literal(sequence: list[int]) -> Column:
+    """A sequence as a Spark ``array<bigint>`` literal."""
+    return F.array(*[F.lit(v).cast("long") for v in sequence])
+
+
+class TruncateFloor:
+    """The newest truncate applied to one entity: events not newer than it are dropped."""
+
+    def __init__(self, spark: SparkSession, truncate_path: str) -> None:
+        self._spark = spark
+        self._path = truncate_path
+        self._sequence: list[int] | None = None
+        self._loaded = False
+
+    def get(self) -> list[int] | None:
+        """The newest truncate's sequence, or None when the entity was never truncated."""
+        if not self._loaded:
+            row = self._spark.read.format("delta").load(self._path).agg(F.max(SEQUENCE)).first()
+            newest = None if row is None else row[0]
+            self._sequence = None if newest is None else [int(v) for v in newest]
+            self._loaded = True
+        return self._sequence
+
+    def raise_to(self, sequence: list[int]) -> None:
+        """Remember a truncate just recorded (the floor never goes down)."""
+        current = self.get()
+        if current is None or sequence > current:
+            self._sequence = list(sequence)
+
+
+def key_values(table: pa.Table, key: list[str]) -> Iterator[Hashable]:
+    """The keys of an Arrow table's rows: the value itself for one column, else a tuple."""
+    columns = [table.column(k).to_pylist() for k in key]
+    return iter(columns[0]) if len(columns) == 1 else zip(*columns, strict=True)
+
+
+def packed_sequences(table: pa.Table) -> Iterator[int]:
+    """The ``_cdc_seq`` column of an Arrow table, packed (``pack_sequence``)."""
+    return (pack_sequence(s) for s in table.column(SEQUENCE).to_pylist())
+
+
+def load_tombstones(
+    spark: SparkSession, tombstone_path: str, silver_path: str, key: list[str]
+) -> dict[Hashable, int]:
+    """The newest tombstone per key, without the keys whose silver row is newer.
+
+    One Spark job; the result crosses to the driver as Arrow.
+    """
+    tombstones = spark.read.format("delta").load(tombstone_path)
+    newest = tombstones.groupBy(*key).agg(F.max(SEQUENCE).alias(SEQUENCE)).alias("t")
+    silver = spark.read.format("delta").load(silver_path).alias("s")
+    condition = F.col(f"s.{SEQUENCE}") > F.col(f"t.{SEQUENCE}")
+    for k in key:
+        condition = condition & (F.col(f"t.`{k}`") == F.col(f"s.`{k}`"))
+    live = newest.join(silver, on=condition, how="left_anti")
+    table = live.select(*[F.col(f"`{k}`") for k in key], SEQUENCE).toArrow()
+    index = dict(zip(key_values(table, key), packed_sequences(table), strict=True))
+    log.info("loaded %d tombstones from %s", len(index), tombstone_path)
+    return index
+
+
+class TombstoneIndex:
+    """The newest delete per key, in memory: key -> packed sequence.
+
+    Loaded once (``load``), then kept current: a delete raises its key's entry, an
+    upsert newer than the entry removes it (silver's row, at least as new, guards the
+    key from then on). Memory: about 100-150 bytes per key, measured by
+    ``tests/bench/bench_tombstones.py``.
+    """
+
+    def __init__(self, load: Callable[[], dict[Hashable, int]], key: list[str]) -> None:
+        self._load = load
+        self._key = key
+        self._newest: dict[Hashable, int] | None = None
+
+    @classmethod
+    def over(
+        cls, spark: SparkSession, tombstone_path: str, silver_path: str, key: list[str]
+    ) -> TombstoneIndex:
+        """An index of the tombstones table (``load_tombstones``), loaded on first use."""
+        return cls(lambda: load_tombstones(spark, tombstone_path, silver_path, key), key)
+
+    def _index(self) -> dict[Hashable, int]:
+        if self._newest is None:
+            self._newest = self._load()
+        return self._newest
+
+    def __len__(self) -> int:
+        return len(self._index())
+
+    def stale_upserts(self, upserts: pa.Table) -> list[Hashable]:
+        """Keys of the upserts (key columns and ``_cdc_seq``) not newer than their tombstone."""
+        index = self._index()
+        if not index:
+            return []
+        keys, sequences = key_values(upserts, self._key), packed_sequences(upserts)
+        return [
+            key
+            for key, sequence in zip(keys, sequences, strict=True)
+            if key in index and sequence <= index[key]
+        ]
+
+    def record(self, deletes: pa.Table, upserts: pa.Table) -> None:
+        """Take in a batch just merged: its deletes and the upserts it offered silver."""
+        index = self._index()
+        for key, sequence in zip(
+            key_values(deletes, self._key), packed_sequences(deletes), strict=True
+        ):
+            if sequence > index.get(key, -1):
+                index[key] = sequence
+        if not index:
+            return
+        for key, sequence in zip(
+            key_values(upserts, self._key), packed_sequences(upserts), strict=True
+        ):
+            if key in index and sequence > index[key]:
+                del index[key]
+
+    def forget(self) -> None:
+        """Drop what is in memory; the next use loads the table again (after an expiry)."""
+        self._newest = None
