@@ -10,7 +10,8 @@ merger's foreachBatch does. Three variants, each on its own fresh silver table:
   the merger creates it (CDF and deletion vectors on);
 - lean: the merger's ``apply_batch`` today, on the same kind of silver.
 
-Each variant loads N rows, then merges 2 warm-up and ``--small`` 1,000-change batches,
+Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does not count
+(the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
 then ``--repeats`` batches of 10,000 and of 100,000 changes (80% updates, 15% inserts,
 5% deletes; updated and deleted keys skewed toward the newest). Per batch it records the
 wall time, the Spark jobs the batch ran, the MERGE's own ``executionTimeMs`` (Delta's
@@ -40,12 +41,13 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402
-    SILVER_PROPERTIES,
+    TRUNCATE_SCHEMA,
     MergeState,
     SilverLayout,
     apply_batch,
     ensure_tables,
     silver_schema,
+    tombstone_schema,
 )
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import SparkConfig  # noqa: E402
@@ -278,17 +280,22 @@ def lean_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: in
 
 
 def before_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
+    """Silver and its side tables as they were made before (no auto compaction)."""
     layout = SilverLayout(
         str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
     )
-    ensure_tables(spark, bronze, layout)
+    silver = silver_schema(bronze, layout.key)
+    dvs = {"delta.enableDeletionVectors": "true"}
+    ensure_table(spark, layout.silver_path, silver, {"delta.enableChangeDataFeed": "true", **dvs})
+    ensure_table(spark, layout.tombstone_path, tombstone_schema(silver, layout.key), dvs)
+    ensure_table(spark, layout.truncate_path, TRUNCATE_SCHEMA, dvs)
     load_silver(spark, layout.silver_path, rows)
     return Variant("before", lambda s, e: apply_batch_before(s, e, layout), layout.silver_path)
 
 
 def baseline_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
     path = str(root / "silver")
-    properties = {**SILVER_PROPERTIES, "delta.enableDeletionVectors": "false"}
+    properties = {"delta.enableChangeDataFeed": "true"}  # no deletion vectors, no compaction
     ensure_table(spark, path, silver_schema(bronze, CUSTOMERS.key), properties)
     load_silver(spark, path, rows)
     return Variant("baseline", lambda s, e: seed_style_merge(s, e, path), path)
@@ -301,7 +308,7 @@ def p(values: list[float], q: float) -> float:
 
 def report(variants: list[Variant], rows: int) -> None:
     base = variants[0]
-    print(f"\nsilver of {rows:,} rows; 1,000-change batches (after 2 warm-up batches)")
+    print(f"\nsilver of {rows:,} rows; 1,000-change batches (after the warm-up batches)")
     print(
         f"{'variant':<10}{'p50 s':>8}{'p95 s':>8}{'x base':>8}{'MERGE p50 s':>13}"
         f"{'other p50 s':>13}{'jobs p50':>10}{'files':>7}"
@@ -351,6 +358,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--small", type=int, default=20, help="1,000-change batches")
+    parser.add_argument(
+        "--warmup", type=int, default=8, help="1,000-change batches first, not counted"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="batches of 10k and of 100k")
     parser.add_argument("--drift", type=int, default=200, help="batches of the drift run")
     parser.add_argument(
@@ -375,7 +385,8 @@ def main() -> None:
     for name in args.variants.split(","):
         variant = makers[name](spark, workdir / name, bronze, args.rows)
         workload = Workload(next_id=args.rows)  # one key space and sequence per table
-        run_batches(spark, variant, bronze, workload, [1_000] * 2, warmup=2)
+        warmup = [1_000] * args.warmup
+        run_batches(spark, variant, bronze, workload, warmup, warmup=len(warmup))
         run_batches(spark, variant, bronze, workload, [1_000] * args.small)
         variant.files["after 1k"] = file_count(spark, variant.silver_path)
         run_batches(spark, variant, bronze, workload, plan)

@@ -49,7 +49,7 @@ def write_tables(spark: SparkSession, root: Path, count: int, composite: bool) -
     frame = spark.range(count)
     if composite:
         keys = [F.concat(F.lit("tenant-"), F.col("id") % 97).alias("tenant"), F.col("id")]
-        sequence = F.array(F.col("id") // 1000, F.col("id"))
+        sequence = F.array(F.floor(F.col("id") / 1000).cast("long"), F.col("id"))
     else:
         keys = [F.col("id").cast("int").alias("id")]
         sequence = F.array(F.col("id") + 1_000_000)
@@ -62,17 +62,20 @@ def write_tables(spark: SparkSession, root: Path, count: int, composite: bool) -
     return tombstone_path, silver_path
 
 
-def offered(count: int, total: int, composite: bool, start: int) -> pa.Table:
-    """``count`` keys spread over the index, with sequences newer than every tombstone."""
+def offered(count: int, total: int, composite: bool, start: int, newer_by: int) -> pa.Table:
+    """``count`` keys spread over the index, with sequences newer than every tombstone
+    loaded and than any recorded with a smaller ``newer_by``."""
     ids = [(start + i * (total // count)) % total for i in range(count)]
     columns: dict[str, pa.Array] = {}
     if composite:
         columns["tenant"] = pa.array([f"tenant-{i % 97}" for i in ids])
         columns["id"] = pa.array(ids, pa.int64())
-        columns[SEQUENCE] = pa.array([[10**9, i] for i in ids], pa.list_(pa.int64()))
+        columns[SEQUENCE] = pa.array([[10**9 + newer_by, i] for i in ids], pa.list_(pa.int64()))
     else:
         columns["id"] = pa.array(ids, pa.int32())
-        columns[SEQUENCE] = pa.array([[10**9 + i] for i in ids], pa.list_(pa.int64()))
+        columns[SEQUENCE] = pa.array(
+            [[10**9 * (1 + newer_by) + i] for i in ids], pa.list_(pa.int64())
+        )
     return pa.table(columns)
 
 
@@ -95,11 +98,13 @@ def measure(spark: SparkSession, root: Path, count: int, composite: bool) -> Non
     print(f"  load at start         {load_s:8.2f} s ({loaded:,} in the index)")
     print(f"  held (tracemalloc)    {held / 2**20:8.1f} MiB = {held / loaded:,.0f} bytes per key")
     print(f"  RSS growth            {rss_growth:8.1f} MiB (includes the Arrow read)")
+    newer_by = 0  # each round's events are newer than the rounds before
     for size in (1_000, 100_000):
         checks, records = [], []
         for round_ in range(5):
-            upserts = offered(size, count, composite, start=round_ * 7)
-            deletes = offered(size // 20, count, composite, start=round_ * 7 + 3)
+            newer_by += 1
+            upserts = offered(size, count, composite, round_ * 7, newer_by)
+            deletes = offered(size // 20, count, composite, round_ * 7 + 3, newer_by)
             started = time.perf_counter()
             stale = index.stale_upserts(upserts)
             checks.append(time.perf_counter() - started)

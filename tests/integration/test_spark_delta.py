@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,28 @@ def test_kafka_stream_to_delta_with_checkpoint(
     assert rows.count() == 130
     assert rows.select("partition", "offset").distinct().count() == 130
     assert {r.value for r in rows.collect()} == {f"v{i}" for i in range(130)}
+
+
+def test_counting_jobs_counts_this_threads_jobs_and_its_background_calls(
+    spark: SparkSession,
+) -> None:
+    from cdc_shared.spark import BackgroundCall, counting_jobs
+
+    spark.range(3).collect()  # before the block: not counted
+    with counting_jobs(spark) as jobs:
+        spark.range(10).collect()
+        BackgroundCall(lambda: spark.range(5).collect()).wait()
+    spark.range(3).collect()  # after the block: not counted
+    time.sleep(1)  # Spark records jobs through its listener bus
+    assert jobs() == 2
+
+
+def test_a_background_call_raises_what_the_call_raised(spark: SparkSession) -> None:
+    from cdc_shared.spark import BackgroundCall
+
+    def fail() -> None:
+        raise ValueError("in the background")
+
+    call = BackgroundCall(fail)
+    with pytest.raises(ValueError, match="in the background"):
+        call.wait()

@@ -106,8 +106,10 @@ class TombstoneIndex:
 
     Loaded once (``load``), then kept current: a delete raises its key's entry, an
     upsert newer than the entry removes it (silver's row, at least as new, guards the
-    key from then on). Memory: about 100-150 bytes per key, measured by
-    ``tests/bench/bench_tombstones.py``.
+    key from then on). Memory, measured with 1M tombstones by
+    ``tests/bench/bench_tombstones.py``: about 110 bytes per key for an integer key and
+    a one-element sequence, about 230 for a two-column key and a two-element one; the
+    load at start needs about 0.5 GiB more for a moment (the Arrow read).
     """
 
     def __init__(self, load: Callable[[], dict[Hashable, int]], key: list[str]) -> None:
