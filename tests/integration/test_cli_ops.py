@@ -32,7 +32,7 @@ from support.ops import (
 )
 from support.pipelines import Pipeline
 from support.publishing import publish_once
-from support.silver import merge_once
+from support.silver import merge_once, without_auto_compaction
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +52,6 @@ class World:
     @property
     def config_args(self) -> tuple[str, str]:
         return ("--config", str(self.pipeline.path))
-
-
-#: Overrides the tables' delta.autoOptimize.autoCompact for the session's writes.
-AUTO_COMPACT_SETTING = "spark.databricks.delta.autoCompact.enabled"
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +86,9 @@ def world(
     late_v2 = [m for m in messages[switch:] if m.value and m.value[2:10] == v2][:20]
 
     report = produce(kafka_config, iter(messages[:switch]))
-    # Without auto compaction, so `cdc maintenance` finds the small files it compacts.
-    spark.conf.set(AUTO_COMPACT_SETTING, "false")
-    try:
+    with without_auto_compaction(spark):  # so `cdc maintenance` finds files to compact
         ingest_once(pipeline, spark)
         merge_once(pipeline, spark)
-    finally:
-        spark.conf.unset(AUTO_COMPACT_SETTING)
     publish_once(pipeline, spark)
     documents = silver_documents(spark, pipeline.config, ENTITY)
     index_documents(es_config, pipeline.config.entity(ENTITY).es_index_name, documents)

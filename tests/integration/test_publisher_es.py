@@ -35,6 +35,7 @@ from support.es import (
     oracle_of,
 )
 from support.pipelines import PipelineFactory
+from support.silver import without_auto_compaction
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +116,8 @@ def test_replay_of_old_versions_leaves_index_unchanged(
         **SMALL_BATCHES,
         publisher_es={"max_files_per_trigger": 1, "metrics_port": 0},
     )
-    build_silver(pipeline, spark, kafka_config, events=2000, keys=200, poison_share=0.0)
+    with without_auto_compaction(spark):  # several bronze files: several silver versions
+        build_silver(pipeline, spark, kafka_config, events=2000, keys=200, poison_share=0.0)
     config = pipeline.config
     publish_once(config, spark)
     before = assert_index_equals_oracle(pipeline, kafka_config)

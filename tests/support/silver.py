@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
@@ -84,3 +86,19 @@ def merge_in_slices(pipeline: Pipeline, spark: SparkSession, entity: str, slices
 def refuse_rejects(rejected: DataFrame) -> None:
     """A merger quarantine for loads where every bronze event must apply."""
     raise AssertionError(f"events rejected by the merger: {rejected.limit(5).collect()}")
+
+
+@contextmanager
+def without_auto_compaction(spark: SparkSession) -> Iterator[None]:
+    """Writes of this session in the block leave small files as they are.
+
+    For tests that need a fragmented table (something for OPTIMIZE to do) or as many
+    streamed files as were written (a Delta stream's first batches read the table's
+    current files, which compaction would have binned together).
+    """
+    setting = "spark.databricks.delta.autoCompact.enabled"  # overrides the table property
+    spark.conf.set(setting, "false")
+    try:
+        yield
+    finally:
+        spark.conf.unset(setting)
