@@ -136,7 +136,7 @@ class IngestorConfig(StreamingServiceConfig):
     starting_offsets: str = "earliest"  # earliest, latest, or Spark's per-partition JSON
     max_offsets_per_trigger: int | None = Field(default=1_000_000, gt=0)
     metrics_port: int = Field(default=9101, ge=0, lt=65536)
-    # Records whose writer schema the reader cannot resolve: stop the entity (DESIGN.md),
+    # Records whose writer schema the reader cannot resolve: stop the entity (docs/design.md),
     # or quarantine them as incompatible_schema and go on.
     on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
 
@@ -252,7 +252,7 @@ class EntityConfig(_Section):
 
 
 class PipelineConfig(BaseSettings):
-    """The whole pipeline configuration (DESIGN.md, "Pipeline configuration")."""
+    """The whole pipeline configuration (docs/design.md, "Pipeline configuration")."""
 
     model_config = SettingsConfigDict(
         env_prefix="CDC_", env_nested_delimiter="__", extra="forbid", frozen=True

@@ -35,7 +35,7 @@ from tenacity import (
 
 from cdc_shared.config import ConfigError
 
-#: What could not be processed, from any service (DESIGN.md, "Tables").
+#: What could not be processed, from any service (docs/design.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
     [
         T.StructField("service", T.StringType(), False),

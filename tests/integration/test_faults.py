@@ -172,7 +172,7 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
 ) -> None:
     """A producer deploys, as the subject's newest version, a value schema whose ``id`` is a
     string (the reader's is an int), and another producer writes with a schema lacking a
-    required field. By default (DESIGN.md) the customers stream stops with a clear error
+    required field. By default (docs/design.md) the customers stream stops with a clear error
     before the first such record's batch, writing nothing of it, while orders go on; the
     service exits with that error. Restarted with ``on_incompatible_schema: quarantine``,
     their records go to quarantine as ``incompatible_schema`` with an error logged, and

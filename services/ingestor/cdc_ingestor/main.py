@@ -88,7 +88,7 @@ def observation_ready(observation: Observation) -> bool:
 class IncompatibleSchemaError(RuntimeError):
     """A batch holds records whose writer schema the reader cannot resolve.
 
-    DESIGN.md: an incompatible change stops the affected entity with a clear error.
+    docs/design.md: an incompatible change stops the affected entity with a clear error.
     """
 
 
