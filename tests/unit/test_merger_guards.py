@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import pyarrow as pa
-from cdc_merger.guards import TombstoneIndex, pack_sequence
+from cdc_merger.guards import TombstoneIndex, pack_sequence, packed_sequences
 from cdc_shared.silver import SEQUENCE
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +19,16 @@ def test_packed_sequences_order_like_the_sequences(first: tuple[int, ...], data:
     second = data.draw(st.tuples(*[LONGS] * len(first)))
     assert (pack_sequence(first) < pack_sequence(second)) == (list(first) < list(second))
     assert (pack_sequence(first) == pack_sequence(second)) == (first == second)
+
+
+@given(
+    st.integers(min_value=1, max_value=2).flatmap(
+        lambda n: st.lists(st.lists(LONGS, min_size=n, max_size=n))
+    )
+)
+def test_a_column_packs_like_each_sequence(sequences: list[list[int]]) -> None:
+    column = pa.table({SEQUENCE: pa.array(sequences, pa.list_(pa.int64()))})
+    assert list(packed_sequences(column)) == [pack_sequence(s) for s in sequences]
 
 
 def events(key: list[str], rows: list[tuple[Any, ...]]) -> pa.Table:

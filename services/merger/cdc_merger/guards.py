@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from cdc_shared.silver import SEQUENCE
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
@@ -32,11 +33,16 @@ def pack_sequence(sequence: Iterable[int]) -> int:
     """One int that orders like the sequence (element by element) among equal lengths.
 
     A sequence's length is fixed per entity (one element per ``sequence_by`` path), so
-    packed sequences of one entity compare exactly as the lists do.
+    packed sequences of one entity compare exactly as the lists do. A one-element
+    sequence packs to its element (the common case, and vectorised by
+    ``packed_sequences``).
     """
+    values = [int(v) for v in sequence]
+    if len(values) == 1:
+        return values[0]
     packed = 0
-    for value in sequence:
-        packed = (packed << _LONG_BITS) | (int(value) + _LONG_OFFSET)
+    for value in values:
+        packed = (packed << _LONG_BITS) | (value + _LONG_OFFSET)
     return packed
 
 
@@ -78,7 +84,11 @@ def key_values(table: pa.Table, key: list[str]) -> Iterator[Hashable]:
 
 def packed_sequences(table: pa.Table) -> Iterator[int]:
     """The ``_cdc_seq`` column of an Arrow table, packed (``pack_sequence``)."""
-    return (pack_sequence(s) for s in table.column(SEQUENCE).to_pylist())
+    column = table.column(SEQUENCE)
+    lengths = pc.list_value_length(column)
+    if table.num_rows and pc.all(pc.equal(lengths, 1)).as_py():
+        return iter(pc.list_flatten(column).to_pylist())
+    return (pack_sequence(s) for s in column.to_pylist())
 
 
 def load_tombstones(
