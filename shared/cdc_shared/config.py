@@ -209,6 +209,46 @@ class PublisherEsConfig(ChangeFeedConfig):
     max_backoff_s: float = Field(default=30.0, gt=0)
 
 
+#: The streaming services, in pipeline order, as ``cdc run --service`` and the logs name them.
+SERVICE_NAMES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
+
+
+class ApplicationConfig(_Section):
+    """``cdc run``: several services as streaming queries of one Spark application.
+
+    One ``/health`` and ``/metrics`` endpoint serves them all (each service's own
+    ``metrics_port`` is then unused). Spark's FAIR scheduler shares the cores between
+    one pool per service, in proportion to ``pool_weights``: the merger's batches are
+    the pipeline's critical path, so by default it gets the largest share.
+    """
+
+    metrics_port: int = Field(default=9100, ge=0, lt=65536)  # 0: no metrics/health server
+    metrics_host: str = "0.0.0.0"
+    pool_weights: dict[str, int] = Field(
+        default_factory=lambda: {
+            "ingestor": 2,
+            "merger": 3,
+            "publisher-kafka": 1,
+            "publisher-es": 1,
+        }
+    )
+
+    @field_validator("pool_weights")
+    @classmethod
+    def _known_services(cls, weights: dict[str, int]) -> dict[str, int]:
+        normalised = {name.replace("_", "-"): weight for name, weight in weights.items()}
+        unknown = sorted(set(normalised) - set(SERVICE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown services {unknown}; known: {', '.join(SERVICE_NAMES)}")
+        if any(weight < 1 for weight in normalised.values()):
+            raise ValueError("pool weights must be at least 1")
+        return normalised
+
+    def weight(self, service: str) -> int:
+        """The service's pool weight (1 when not set)."""
+        return self.pool_weights.get(service, 1)
+
+
 class EntityConfig(_Section):
     """One replicated table: its source topic, key, ordering and outputs."""
 
@@ -268,6 +308,7 @@ class PipelineConfig(BaseSettings):
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
     publisher_es: PublisherEsConfig = Field(default_factory=PublisherEsConfig)
+    application: ApplicationConfig = Field(default_factory=ApplicationConfig)
 
     @classmethod
     def settings_customise_sources(

@@ -1,5 +1,7 @@
 """`cdc chaos` in a short mode: SIGKILLs of every kind, a broker restart, an Elasticsearch
-outage and slowdown under load, then zero divergences in every output and log."""
+outage and slowdown under load, then zero divergences in every output and log; with the
+services as four processes (each killed alone) and as one application (a kill takes all
+four down at once)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ CDC = str(Path(sys.executable).with_name("cdc"))
 KILLS = 4
 
 
-def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["services", "application"])
+def test_short_chaos_run_has_no_divergence(
+    mode: str, local_servers: infra.Endpoints, tmp_path: Path
+) -> None:
     # The run restarts the servers it finds with `cdc infra`: point it at the session's own.
     env = infra_env()
     run = subprocess.run(
@@ -27,7 +32,7 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
             *("--events", "2500", "--rate", "100", "--keys", "300"),
             *("--kills", str(KILLS), "--broker-restarts", "1", "--es-outages", "1"),
             *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
-            *("--workdir", str(tmp_path / "chaos"), "--timeout", "600"),
+            *("--workdir", str(tmp_path / "chaos"), "--timeout", "600", "--mode", mode),
         ],
         env=env,
         capture_output=True,

@@ -44,6 +44,9 @@ LOCAL_PIPELINE = ROOT / "deploy" / "local" / "pipeline.yaml"
 CONFIG_PATH = "/etc/cdc/pipeline.yaml"  # where images and compose put the pipeline file
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 SCRIPTS = sorted(name for name in PYPROJECT["project"]["scripts"] if name != "cdc")
+# What an image runs: each service's script, and `cdc run` (all four in one application).
+APPLICATION = "cdc run"
+DEPLOYABLES = [*SCRIPTS, APPLICATION]
 INFRA = {"kafka", "schema-registry", "elasticsearch", "init"}
 # What each service reads or writes besides Delta, so compose must start it first.
 NEEDS = {
@@ -51,13 +54,14 @@ NEEDS = {
     "cdc-merger": {"init"},
     "cdc-publisher-kafka": {"kafka", "schema-registry", "init"},
     "cdc-publisher-es": {"elasticsearch", "init"},
+    APPLICATION: {"kafka", "schema-registry", "elasticsearch", "init"},
 }
 JVM_CACHE_IN_IMAGE = "/opt/cdc/jvm"
 
 
 def service_of(script: str) -> str:
     """``cdc-publisher-kafka`` -> ``publisher-kafka`` (compose service, Dockerfile name)."""
-    return script.removeprefix("cdc-")
+    return "application" if script == APPLICATION else script.removeprefix("cdc-")
 
 
 def metrics_port(config: PipelineConfig, script: str) -> int:
@@ -180,7 +184,7 @@ def test_there_are_services_to_check() -> None:
     assert "cdc" in PYPROJECT["project"]["scripts"]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_every_service_script_has_an_image_and_a_compose_service(
     script: str, compose: dict[str, Any]
 ) -> None:
@@ -194,11 +198,11 @@ def test_every_service_script_has_an_image_and_a_compose_service(
 
 def test_no_image_or_compose_service_without_a_script(compose: dict[str, Any]) -> None:
     images = {p.name.removesuffix(".Dockerfile") for p in DOCKER.glob("*.Dockerfile")}
-    assert images == {"base"} | {service_of(s) for s in SCRIPTS}
-    assert set(compose["services"]) == INFRA | {service_of(s) for s in SCRIPTS}
+    assert images == {"base"} | {service_of(s) for s in DEPLOYABLES}
+    assert set(compose["services"]) == INFRA | {service_of(s) for s in DEPLOYABLES}
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_service_dockerfile_runs_the_script_with_the_pipeline_file(script: str) -> None:
     instructions = parse_dockerfile(DOCKER / f"{service_of(script)}.Dockerfile")
     port = metrics_port(PipelineConfig(), script)
@@ -208,7 +212,7 @@ def test_service_dockerfile_runs_the_script_with_the_pipeline_file(script: str) 
     assert only(instructions, "STOPSIGNAL") == "SIGTERM"
     assert only(instructions, "EXPOSE") == str(port)
     entrypoint = exec_form(only(instructions, "ENTRYPOINT"))
-    assert entrypoint == ["tini", "--", script]  # tini forwards SIGTERM, reaps the JVM
+    assert entrypoint == ["tini", "--", *script.split()]  # tini forwards SIGTERM, reaps the JVM
     assert exec_form(only(instructions, "CMD")) == ["--config", CONFIG_PATH]
     healthcheck = only(instructions, "HEALTHCHECK")
     options, _, command = healthcheck.partition(" CMD ")
@@ -361,7 +365,7 @@ def healthcheck_commands(compose: dict[str, Any], script: str) -> dict[str, list
     }
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_healthcheck_passes_when_healthy_and_fails_otherwise(
     script: str, compose: dict[str, Any], health_server: tuple[HealthServer, dict[str, str]]
 ) -> None:
@@ -466,7 +470,7 @@ def test_elasticsearch_is_a_single_node_of_the_tested_version(compose: dict[str,
     assert env["xpack.security.enabled"] == "false"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_compose_service_runs_the_script_with_the_mounted_pipeline(
     script: str, compose: dict[str, Any], compose_config: PipelineConfig
 ) -> None:
@@ -498,6 +502,13 @@ def test_compose_service_runs_the_script_with_the_mounted_pipeline(
     # Memory: the limit leaves room above the driver heap (ingestor: 2.4 GiB RSS at 2g).
     heap = size_bytes(env_dict(service)["SPARK_DRIVER_MEMORY"])
     assert size_bytes(service["mem_limit"]) >= 1.25 * heap
+
+
+def test_one_application_is_an_alternative_to_the_four_services(compose: dict[str, Any]) -> None:
+    # Both at once would give each table two writers: the application is opt-in only.
+    services = compose["services"]
+    assert services[service_of(APPLICATION)].get("profiles") == ["one-app"]
+    assert all("profiles" not in services[service_of(s)] for s in SCRIPTS)
 
 
 def test_every_named_volume_is_declared_and_used(compose: dict[str, Any]) -> None:
@@ -543,7 +554,7 @@ def test_dependencies_exist_and_start_in_order(compose: dict[str, Any]) -> None:
         direct = graph[name]
         return direct.union(*(before(d) for d in direct)) if direct else set()
 
-    for script in SCRIPTS:
+    for script in DEPLOYABLES:
         missing = NEEDS.get(script, {"init"}) - before(service_of(script))
         assert not missing, f"{service_of(script)} starts without {missing}"
 
@@ -555,7 +566,7 @@ def test_init_uses_the_base_image_and_its_script(compose: dict[str, Any]) -> Non
     assert init["command"][2:] == ["--config", CONFIG_PATH]
     assert CONFIG_PATH in [v["target"] for v in volumes_of(init)]
     base = init["image"].split(":")[0]
-    for script in SCRIPTS:
+    for script in DEPLOYABLES:
         build = compose["services"][service_of(script)]["build"]
         assert build["additional_contexts"] == {base: "service:init"}
 

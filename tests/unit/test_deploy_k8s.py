@@ -2,9 +2,10 @@
 
 Every manifest is checked against the Kubernetes OpenAPI schemas (kubernetes-validate,
 strict: unknown fields fail), then against the project: one single-replica Deployment
-per service script that runs the image's entrypoint with the mounted pipeline file,
-probes /health on the port its configuration serves, gets the Secret keys its pipeline
-file references, has resources above its JVM heap, and runs as the image's user.
+per service script (or one for all four, deploy/k8s/all-in-one) that runs the image's
+entrypoint with the mounted pipeline file, probes /health on the port its configuration
+serves, gets the Secret keys its pipeline file references, has resources above its JVM
+heap, and runs as the image's user.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ DOCKER = ROOT / "deploy" / "docker"
 LOCAL_PIPELINE = ROOT / "deploy" / "local" / "pipeline.yaml"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 SCRIPTS = sorted(name for name in PYPROJECT["project"]["scripts"] if name != "cdc")
+# What a Deployment runs: each service's script, or `cdc run` (deploy/k8s/all-in-one).
+APPLICATION = "cdc run"
+DEPLOYABLES = [*SCRIPTS, APPLICATION]
+ALL_IN_ONE = K8S / "all-in-one"
 # The oldest Kubernetes the manifests are meant for (1.30, or the oldest schema this
 # kubernetes-validate still ships), and the newest it knows.
 _KNOWN = sorted(
@@ -41,7 +46,11 @@ PLACEHOLDER = "CHANGE-ME"
 
 
 def service_of(script: str) -> str:
-    return script.removeprefix("cdc-")
+    return "application" if script == APPLICATION else script.removeprefix("cdc-")
+
+
+def deployment_name(script: str) -> str:
+    return f"cdc-{service_of(script)}"
 
 
 def metrics_port(config: PipelineConfig, script: str) -> int:
@@ -61,6 +70,12 @@ def load_manifests() -> dict[str, list[dict[str, Any]]]:
 MANIFESTS = load_manifests()
 DOCS = [doc for docs in MANIFESTS.values() for doc in docs]
 KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
+ALL_IN_ONE_KUSTOMIZATION = yaml.safe_load(
+    (ALL_IN_ONE / "kustomization.yaml").read_text(encoding="utf-8")
+)
+APPLICATION_DOCS = [
+    d for d in yaml.safe_load_all((ALL_IN_ONE / "application.yaml").read_text("utf-8")) if d
+]
 
 
 def of_kind(kind: str) -> dict[str, dict[str, Any]]:
@@ -68,9 +83,10 @@ def of_kind(kind: str) -> dict[str, dict[str, Any]]:
 
 
 def deployment(script: str) -> dict[str, Any]:
-    deployments = of_kind("Deployment")
-    assert script in deployments, f"no Deployment {script}; have {sorted(deployments)}"
-    return deployments[script]
+    deployments = {d["metadata"]["name"]: d for d in APPLICATION_DOCS} | of_kind("Deployment")
+    name = deployment_name(script)
+    assert name in deployments, f"no Deployment {name}; have {sorted(deployments)}"
+    return deployments[name]
 
 
 def container(script: str) -> dict[str, Any]:
@@ -161,8 +177,33 @@ def test_kustomization_images_name_every_service_at_the_project_version() -> Non
         assert images[name]["newTag"] == PYPROJECT["project"]["version"]
 
 
+def test_all_in_one_is_the_same_pipeline_with_one_deployment_instead_of_four() -> None:
+    overlay = ALL_IN_ONE_KUSTOMIZATION
+    assert overlay["kind"] == "Kustomization"
+    assert overlay["namespace"] == KUSTOMIZATION["namespace"]
+    assert sorted(overlay["resources"]) == ["..", "application.yaml"]
+    deleted = []
+    for entry in overlay["patches"]:
+        patch = yaml.safe_load(entry["patch"])
+        assert patch["$patch"] == "delete"
+        assert patch["kind"] == "Deployment"
+        deleted.append(patch["metadata"]["name"])
+    assert sorted(deleted) == SCRIPTS, "each table must keep one writer"
+    assert [d["kind"] for d in APPLICATION_DOCS] == ["Deployment"]
+    assert APPLICATION_DOCS[0]["metadata"]["namespace"] == overlay["namespace"]
+    images = {i["name"]: i for i in overlay["images"]}
+    name, _, tag = container(APPLICATION)["image"].rpartition(":")
+    assert name == deployment_name(APPLICATION)
+    assert tag == images[name]["newTag"] == PYPROJECT["project"]["version"]
+
+
+ALL_DOCS = DOCS + APPLICATION_DOCS
+
+
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-@pytest.mark.parametrize("doc", DOCS, ids=[f"{d['kind']}-{d['metadata']['name']}" for d in DOCS])
+@pytest.mark.parametrize(
+    "doc", ALL_DOCS, ids=[f"{d['kind']}-{d['metadata']['name']}" for d in ALL_DOCS]
+)
 def test_manifest_is_valid_kubernetes(doc: dict[str, Any], version: str) -> None:
     try:
         kubernetes_validate.validate(doc, version, strict=True)
@@ -182,7 +223,7 @@ def test_one_deployment_per_service_script_and_nothing_else() -> None:
     }
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_single_writer_deployment(script: str) -> None:
     spec = deployment(script)["spec"]
     assert spec["replicas"] == 1, "each table has one writer"
@@ -193,13 +234,13 @@ def test_single_writer_deployment(script: str) -> None:
     assert 60 <= grace <= 300, "room for a micro-batch (~15 s under load) to finish"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_container_runs_the_image_entrypoint_with_the_mounted_pipeline(script: str) -> None:
     main = container(script)
     entrypoint = json.loads(dockerfile_instruction(script, "ENTRYPOINT"))
     cmd = json.loads(dockerfile_instruction(script, "CMD"))
     assert main["command"] == entrypoint
-    assert main["command"][-1] == script
+    assert " ".join(main["command"][2:]) == script
     assert main["args"] == cmd
     config_path = main["args"][main["args"].index("--config") + 1]
     env = {e["name"]: e.get("value") for e in main.get("env", [])}
@@ -221,7 +262,7 @@ def test_container_runs_the_image_entrypoint_with_the_mounted_pipeline(script: s
     assert config_path in mounted
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_probes_ask_health_on_the_configured_port(script: str, k8s_config: PipelineConfig) -> None:
     main = container(script)
     port = metrics_port(k8s_config, script)
@@ -240,7 +281,7 @@ def test_probes_ask_health_on_the_configured_port(script: str, k8s_config: Pipel
     assert live["periodSeconds"] * live["failureThreshold"] >= 60
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_resources_leave_room_above_the_driver_heap(script: str) -> None:
     main = container(script)
     resources = main["resources"]
@@ -257,7 +298,7 @@ def test_resources_leave_room_above_the_driver_heap(script: str) -> None:
         assert memory >= INGESTOR_PEAK_RSS * 1.1
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_runs_as_the_image_user_without_privileges(script: str) -> None:
     pod = deployment(script)["spec"]["template"]["spec"]
     main = container(script)
@@ -278,7 +319,7 @@ def test_runs_as_the_image_user_without_privileges(script: str) -> None:
                 assert any(path.is_relative_to(w) for w in writable), f"{path} not writable"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_storage_root_is_the_shared_claim(script: str, k8s_config: PipelineConfig) -> None:
     pod = deployment(script)["spec"]["template"]["spec"]
     claims = of_kind("PersistentVolumeClaim")
@@ -308,7 +349,7 @@ def test_every_secret_reference_reaches_every_pod(
     references = set(re.findall(r"\$\{env:([^}]+)\}", active))
     assert references, "the pipeline file should take its credentials from the Secret"
     secrets = secret_keys()
-    for script in SCRIPTS:
+    for script in DEPLOYABLES:
         main = container(script)
         provided = {e["name"] for e in main.get("env", [])}
         for source in main.get("envFrom", []):

@@ -58,7 +58,14 @@ from cdc_cli.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
+from cdc_cli.processes import (
+    APPLICATION,
+    SERVICES,
+    RunMode,
+    ServiceProcess,
+    launch,
+    wait_a_little,
+)
 from cdc_cli.verify import silver_hashes
 from cdc_cli.workload import (
     GeneratedMessage,
@@ -97,6 +104,7 @@ class ChaosOptions:
     window_timeout_s: float = 60.0  # an aimed kill fires anyway after this long
     workdir: Path = Path("data/chaos")
     catch_up_timeout_s: float = 1800.0
+    mode: RunMode = RunMode.SERVICES  # application: a kill takes every service down
 
 
 @dataclass
@@ -294,12 +302,13 @@ class FaultInjector(threading.Thread):
             self.record.es_slowdowns += 1
 
     def _kill(self, name: str) -> None:
-        service = self.services[name]
+        """SIGKILL the process running service ``name`` (the application, if it is one)."""
+        service = self.services.get(name) or self.services[APPLICATION]
         aimed = self.rng.random() < 0.5
         how = "at random"
         # A kill during a JVM start proves little: let the service come up first.
         deadline = time.monotonic() + self.options.window_timeout_s
-        port = health_port(self.config, name)
+        port = health_port(self.config, service.name)
         while not service.healthy(port) and time.monotonic() < deadline:
             time.sleep(1.0)
         if aimed:
@@ -313,7 +322,7 @@ class FaultInjector(threading.Thread):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(60)
         service.poll()
-        self.record.kills[f"{name} {how}"] += 1
+        self.record.kills[f"{service.name} {how}"] += 1
         if not self.stopping.is_set():  # the run ends: its supervisor stops the services
             service.start()
 
@@ -393,10 +402,7 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
     secrets = [_secret(rng, "sasl-password"), _secret(rng, "es-api-key")]
     config_path = _prepare(options, secrets, echo)
     config = load_config(config_path)
-    services = {
-        name: ServiceProcess(name, config_path, options.workdir / "logs" / f"{name}.log")
-        for name in SERVICES
-    }
+    services = {s.name: s for s in launch(options.mode, config_path, options.workdir / "logs")}
     for service in services.values():
         service.start()
     result = ChaosResult()
@@ -497,7 +503,7 @@ def summary_rows(result: ChaosResult) -> list[tuple[str, str]]:
     rows = [
         ("events produced", f"{result.produced.produced:,}"),
         ("poison records injected", f"{len(result.produced.poison):,}"),
-        *[(f"kills {name}", f"{faults.kills_of(name)}") for name in SERVICES],
+        *[(f"kills {name}", f"{faults.kills_of(name)}") for name in result.exit_codes],
         *[(f"  {how}", str(n)) for how, n in sorted(faults.kills.items())],
         ("broker restarts", str(faults.broker_restarts)),
         ("Elasticsearch outages", str(faults.es_outages)),

@@ -1,10 +1,11 @@
 """``cdc demo``: the whole pipeline on this machine, checked against the oracle.
 
-Brings up Kafka and Elasticsearch on loopback, starts the four services as separate
-processes, produces a generated Debezium-style workload at a steady rate (duplicates,
-deletes, re-inserts, poison records), waits until every output agrees with the oracle
-(or a deadline passes), then stops the services with SIGTERM and summarises: volumes,
-delays, memory, agreement. Every run uses fresh topics, tables and indexes.
+Brings up Kafka and Elasticsearch on loopback, starts the four services (as one Spark
+application, ``cdc run``, or as four processes), produces a generated Debezium-style
+workload at a steady rate (duplicates, deletes, re-inserts, poison records), waits until
+every output agrees with the oracle (or a deadline passes), then stops the services with
+SIGTERM and summarises: volumes, delays, memory, agreement. Every run uses fresh topics,
+tables and indexes.
 """
 
 from __future__ import annotations
@@ -34,7 +35,13 @@ from cdc_cli.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_cli.processes import SERVICES, ServiceProcess, wait_a_little
+from cdc_cli.processes import (
+    RunMode,
+    ServiceProcess,
+    batches_by_service,
+    launch,
+    wait_a_little,
+)
 from cdc_cli.report import write_report
 from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 
@@ -49,6 +56,7 @@ class DemoOptions:
     workdir: Path = Path("data/demo")
     catch_up_timeout_s: float = 600.0
     seed: int = 42
+    mode: RunMode = RunMode.APPLICATION
 
 
 @dataclass
@@ -90,15 +98,10 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     config = load_config(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
 
-    services = [
-        ServiceProcess(name, config_path, options.workdir / "logs" / f"{name}.log")
-        for name in SERVICES
-    ]
+    services = launch(options.mode, config_path, options.workdir / "logs")
     for service in services:
         service.start()
-    ports = ", ".join(f"{name} {health_port(config, name)}" for name in SERVICES)
-    echo(f"started {', '.join(SERVICES)}; logs in {options.workdir / 'logs'}")
-    echo(f"/metrics and /health on 127.0.0.1 ports: {ports}")
+    _announce(services, config, options, echo)
     result = DemoResult(produced=ProduceReport())
     progress = Progress(services, echo)
     progress.start()
@@ -143,11 +146,21 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
     result.seconds = time.monotonic() - started
     result.report = write_report(
         options.workdir / "report.html",
-        {s.name: s.batches for s in services},
+        batches_by_service(services),
         summary_rows(result),
         started_wall,
     )
     return result
+
+
+def _announce(
+    services: list[ServiceProcess], config: PipelineConfig, options: DemoOptions, echo: Echo
+) -> None:
+    names = [s.name for s in services]
+    ports = ", ".join(f"{name} {health_port(config, name)}" for name in names)
+    shape = "one Spark application" if options.mode is RunMode.APPLICATION else "four processes"
+    echo(f"started {', '.join(names)} ({shape}); logs in {options.workdir / 'logs'}")
+    echo(f"/metrics and /health on 127.0.0.1 ports: {ports}")
 
 
 def _count(spark: SparkSession, config: PipelineConfig, result: DemoResult) -> None:

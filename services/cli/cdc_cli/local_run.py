@@ -72,10 +72,11 @@ def write_pipeline_config(
         entity["source_topic"] = f"{run}.{source}"
         entity["change_topic"] = f"{run}.{entity['change_topic']}"
         entity["es_index"] = f"{run}-{entity['es_index']}"
-    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
     # Ports free now, not the example's: two runs (or a run and a test) can coexist.
     for section, port in zip(sections, free_ports(len(sections)), strict=True):
         document[section] = {"trigger_interval": "1 second", "metrics_port": port}
+    document["application"] = {"metrics_port": document["application"]["metrics_port"]}
     document["ingestor"]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
         document["kafka"]["options"] = kafka_options
@@ -144,8 +145,9 @@ class Progress(threading.Thread):
 
 
 def health_port(config: PipelineConfig, service: str) -> int:
-    """The port a service serves /health and /metrics on."""
+    """The port a service (or the application) serves /health and /metrics on."""
     return {
+        "application": config.application.metrics_port,
         "ingestor": config.ingestor.metrics_port,
         "merger": config.merger.metrics_port,
         "publisher-kafka": config.publisher_kafka.metrics_port,

@@ -1,6 +1,8 @@
-"""The four services as separate local processes: start, watch, stop.
+"""The services as local processes: start, watch, stop.
 
-Each service runs in its own process group with its JSON log in a file. The supervisor
+Either four processes, one per service, or one (``application``: ``cdc run``, every
+service in one Spark application). Each runs in its own process group with its JSON log
+in a file. The supervisor
 reads the per-batch log lines as they come (for progress lines and the report) and
 samples the resident memory of each process group (the Python driver and its JVM).
 """
@@ -15,10 +17,21 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 SERVICES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
+APPLICATION = "application"  # the four services in one process (``cdc run``)
+
+
+class RunMode(StrEnum):
+    """How a local run deploys the services."""
+
+    APPLICATION = "application"  # one process: ``cdc run``, one Spark application
+    SERVICES = "services"  # four processes, one per service, as deployed apart
+
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -92,13 +105,23 @@ class ServiceProcess:
     peak_rss: int = 0
     _read_upto: int = 0
 
+    @property
+    def command(self) -> list[str]:
+        """``cdc-<name> --config <config>``, or ``cdc run --config <config>`` for the app."""
+        if self.name == APPLICATION:
+            return [str(Path(sys.executable).with_name("cdc")), "run", "--config", str(self.config)]
+        return [
+            str(Path(sys.executable).with_name(f"cdc-{self.name}")),
+            "--config",
+            str(self.config),
+        ]
+
     def start(self) -> None:
-        """Launch ``cdc-<name> --config <config>`` in its own process group."""
-        executable = Path(sys.executable).with_name(f"cdc-{self.name}")
+        """Launch the service (``command``) in its own process group."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [str(executable), "--config", str(self.config)],
+                self.command,
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 start_new_session=True,
@@ -167,6 +190,22 @@ class ServiceProcess:
                 self.process.wait(30)
         self.poll()
         return self.process.returncode
+
+
+def batches_by_service(processes: list[ServiceProcess]) -> dict[str, list[dict[str, Any]]]:
+    """The batch log lines of every service, by service (an application logs several)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for process in processes:
+        for batch in process.batches:
+            name = str(batch.get("service") or process.name).replace("_", "-")
+            grouped.setdefault(name, []).append(batch)
+    return grouped
+
+
+def launch(mode: RunMode, config: Path, logs: Path) -> list[ServiceProcess]:
+    """The processes of a run, not started: four services, or one application."""
+    names = [APPLICATION] if mode is RunMode.APPLICATION else list(SERVICES)
+    return [ServiceProcess(name, config, logs / f"{name}.log") for name in names]
 
 
 def wait_a_little(processes: list[ServiceProcess], seconds: float) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,7 @@ def _chart(title: str, series: dict[str, list[tuple[float, float]]], unit: str) 
 
 def write_report(
     path: Path,
-    batches: dict[str, Sequence[dict[str, Any]]],
+    batches: Mapping[str, Sequence[dict[str, Any]]],
     summary: Sequence[tuple[str, str]],
     started: dt.datetime,
 ) -> Path:

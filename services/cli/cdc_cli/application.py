@@ -1,0 +1,279 @@
+"""``cdc run``: the chosen services as streaming queries of one Spark application.
+
+Small deployments (a laptop, one VM, docker-compose, CI) pay for four JVMs, four heaps
+and four JIT warm-ups on cores they do not have. Here the services share one driver and
+one Delta snapshot cache, and nothing else: each keeps its own code, streams,
+checkpoints, tables and quarantine, and talks to the others only through Delta tables.
+Checkpoint and table paths are the same as in separate processes, so a service can move
+to its own deployment (``cdc-<service>``) and back with nothing to migrate.
+
+Spark's FAIR scheduler gives each service a pool (weights: ``application.pool_weights``);
+one ``/health`` and ``/metrics`` endpoint reports every service; one SIGTERM drains every
+query. A failing entity stops only its own stream, as in a service of its own; a service
+that fails as a whole stops the application (exit 1) so that its supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+from xml.sax.saxutils import quoteattr
+
+from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, load_config
+from cdc_shared.observability import HealthServer
+from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
+from pyspark import InheritableThread
+from pyspark.sql import SparkSession
+
+log = logging.getLogger("cdc_application")
+
+StartService = Callable[[PipelineConfig, list[str] | None, bool, SparkSession], StreamRunner]
+POOL_PROPERTY = "spark.scheduler.pool"
+
+
+def _starts() -> dict[str, StartService]:
+    """Each service's ``start`` (imported here: a service's import pulls in its libraries)."""
+    from cdc_ingestor.main import start as ingestor
+    from cdc_merger.main import start as merger
+    from cdc_publisher_es.main import start as publisher_es
+    from cdc_publisher_kafka.main import start as publisher_kafka
+
+    return {
+        "ingestor": ingestor,
+        "merger": merger,
+        "publisher-kafka": publisher_kafka,
+        "publisher-es": publisher_es,
+    }
+
+
+def select_services(names: list[str] | None) -> list[str]:
+    """The services to run, in pipeline order: ``names`` (either spelling), else all four."""
+    if not names:
+        return list(SERVICE_NAMES)
+    chosen = {name.replace("_", "-") for name in names}
+    unknown = sorted(chosen - set(SERVICE_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown services {unknown}; known: {', '.join(SERVICE_NAMES)}")
+    return [s for s in SERVICE_NAMES if s in chosen]
+
+
+def fair_scheduler_conf(
+    config: PipelineConfig, services: list[str], directory: Path
+) -> dict[str, str]:
+    """Spark settings for one FAIR pool per service, weighted (the file goes in ``directory``)."""
+    pools = "\n".join(
+        f"  <pool name={quoteattr(s)}><schedulingMode>FIFO</schedulingMode>"
+        f"<weight>{config.application.weight(s)}</weight><minShare>0</minShare></pool>"
+        for s in services
+    )
+    allocation = directory / "fairscheduler.xml"
+    allocation.write_text(f'<?xml version="1.0"?>\n<allocations>\n{pools}\n</allocations>\n')
+    return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
+
+
+def without_service_endpoints(config: PipelineConfig) -> PipelineConfig:
+    """The configuration with every service's own metrics server off (the app serves one)."""
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
+    return config.model_copy(
+        update={s: getattr(config, s).model_copy(update={"metrics_port": 0}) for s in sections}
+    )
+
+
+class Application:
+    """Several services' streams in one SparkSession; ``start`` then ``run``."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        services: list[str],
+        entity_names: list[str] | None = None,
+        once: bool = False,
+    ) -> None:
+        self.config = config
+        self.services = services
+        self.entity_names = entity_names
+        self.once = once
+        self.runners: dict[str, StreamRunner] = {}
+        self._stop = threading.Event()
+        self._failures: dict[str, str] = {}
+        self._server: HealthServer | None = None
+        self._scratch = tempfile.TemporaryDirectory(prefix="cdc-run-")
+        self._spark: SparkSession | None = None
+
+    @property
+    def spark(self) -> SparkSession:
+        """The application's SparkSession, built on first use."""
+        if self._spark is None:
+            self._spark = self._session()
+        return self._spark
+
+    def _session(self) -> SparkSession:
+        fair = fair_scheduler_conf(self.config, self.services, Path(self._scratch.name))
+        spark_config = self.config.spark.model_copy(
+            update={"conf": {**fair, **self.config.spark.conf}}
+        )
+        return build_spark_session(spark_config, "cdc")
+
+    def serve(self) -> None:
+        """Serve ``/health`` and ``/metrics`` for every service (unless the port is 0).
+
+        Bound before Spark starts, so no port Spark picks can take it; until the services
+        run, ``/health`` answers 503 "starting".
+        """
+        settings = self.config.application
+        if settings.metrics_port:
+            self._server = HealthServer(
+                settings.metrics_host, settings.metrics_port, self.health
+            ).start()
+            log.info("serving /metrics and /health", extra={"port": self._server.port})
+
+    def start(self, service: str) -> StreamRunner:
+        """Start one service's streams, its Spark jobs in the service's own pool."""
+        # Stream threads inherit the starting thread's local properties, and so do the
+        # jobs their foreachBatch functions run.
+        self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, service)
+        try:
+            runner = _starts()[service](
+                without_service_endpoints(self.config), self.entity_names, self.once, self.spark
+            )
+        finally:
+            self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
+        self.runners[service] = runner
+        if self._stop.is_set():  # SIGTERM came while it started: it stops with the others
+            runner.request_stop()
+        return runner
+
+    def health(self) -> dict[str, Any]:
+        """Every service's ``/health`` report; ok when every service is."""
+        reports = {name: runner.health() for name, runner in list(self.runners.items())}
+        for name in self.services:
+            reports.setdefault(name, {"status": "starting", "streams": {}})
+        ok = all(r["status"] == "ok" for r in reports.values()) and not self._failures
+        return {"status": "ok" if ok else "failing", "services": reports}
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT drain every service's queries (after the batches in flight)."""
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            log.info("stop requested", extra={"service": "application", "signal": signum})
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def request_stop(self) -> None:
+        """Ask every running service to stop after its micro-batches in flight."""
+        self._stop.set()
+        for runner in list(self.runners.values()):
+            runner.request_stop()
+
+    def run(self) -> None:
+        """Start and run the services until done (``--once``) or stopped.
+
+        Continuous: all start (in pipeline order, so each finds its source table), then
+        run side by side. ``--once``: one after another, each to the end of what its
+        source holds, so one call carries what is in Kafka through to the outputs.
+        Raises StreamFailedError naming every service that failed.
+        """
+        self.serve()
+        try:
+            if self.once:
+                for service in self.services:
+                    if self._stop.is_set():
+                        break
+                    self._run_all([self.start(service)])
+            else:
+                for service in self.services:
+                    if self._stop.is_set():
+                        break
+                    self.start(service)
+                self._run_all(list(self.runners.values()))
+        except BaseException:
+            for runner in self.runners.values():
+                runner.stop_now()
+            raise
+        finally:
+            if self._server is not None:
+                self._server.stop()
+            self._scratch.cleanup()
+        if self._failures:
+            raise StreamFailedError("; ".join(self._failures.values()))
+
+    def _run_all(self, runners: list[StreamRunner]) -> None:
+        """Run the runners in threads; the first to fail as a whole stops the others."""
+
+        def run(runner: StreamRunner) -> None:
+            self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, _pool(runner))  # restarts
+            try:
+                runner.run()
+            except StreamFailedError as error:
+                self._failures[runner.service] = str(error)
+                log.error("%s", error, extra={"service": runner.service})
+                self.request_stop()
+            except Exception as error:
+                self._failures[runner.service] = f"{runner.service} failed: {error!r}"
+                log.exception("service failed", extra={"service": runner.service})
+                self.request_stop()
+
+        threads = [
+            InheritableThread(target=run, args=(r,), name=f"run-{r.service}") for r in runners
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.5)  # the main thread stays free to take signals
+
+
+def _pool(runner: StreamRunner) -> str:
+    """The pool of a runner's service (runners name services with underscores)."""
+    return runner.service.replace("_", "-")
+
+
+def run_application(
+    config_path: str | None,
+    services: list[str] | None = None,
+    entity_names: list[str] | None = None,
+    once: bool = False,
+) -> int:
+    """``cdc run``: load the configuration, run the services until done or SIGTERM.
+
+    Exit codes as for a service alone: 0 done or stopped, 1 a service failed, 2 bad
+    configuration or schemas.
+    """
+    config: PipelineConfig | None = None
+    try:
+        config = load_config(config_path)
+        chosen = select_services(services)
+        config.select_entities(entity_names)  # unknown names fail here, not in a service
+        application = Application(config, chosen, entity_names, once)
+        application.install_signal_handlers()
+        log.info(
+            "starting",
+            extra={"service": "application", "services": chosen, "once": once},
+        )
+        application.run()
+    except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
+        log.error("cannot start: %s", exc, extra={"service": "application"})
+        return 2
+    except StreamFailedError as exc:
+        log.error("stopped: %s", exc, extra={"service": "application"})
+        return 1
+    except Exception as exc:  # e.g. creating a table at start on a full disk
+        if config is None or not NO_SPACE.search(str(exc)):
+            raise
+        log.error(
+            "cannot start: %s",
+            no_space_message(config.storage_root, str(exc)),
+            extra={"service": "application"},
+        )
+        return 1
+    log.info("stopped", extra={"service": "application"})
+    return 0

@@ -1,0 +1,49 @@
+"""``cdc run``'s wiring without Spark: which services, their pools, their endpoints."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from cdc_cli.application import fair_scheduler_conf, select_services, without_service_endpoints
+from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
+
+
+def test_services_default_to_all_four_in_pipeline_order() -> None:
+    assert select_services(None) == list(SERVICE_NAMES)
+    assert select_services(["publisher_es", "ingestor"]) == ["ingestor", "publisher-es"]
+
+
+def test_an_unknown_service_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown services \['mergr'\]; known: ingestor"):
+        select_services(["mergr"])
+
+
+def test_each_service_gets_a_fair_pool_with_its_weight(tmp_path: Path) -> None:
+    config = PipelineConfig(application={"pool_weights": {"merger": 5, "publisher_es": 2}})
+    conf = fair_scheduler_conf(config, ["ingestor", "merger", "publisher-es"], tmp_path)
+    assert conf["spark.scheduler.mode"] == "FAIR"
+    pools = ET.parse(conf["spark.scheduler.allocation.file"]).getroot().findall("pool")
+    weights = {p.get("name"): int(p.findtext("weight") or 0) for p in pools}
+    assert weights == {"ingestor": 1, "merger": 5, "publisher-es": 2}
+
+
+def test_pool_weights_name_known_services_and_are_positive() -> None:
+    with pytest.raises(ValueError, match="unknown services"):
+        PipelineConfig(application={"pool_weights": {"ingester": 1}})
+    with pytest.raises(ValueError, match="at least 1"):
+        PipelineConfig(application={"pool_weights": {"merger": 0}})
+
+
+def test_the_application_serves_the_only_endpoint() -> None:
+    config = without_service_endpoints(PipelineConfig())
+    ports = [
+        config.ingestor.metrics_port,
+        config.merger.metrics_port,
+        config.publisher_kafka.metrics_port,
+        config.publisher_es.metrics_port,
+    ]
+    assert ports == [0, 0, 0, 0]
+    assert config.application.metrics_port == 9100
+    assert config.merger.trigger_interval == PipelineConfig().merger.trigger_interval
