@@ -6,6 +6,7 @@ turn (never both at once, so they do not share the CPU):
 
 - cdc: the four services as separate processes (``cdc_cli.processes``) on fresh topics,
   tables and indexes (``cdc_cli.local_run.write_pipeline_config``);
+- cdc-app: the same four services as one Spark application (``cdc run``);
 - baseline (``--baseline``, the default): one Spark process with three queries per entity,
   the seed-style way: Spark's Kafka source -> ``from_avro`` with the one writer schema ->
   Delta append; bronze stream -> ``foreachBatch`` newest-per-key + plain MERGE into a
@@ -42,7 +43,8 @@ Writes ``results.json``, ``results.md`` and ``plot.svg`` (delay percentiles and 
 time) under ``--workdir``, and prints the tables.
 
     .venv/bin/python tests/bench/bench_e2e.py [--rates 1000,5000,20000]
-        [--seconds-per-rate 180] [--keys 100000] [--workdir data/bench-e2e] [--no-baseline]
+        [--seconds-per-rate 180] [--keys 100000] [--workdir data/bench-e2e]
+        [--pipelines cdc,cdc-app,baseline]
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ from cdc_cli import infra
 from cdc_cli.local_run import Progress, wait_until_healthy, write_pipeline_config
 from cdc_cli.oracle import load_fingerprints
 from cdc_cli.processes import (
-    SERVICES,
+    RunMode,
     ServiceProcess,
+    launch,
     owns_its_memory,
     process_snapshot,
     wait_a_little,
@@ -99,6 +102,9 @@ Key = tuple[Any, ...]
 Seq = tuple[int, ...]
 Mark = tuple[str, Key, Seq]  # entity, key, sequence: one change event
 STAGES = ("silver", "topic", "index")
+#: The pipelines the bench can run: ours as four processes, ours as one application.
+CDC_MODES = {"cdc": RunMode.SERVICES, "cdc-app": RunMode.APPLICATION}
+PIPELINES = ("cdc", "cdc-app", "baseline")
 ES_POLL_S = 0.5
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -780,6 +786,7 @@ class PipelineResult:
     lags: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     step_bounds: list[tuple[float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    processes: list[str] = field(default_factory=list)  # the pipeline's own, not servers
 
     @property
     def highest_sustainable(self) -> float | None:
@@ -814,7 +821,8 @@ def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0
 def _configure(workdir: Path, served: infra.Endpoints, prefix: str, port_base: int) -> Path:
     path = write_pipeline_config(workdir, served, prefix=prefix)
     document = yaml.safe_load(path.read_text())
-    for offset, section in enumerate(("ingestor", "merger", "publisher_kafka", "publisher_es")):
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
+    for offset, section in enumerate(sections):
         document[section]["metrics_port"] = port_base + offset
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
@@ -827,26 +835,28 @@ class PipelineRun:
         self, kind: str, args: argparse.Namespace, served: infra.Endpoints, started: float
     ) -> None:
         self.kind, self.args, self.started = kind, args, started
+        self.is_cdc = kind in CDC_MODES
         self.workdir = args.workdir / kind
         self.workdir.mkdir(parents=True)
-        prefix = "e2e" if kind == "cdc" else "base"
+        prefix = {"cdc": "e2e", "cdc-app": "app"}.get(kind, "base")
         self.config_path = _configure(self.workdir, served, prefix, args.port_base)
         self.config = load_config(self.config_path)
-        self.result = PipelineResult(kind, list(STAGES) if kind == "cdc" else ["silver", "topic"])
+        self.result = PipelineResult(kind, list(STAGES) if self.is_cdc else ["silver", "topic"])
         numbers = probe_numbers(
             args.keys, args.probe_share, WorkloadSpec().hot_keys, args.producers
         )
         self.probes = probe_keys(self.config, numbers)
         logs = self.workdir / "logs"
         self.services: list[ServiceProcess] = (
-            [ServiceProcess(name, self.config_path, logs / f"{name}.log") for name in SERVICES]
-            if kind == "cdc"
+            launch(CDC_MODES[kind], self.config_path, logs)
+            if self.is_cdc
             else [BaselineProcess("baseline", self.config_path, logs / "baseline.log")]
         )
+        self.result.processes = [s.name for s in self.services]
         self.meter = Meter()
         self.progress = Progress(self.services, lambda line: print(f"  {kind}: {line}", flush=True))
-        self.topic = TopicWatcher(self.config, self.probes, headers=kind != "cdc")
-        self.index = IndexWatcher(self.config, self.probes) if kind == "cdc" else None
+        self.topic = TopicWatcher(self.config, self.probes, headers=not self.is_cdc)
+        self.index = IndexWatcher(self.config, self.probes) if self.is_cdc else None
         self.load: Load | None = None
         self.expected: dict[tuple[str, Key], tuple[Seq, str]] = {}
         self.produced_at: dict[Mark, tuple[float, int]] = {}  # first time, step (-1: warm-up)
@@ -854,7 +864,7 @@ class PipelineRun:
     def start(self) -> None:
         """Topics, processes, watchers and producers; returns when all are ready."""
         topics = [e.source_topic for e in self.config.entities]
-        if self.kind != "cdc":
+        if not self.is_cdc:
             topics += [e.change_topic_name for e in self.config.entities]
         ensure_topics(self.config.kafka, topics)
         _wait_for_group_coordinator(self.config)
@@ -957,7 +967,7 @@ class PipelineRun:
                 if batch.get("lag") is None:
                     continue
                 at = dt.datetime.fromisoformat(str(batch["ts"]).replace("Z", "+00:00"))
-                name = f"{service.name}/{batch.get('entity')}"
+                name = f"{batch.get('service') or service.name}/{batch.get('entity')}"
                 self.result.lags.setdefault(name, []).append(
                     (at.timestamp() - self.started, float(batch["lag"]))
                 )
@@ -1224,6 +1234,13 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
                 for s in r.steps
             )
             lines.append(f"| {n} | {cells} | {r.peak_rss_mib.get(n, 0):,.0f} |")
+        own = [n for n in names if n in r.processes]
+        cells = " | ".join(
+            f"{sum(s.cpu_s.get(n, 0) for n in own) / max(s.produced, 1) * 1000:.2f}"
+            for s in r.steps
+        )
+        rss = sum(r.peak_rss_mib.get(n, 0) for n in own)
+        lines.append(f"| **pipeline** ({', '.join(own)}) per 1k | {cells} | {rss:,.0f} (sum) |")
         lines.append("")
     notes = [f"{r.name}: {n}" for r in results for n in r.notes]
     if notes:
@@ -1316,7 +1333,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seconds-per-rate", type=float, default=180.0)
     parser.add_argument("--keys", type=int, default=100_000, help="key space per entity")
     parser.add_argument("--workdir", type=Path, default=ROOT / "data" / "bench-e2e")
-    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--pipelines",
+        type=lambda text: [p for p in text.split(",") if p],
+        default=list(PIPELINES),
+        help="which to run, one after another (default cdc,cdc-app,baseline)",
+    )
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-baseline leaves the baseline out of --pipelines",
+    )
     parser.add_argument(
         "--producers",
         type=int,
@@ -1339,6 +1367,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_baseline:
         run_baseline(args.run_baseline)
         return
+    unknown = set(args.pipelines) - set(PIPELINES)
+    if unknown:
+        raise SystemExit(f"unknown pipelines {sorted(unknown)}; known: {', '.join(PIPELINES)}")
+    if not args.baseline:
+        args.pipelines = [p for p in args.pipelines if p != "baseline"]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
@@ -1346,9 +1379,7 @@ def main(argv: list[str] | None = None) -> None:
     served = infra.up()
     print(f"kafka {served.kafka_bootstrap_servers} · es {served.elasticsearch_url}", flush=True)
     started = time.time()
-    results = [run_pipeline("cdc", args, served, started)]
-    if args.baseline:
-        results.append(run_pipeline("baseline", args, served, started))
+    results = [run_pipeline(kind, args, served, started) for kind in args.pipelines]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     document = {
         "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -38,7 +38,7 @@ def test_services_switch_between_one_application_and_four_processes(
     config_path = write_pipeline_config(tmp_path, local_servers, prefix="switch")
     config = load_config(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
-    spec = WorkloadSpec(events=1500, keys=200, seed=11, poison_share=0.002)
+    spec = WorkloadSpec(events=900, keys=150, seed=11, poison_share=0.003)
     messages = list(WorkloadGenerator(config.entities, make_registry(config), spec).messages())
     third = len(messages) // 3 + 1
 

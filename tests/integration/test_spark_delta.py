@@ -6,10 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
+from cdc_cli.application import POOL_PROPERTY
 from cdc_shared.clients import make_producer, spark_kafka_options
 from cdc_shared.config import KafkaConfig
 from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 pytestmark = pytest.mark.integration
@@ -117,3 +118,39 @@ def test_a_background_call_raises_what_the_call_raised(spark: SparkSession) -> N
     call = BackgroundCall(fail)
     with pytest.raises(ValueError, match="in the background"):
         call.wait()
+
+
+def test_a_streams_batches_run_in_the_pool_its_starter_chose(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # `cdc run` puts each service in its own FAIR pool by starting its streams with the
+    # pool set on the starting thread: the stream thread and its foreachBatch inherit it.
+    seen: list[str | None] = []
+
+    def record(batch: DataFrame, _batch_id: int) -> None:
+        batch.count()
+        seen.append(batch.sparkSession.sparkContext.getLocalProperty(POOL_PROPERTY))
+
+    context = spark.sparkContext
+    context.setLocalProperty(POOL_PROPERTY, "merger")
+    try:
+        query = (
+            spark.readStream.format("rate")
+            .option("rowsPerSecond", 10)
+            .load()
+            .writeStream.foreachBatch(record)
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+    finally:
+        context.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 60
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        query.stop()
+    assert len(seen) >= 2
+    assert set(seen) == {"merger"}
+    assert context.getLocalProperty(POOL_PROPERTY) is None  # the starter's own is unchanged
