@@ -26,13 +26,29 @@ def service_main(
     parser.add_argument("--once", action="store_true", help="process what is available, then exit")
     args = parser.parse_args(argv)
     configure_logging()
-    log = logging.getLogger(f"cdc_{service}")
-    config: PipelineConfig | None = None
-    try:
-        config = load_config(args.config)
+
+    def run(config: PipelineConfig) -> None:
         runner = start(config, args.entity, args.once)
         runner.install_signal_handlers()
         runner.run()
+
+    return run_to_exit_code(service, args.config, run)
+
+
+def run_to_exit_code(
+    service: str, config_path: str | None, run: Callable[[PipelineConfig], None]
+) -> int:
+    """Load the configuration, ``run`` with it, and turn how it ended into an exit code.
+
+    0 done or stopped, 1 a stream failed (or the disk under the storage root is full: one
+    line instead of the JVM's trace), 2 bad configuration or schemas. Shared by each
+    service's command and ``cdc run``.
+    """
+    log = logging.getLogger(f"cdc_{service}")
+    config: PipelineConfig | None = None
+    try:
+        config = load_config(config_path)
+        run(config)
     except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
         log.error("cannot start: %s", exc, extra={"service": service})
         return 2

@@ -19,20 +19,22 @@ import logging
 import signal
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 from xml.sax.saxutils import quoteattr
 
-from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, load_config
+from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
 from cdc_shared.observability import HealthServer
+from cdc_shared.service import run_to_exit_code
 from cdc_shared.spark import build_spark_session
-from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
+from cdc_shared.streaming import StreamFailedError, StreamRunner
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 
-log = logging.getLogger("cdc_application")
+APPLICATION = "application"  # how logs and exit messages name ``cdc run``
+log = logging.getLogger(f"cdc_{APPLICATION}")
 
 StartService = Callable[[PipelineConfig, list[str] | None, bool, SparkSession], StreamRunner]
 POOL_PROPERTY = "spark.scheduler.pool"
@@ -95,6 +97,7 @@ class Application:
         services: list[str],
         entity_names: list[str] | None = None,
         once: bool = False,
+        spark: SparkSession | None = None,
     ) -> None:
         self.config = config
         self.services = services
@@ -105,11 +108,11 @@ class Application:
         self._failures: dict[str, str] = {}
         self._server: HealthServer | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="cdc-run-")
-        self._spark: SparkSession | None = None
+        self._spark = spark
 
     @property
     def spark(self) -> SparkSession:
-        """The application's SparkSession, built on first use."""
+        """The application's SparkSession: the one given, or one with the FAIR pools."""
         if self._spark is None:
             self._spark = self._session()
         return self._spark
@@ -145,10 +148,14 @@ class Application:
             )
         finally:
             self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
+        self.adopt(service, runner)
+        return runner
+
+    def adopt(self, service: str, runner: StreamRunner) -> None:
+        """Count a started service in: health, stop requests (one that came while it started)."""
         self.runners[service] = runner
         if self._stop.is_set():  # SIGTERM came while it started: it stops with the others
             runner.request_stop()
-        return runner
 
     def health(self) -> dict[str, Any]:
         """Every service's ``/health`` report; ok when every service is."""
@@ -162,7 +169,7 @@ class Application:
         """SIGTERM and SIGINT drain every service's queries (after the batches in flight)."""
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:
-            log.info("stop requested", extra={"service": "application", "signal": signum})
+            log.info("stop requested", extra={"service": APPLICATION, "signal": signum})
             self.request_stop()
 
         signal.signal(signal.SIGTERM, on_signal)
@@ -180,7 +187,7 @@ class Application:
         Continuous: all start (in pipeline order, so each finds its source table), then
         run side by side. ``--once``: one after another, each to the end of what its
         source holds, so one call carries what is in Kafka through to the outputs.
-        Raises StreamFailedError naming every service that failed.
+        Raises StreamFailedError naming every service that failed (``supervise``).
         """
         self.serve()
         try:
@@ -188,13 +195,13 @@ class Application:
                 for service in self.services:
                     if self._stop.is_set():
                         break
-                    self._run_all([self.start(service)])
+                    self.supervise([self.start(service)])
             else:
                 for service in self.services:
                     if self._stop.is_set():
                         break
                     self.start(service)
-                self._run_all(list(self.runners.values()))
+                self.supervise(list(self.runners.values()))
         except BaseException:
             for runner in self.runners.values():
                 runner.stop_now()
@@ -203,13 +210,14 @@ class Application:
             if self._server is not None:
                 self._server.stop()
             self._scratch.cleanup()
-        if self._failures:
-            raise StreamFailedError("; ".join(self._failures.values()))
 
-    def _run_all(self, runners: list[StreamRunner]) -> None:
-        """Run the runners in threads; the first to fail as a whole stops the others."""
+    def supervise(self, runners: Sequence[Supervised]) -> None:
+        """Run the runners side by side until all end; the first to fail stops the others.
 
-        def run(runner: StreamRunner) -> None:
+        Raises StreamFailedError naming every service that failed.
+        """
+
+        def run(runner: Supervised) -> None:
             self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, _pool(runner))  # restarts
             try:
                 runner.run()
@@ -230,9 +238,23 @@ class Application:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.5)  # the main thread stays free to take signals
+        if self._failures:
+            raise StreamFailedError("; ".join(self._failures.values()))
 
 
-def _pool(runner: StreamRunner) -> str:
+class Supervised(Protocol):
+    """What ``Application.supervise`` needs of a service's runner (a ``StreamRunner``)."""
+
+    service: str
+
+    def run(self) -> None:
+        """Run until done or stopped; StreamFailedError when the service failed."""
+
+    def request_stop(self) -> None:
+        """Stop after the micro-batches in flight."""
+
+
+def _pool(runner: Supervised) -> str:
     """The pool of a runner's service (runners name services with underscores)."""
     return runner.service.replace("_", "-")
 
@@ -245,35 +267,16 @@ def run_application(
 ) -> int:
     """``cdc run``: load the configuration, run the services until done or SIGTERM.
 
-    Exit codes as for a service alone: 0 done or stopped, 1 a service failed, 2 bad
-    configuration or schemas.
+    Exit codes as for a service alone (``run_to_exit_code``): 0 done or stopped, 1 a
+    service failed, 2 bad configuration or schemas.
     """
-    config: PipelineConfig | None = None
-    try:
-        config = load_config(config_path)
+
+    def run(config: PipelineConfig) -> None:
         chosen = select_services(services)
         config.select_entities(entity_names)  # unknown names fail here, not in a service
         application = Application(config, chosen, entity_names, once)
         application.install_signal_handlers()
-        log.info(
-            "starting",
-            extra={"service": "application", "services": chosen, "once": once},
-        )
+        log.info("starting", extra={"service": APPLICATION, "services": chosen, "once": once})
         application.run()
-    except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
-        log.error("cannot start: %s", exc, extra={"service": "application"})
-        return 2
-    except StreamFailedError as exc:
-        log.error("stopped: %s", exc, extra={"service": "application"})
-        return 1
-    except Exception as exc:  # e.g. creating a table at start on a full disk
-        if config is None or not NO_SPACE.search(str(exc)):
-            raise
-        log.error(
-            "cannot start: %s",
-            no_space_message(config.storage_root, str(exc)),
-            extra={"service": "application"},
-        )
-        return 1
-    log.info("stopped", extra={"service": "application"})
-    return 0
+
+    return run_to_exit_code(APPLICATION, config_path, run)

@@ -72,11 +72,12 @@ def write_pipeline_config(
         entity["source_topic"] = f"{run}.{source}"
         entity["change_topic"] = f"{run}.{entity['change_topic']}"
         entity["es_index"] = f"{run}-{entity['es_index']}"
-    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
     # Ports free now, not the example's: two runs (or a run and a test) can coexist.
-    for section, port in zip(sections, free_ports(len(sections)), strict=True):
+    *ports, application_port = free_ports(len(sections) + 1)
+    for section, port in zip(sections, ports, strict=True):
         document[section] = {"trigger_interval": "1 second", "metrics_port": port}
-    document["application"] = {"metrics_port": document["application"]["metrics_port"]}
+    document["application"] = {"metrics_port": application_port}
     document["ingestor"]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
         document["kafka"]["options"] = kafka_options
