@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from delta.exceptions import (
     ConcurrentAppendException,
@@ -77,7 +77,9 @@ def ensure_table(
     """Create the Delta table at ``path`` unless it exists (explicit schema and properties).
 
     A table that exists gets the tuning properties it lacks (``TUNING_PROPERTIES``).
+    What a creation killed before its first commit left behind is cleared first.
     """
+    clear_interrupted_creation(spark, path)
     builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema)
     for key, value in properties.items():
         builder = builder.property(key, value)
@@ -135,13 +137,38 @@ def has_commits(spark: SparkSession, path: str) -> bool:
     Asks the file system, not Delta: Delta caches what it found at a path, so a table
     created after the first look would stay invisible to ``DeltaTable.isDeltaTable``.
     """
+    fs, log_dir = _delta_log(spark, path)
+    return fs.exists(log_dir) and _holds_commits(fs, log_dir)
+
+
+def clear_interrupted_creation(spark: SparkSession, path: str) -> None:
+    """Remove a ``_delta_log`` that holds no commit: the remains of a killed creation.
+
+    Delta makes the log folder (and ``_staged_commits``) before it writes commit 0; a
+    process killed in between leaves a folder that makes every later create fail with
+    DELTA_TABLE_NOT_FOUND. Without a commit there is no table, so nothing is lost.
+    """
+    fs, log_dir = _delta_log(spark, path)
+    if fs.exists(log_dir) and not _holds_commits(fs, log_dir):
+        logging.getLogger(__name__).warning(
+            "removing an uncommitted Delta log left by an interrupted table creation",
+            extra={"path": path},
+        )
+        fs.delete(log_dir, True)
+
+
+def _delta_log(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    """The Hadoop file system and path of the table's ``_delta_log`` folder."""
     jvm = spark.sparkContext._jvm
     assert jvm is not None
     log_dir = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log")
-    fs = log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    if not fs.exists(log_dir):
-        return False
-    return any(str(s.getPath().getName()).endswith(".json") for s in fs.listStatus(log_dir))
+    return log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), log_dir
+
+
+def _holds_commits(fs: Any, log_dir: Any) -> bool:
+    """Whether the log folder has a commit file or a checkpoint (a table's state)."""
+    names = (str(status.getPath().getName()) for status in fs.listStatus(log_dir))
+    return any(name.endswith(".json") or ".checkpoint." in name for name in names)
 
 
 #: A commit that lost a race with another writer of the same table (e.g. the merger's

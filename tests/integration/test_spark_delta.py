@@ -9,9 +9,11 @@ import pytest
 from cdc_cli.application import POOL_PROPERTY
 from cdc_shared.clients import make_producer, spark_kafka_options
 from cdc_shared.config import KafkaConfig
+from cdc_shared.tables import ensure_table, has_commits
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 pytestmark = pytest.mark.integration
 
@@ -154,3 +156,28 @@ def test_a_streams_batches_run_in_the_pool_its_starter_chose(
     assert len(seen) >= 2
     assert set(seen) == {"merger"}
     assert context.getLocalProperty(POOL_PROPERTY) is None  # the starter's own is unchanged
+
+
+def test_a_table_creation_killed_before_its_first_commit_is_created_again(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # What a SIGKILL between Delta's mkdir of the log and its commit 0 leaves behind.
+    path = tmp_path / "quarantine"
+    (path / "_delta_log" / "_staged_commits").mkdir(parents=True)
+    schema = T.StructType([T.StructField("id", T.LongType(), False)])
+
+    ensure_table(spark, str(path), schema, {"delta.appendOnly": "true"})
+
+    assert has_commits(spark, str(path))
+    table = DeltaTable.forPath(spark, str(path))
+    assert table.toDF().schema == schema
+    assert dict(table.detail().first()["properties"])["delta.appendOnly"] == "true"
+
+
+def test_an_existing_table_is_kept_by_ensure_table(spark: SparkSession, tmp_path: Path) -> None:
+    path = str(tmp_path / "kept")
+    spark.createDataFrame([(1,), (2,)], "id LONG").write.format("delta").save(path)
+
+    ensure_table(spark, path, T.StructType([T.StructField("id", T.LongType())]), {})
+
+    assert sorted(row.id for row in spark.read.format("delta").load(path).collect()) == [1, 2]
