@@ -27,6 +27,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
+
 CONFIG_ENV_VAR = "CDC_CONFIG"
 KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
 
@@ -189,6 +191,14 @@ class PublisherKafkaConfig(ChangeFeedConfig):
     retry_attempts: int = Field(default=10, gt=0)  # per transaction, on retriable errors
     max_backoff_s: float = Field(default=30.0, gt=0)
 
+    @field_validator("progress_topic")
+    @classmethod
+    def _valid_topic(cls, topic: str) -> str:
+        problem = kafka_topic_problem(topic)
+        if problem:
+            raise ValueError(problem)
+        return topic
+
 
 class PublisherEsConfig(ChangeFeedConfig):
     """publisher-es: index settings, mapping choices, bulk sizes and retries."""
@@ -273,6 +283,23 @@ class EntityConfig(_Section):
             )
         return name
 
+    @field_validator("source_topic", "change_topic")
+    @classmethod
+    def _valid_topic(cls, topic: str | None) -> str | None:
+        problem = None if topic is None else kafka_topic_problem(topic)
+        if problem:
+            raise ValueError(problem)
+        return topic
+
+    @field_validator("es_index")
+    @classmethod
+    def _valid_index(cls, index: str | None) -> str | None:
+        # The publisher's indices behind the alias are ``<alias>-000001`` and on.
+        problem = None if index is None else es_index_problem(index, reserved_suffix=7)
+        if problem:
+            raise ValueError(problem)
+        return index
+
     @field_validator("key")
     @classmethod
     def _key_columns_unique(cls, key: list[str]) -> list[str]:
@@ -284,6 +311,11 @@ class EntityConfig(_Section):
     def change_topic_name(self) -> str:
         """The publisher-kafka output topic (default ``cdc.<name>``)."""
         return self.change_topic or f"cdc.{self.name}"
+
+    @property
+    def change_event_namespace(self) -> str:
+        """The Avro namespace of the change topic's records (``names.avro_namespace``)."""
+        return avro_namespace(self.change_topic_name)
 
     @property
     def es_index_name(self) -> str:
@@ -332,7 +364,13 @@ class PipelineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _entities_distinct(self) -> Self:
-        for attribute in ("name", "source_topic", "change_topic_name", "es_index_name"):
+        for attribute in (
+            "name",
+            "source_topic",
+            "change_topic_name",
+            "change_event_namespace",
+            "es_index_name",
+        ):
             seen: set[str] = set()
             for entity in self.entities:
                 value = getattr(entity, attribute)

@@ -132,10 +132,11 @@ def change_event_schemas(
     The value is a ``ChangeEvent`` record: ``op`` (c/u/d), the ``key``, ``before`` and
     ``after`` rows (``after`` null on delete; ``before`` only when configured), the silver
     ``commit_version`` and ``commit_timestamp``, and the ``source_sequence`` the merger
-    ordered the change by. Rows follow the newest source schema, so a compatible source
+    ordered the change by. The records' namespace is the change topic made a valid Avro
+    name (``names.avro_namespace``). Rows follow the newest source schema, so a compatible source
     change becomes a compatible change-event change.
     """
-    namespace = entity.change_topic_name
+    namespace = entity.change_event_namespace
     key = copy.deepcopy(dict(schemas.key.definition))
     key.update(name="Key", namespace=namespace)
     key.pop("connect.name", None)

@@ -85,8 +85,10 @@ def write_pipeline(
                 "source_topic": pipeline.topic(name),
                 "key": ENTITIES[name]["key"],
                 "sequence_by": ENTITIES[name]["sequence_by"],
-                "change_topic": f"pytest_{run}.changes.{name}",
-                "es_index": f"pytest_{run}_{name}",
+                # Awkward on purpose: a hyphen and a segment starting with a digit are
+                # valid Kafka and index names but not Avro names (names.avro_namespace).
+                "change_topic": f"pytest-{run}.2026.{name}-changes",
+                "es_index": f"pytest-{run}.{name}",
             }
             for name in entities
         ],

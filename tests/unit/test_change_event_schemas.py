@@ -9,6 +9,7 @@ import fastavro
 import pytest
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import load_config
+from cdc_shared.names import avro_namespace
 from cdc_shared.schemas import change_event_schemas, entity_schemas
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,3 +48,19 @@ def test_change_event_rows_follow_the_newest_source_schema() -> None:
     )
     row = value["fields"][2]["type"][1]
     assert "loyalty_tier" in [f["name"] for f in row["fields"]]
+
+
+@pytest.mark.parametrize("change_topic", ["orders-cdc", "team-a.customers", "cdc.2024.customers"])
+def test_change_events_of_an_awkward_topic_have_a_valid_namespace(
+    change_topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    config = load_config(ROOT / "deploy/local/pipeline.yaml")
+    entity = config.entity("customers").model_copy(update={"change_topic": change_topic})
+    key, value = change_event_schemas(
+        entity, entity_schemas(entity, FileSchemaRegistry([ROOT / "schemas"]))
+    )
+    namespace = avro_namespace(change_topic)
+    assert namespace != change_topic
+    assert fastavro.parse_schema(key)["name"] == f"{namespace}.Key"
+    assert fastavro.parse_schema(value)["name"] == f"{namespace}.ChangeEvent"

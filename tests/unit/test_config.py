@@ -120,6 +120,36 @@ def test_unknown_entity_lists_known_ones(good_file: Path) -> None:
             "two entities share the name 'a'",
         ),
         (
+            "entities: [{name: c, source_topic: 'orders cdc', key: [id]}]",
+            "entities.0.source_topic",
+            "letters, digits, '.', '_' and '-'",
+        ),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], change_topic: '..'}]",
+            "entities.0.change_topic",
+            "not allowed as a Kafka topic name",
+        ),
+        (
+            "publisher_kafka: {progress_topic: 'progress/topic'}",
+            "publisher_kafka.progress_topic",
+            "Kafka topic name",
+        ),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], es_index: Orders}]",
+            "entities.0.es_index",
+            "lower case",
+        ),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], es_index: 'a#b'}]",
+            "entities.0.es_index",
+            "cannot contain '#'",
+        ),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], es_index: _orders}]",
+            "entities.0.es_index",
+            "cannot start with",
+        ),
+        (
             "kafka: {options: {sasl.password: '${env:CDC_TEST_UNSET_VAR}'}}",
             "kafka.options",
             "CDC_TEST_UNSET_VAR",
