@@ -272,6 +272,12 @@ class EntityConfig(_Section):
     value_schema: Path | None = None
     change_topic: str | None = None
     es_index: str | None = None
+    # How the source topic's values and keys are written: Avro (Confluent or single-object
+    # framing) or Kafka Connect's JsonConverter (schemas.enable true or false, per record).
+    value_format: Literal["avro", "json"] = "avro"
+    key_format: Literal["avro", "json"] = "avro"
+    # JSON decimals as Debezium's decimal.handling.mode writes them (precise: base64).
+    decimal_handling: Literal["precise", "string", "double"] = "precise"
 
     @field_validator("name")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +55,11 @@ def write_pipeline(
     kafka: KafkaConfig,
     es: ElasticsearchConfig,
     entities: tuple[str, ...] = ("customers", "orders"),
+    entity_settings: Mapping[str, object] | None = None,
     **sections: object,
 ) -> Pipeline:
     """A pipeline over fresh topics and indexes in ``folder``; only version 1 of each value
-    schema is known."""
+    schema is known. ``entity_settings`` go into every entity (e.g. ``value_format``)."""
     run = uuid.uuid4().hex[:8]
     schema_dir = folder / f"schemas-{run}"
     schema_dir.mkdir(parents=True)
@@ -89,6 +90,7 @@ def write_pipeline(
                 # valid Kafka and index names but not Avro names (names.avro_namespace).
                 "change_topic": f"pytest-{run}.2026.{name}-changes",
                 "es_index": f"pytest-{run}.{name}",
+                **(entity_settings or {}),
             }
             for name in entities
         ],
@@ -104,7 +106,13 @@ def make_pipeline(
 ) -> PipelineFactory:
     """Build pipelines with :func:`write_pipeline` in the test's temporary folder."""
 
-    def build(entities: tuple[str, ...] = ("customers", "orders"), **sections: object) -> Pipeline:
-        return write_pipeline(tmp_path, kafka_config, es_config, entities, **sections)
+    def build(
+        entities: tuple[str, ...] = ("customers", "orders"),
+        entity_settings: Mapping[str, object] | None = None,
+        **sections: object,
+    ) -> Pipeline:
+        return write_pipeline(
+            tmp_path, kafka_config, es_config, entities, entity_settings, **sections
+        )
 
     return build

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
-from cdc_shared.config import KafkaConfig
+from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.config import EntityConfig, KafkaConfig
 from pyspark.sql import DataFrame, SparkSession
 
 from support.pipelines import Pipeline
@@ -23,6 +24,13 @@ def _normal(value: Any) -> Any:
     return value
 
 
+def entity_oracle(
+    pipeline: Pipeline, entity: EntityConfig, fingerprints: Mapping[bytes, Any]
+) -> EntityOracle:
+    """An empty oracle of ``entity``, with the reader schemas its JSON parts need."""
+    return EntityOracle.of(entity, FileSchemaRegistry([pipeline.schema_dir]), fingerprints)
+
+
 def assert_silver_equals_oracle(
     spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig
 ) -> None:
@@ -30,18 +38,24 @@ def assert_silver_equals_oracle(
     config = pipeline.config
     fingerprints = load_fingerprints([pipeline.schema_dir])
     for entity in config.entities:
-        oracle = read_topic(kafka, EntityOracle(entity, list(entity.key), fingerprints))
-        silver = spark.read.format("delta").load(silver_layout(config, entity).silver_path)
-        columns = [c for c in silver.columns if not c.startswith("_cdc_")]
-        expected = {
-            key: tuple(_normal(row.get(c)) for c in columns) for key, row in oracle.rows.items()
-        }
-        got = {
-            tuple(r[k] for k in entity.key): tuple(_normal(r[c]) for c in columns)
-            for r in silver.collect()
-        }
-        assert got == expected, f"silver/{entity.name} differs from the oracle"
-        assert oracle.deleted_keys.isdisjoint(got)
+        oracle = read_topic(kafka, entity_oracle(pipeline, entity, fingerprints))
+        assert_silver_equals(spark, pipeline, oracle)
+
+
+def assert_silver_equals(spark: SparkSession, pipeline: Pipeline, oracle: EntityOracle) -> None:
+    """The oracle's entity's silver holds exactly the oracle's rows, every column compared."""
+    entity = oracle.entity
+    silver = spark.read.format("delta").load(silver_layout(pipeline.config, entity).silver_path)
+    columns = [c for c in silver.columns if not c.startswith("_cdc_")]
+    expected = {
+        key: tuple(_normal(row.get(c)) for c in columns) for key, row in oracle.rows.items()
+    }
+    got = {
+        tuple(r[k] for k in entity.key): tuple(_normal(r[c]) for c in columns)
+        for r in silver.collect()
+    }
+    assert got == expected, f"silver/{entity.name} differs from the oracle"
+    assert oracle.deleted_keys.isdisjoint(got)
 
 
 def assert_change_feed_has_no_repeats(spark: SparkSession, pipeline: Pipeline) -> None:

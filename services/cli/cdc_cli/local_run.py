@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 from cdc_shared.config import PipelineConfig
+from cdc_shared.schemas import make_registry
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
@@ -178,8 +179,9 @@ def wait_until_healthy(
 def oracle_rows(config: PipelineConfig) -> dict[str, dict[Key, dict[str, Any]]]:
     """Each entity's expected final rows, replayed from its source topic."""
     fingerprints = load_fingerprints([ROOT / "schemas"])
+    registry = make_registry(config)
     return {
-        e.name: read_topic(config.kafka, EntityOracle(e, list(e.key), fingerprints)).rows
+        e.name: read_topic(config.kafka, EntityOracle.of(e, registry, fingerprints)).rows
         for e in config.entities
     }
 

@@ -4,7 +4,8 @@ It applies source events per key in sequence order, one at a time, with no batch
 no Spark and no Delta: an event whose sequence is not greater than the last one applied
 to its key (including that key's delete) changes nothing; a delete removes the key; a
 truncate removes every row older than it. It decodes with fastavro directly, from its
-own fingerprint table, and shares no code with the merger.
+own fingerprint table (JSON topics: with ``connect_json``), and shares no code with the
+ingestor or the merger.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import fastavro
+from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, KafkaConfig
+from cdc_shared.schemas import entity_schemas
 from confluent_kafka import TopicPartition
 from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+from cdc_cli.connect_json import decode_connect_json, expanded
 
 Key = tuple[Any, ...]
 Sequence_ = tuple[Any, ...]
@@ -62,6 +67,31 @@ class EntityOracle:
     applied: list[AppliedChange] = field(default_factory=list)
     ignored: int = 0  # duplicates, late events and tombstones
     undecodable: int = 0  # poison: corrupt bytes, unknown schema, null key
+    #: For an entity with JSON values or keys: the reader schemas ("key", "value").
+    json_readers: Mapping[str, Any] | None = None
+    _json: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def of(
+        cls, entity: EntityConfig, registry: SchemaRegistry, fingerprints: Mapping[bytes, Any]
+    ) -> EntityOracle:
+        """An empty oracle of ``entity``, with the reader schemas its JSON parts need."""
+        schemas = entity_schemas(entity, registry)
+        readers = {"key": schemas.key.definition, "value": schemas.value.definition}
+        return cls(entity, list(entity.key), fingerprints, json_readers=readers)
+
+    def __post_init__(self) -> None:
+        formats = {"value": self.entity.value_format, "key": self.entity.key_format}
+        json_parts = [part for part, kind in formats.items() if kind == "json"]
+        readers = self.json_readers or {}
+        if json_parts and not readers:
+            raise ValueError(f"entity {self.entity.name} has JSON parts: give json_readers")
+        self._json = {part: expanded(readers[part]) for part in json_parts}
+
+    def _decode_part(self, data: bytes, part: str) -> Any:
+        if part not in self._json:
+            return self._decode(data)
+        return decode_connect_json(data, self._json[part], self.entity.decimal_handling)
 
     def _decode(self, data: bytes) -> Any:
         if data[:2] != b"\xc3\x01" or len(data) < 10:
@@ -79,8 +109,8 @@ class EntityOracle:
             self.ignored += 1  # tombstone: the delete before it did the work
             return
         try:
-            envelope = self._decode(value)
-            decoded_key = self._decode(key) if key is not None else None
+            envelope = self._decode_part(value, "value")
+            decoded_key = self._decode_part(key, "key") if key is not None else None
         except Exception:
             self.undecodable += 1
             return

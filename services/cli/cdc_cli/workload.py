@@ -14,23 +14,39 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from cdc_shared.avro import AvroEncoder, SchemaRegistry
+from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry
 from cdc_shared.clients import make_admin, make_producer
 from cdc_shared.config import EntityConfig, KafkaConfig
 from cdc_shared.schemas import EntitySchemas, entity_schemas
 from confluent_kafka import KafkaError, Message
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
+from cdc_cli.connect_json import JsonEncoder, JsonForm
+
 MessageKind = Literal["event", "tombstone", "redelivery", "poison"]
-PoisonKind = Literal["corrupt", "unknown_schema", "null_key"]
+PoisonKind = Literal["corrupt", "unknown_schema", "null_key", "malformed_json", "wrong_type"]
+#: The poison of an entity whose values are Avro, and of one whose values are JSON.
 POISON_KINDS: tuple[PoisonKind, ...] = ("corrupt", "unknown_schema", "null_key")
+JSON_POISON_KINDS: tuple[PoisonKind, ...] = ("malformed_json", "wrong_type", "null_key")
+
+
+class Encoder(Protocol):
+    """Writes records of one schema to bytes (Avro framing or Connect JSON)."""
+
+    schema: KnownSchema
+
+    def encode(self, record: Mapping[str, Any]) -> bytes:
+        """The record's bytes, as its topic carries them."""
+        ...
+
 
 _EPOCH = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 _FIRST_LSN = 24_000_000
@@ -72,6 +88,7 @@ class WorkloadSpec:
     redelivery_share: float = 0.02
     poison_share: float = 0.001
     schema_change_at: float | None = 0.5  # share of events before the newest schema is used
+    json_form: JsonForm = "mixed"  # entities with JSON values or keys: schemas.enable
 
 
 @dataclass(frozen=True)
@@ -93,8 +110,9 @@ class EntityState:
     name: str
     topic: str
     schemas: EntitySchemas
-    key_encoder: AvroEncoder
-    value_encoders: list[AvroEncoder]
+    key_encoder: Encoder
+    value_encoders: list[Encoder]
+    json_values: bool = False
     live: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -113,15 +131,21 @@ class WorkloadGenerator:
         self.clock_ms = int(_EPOCH.timestamp() * 1000)
         self.entities = [self._state(e, registry) for e in entities]
 
-    @staticmethod
-    def _state(entity: EntityConfig, registry: SchemaRegistry) -> EntityState:
+    def _state(self, entity: EntityConfig, registry: SchemaRegistry) -> EntityState:
         schemas = entity_schemas(entity, registry)
+
+        def encoder(schema: KnownSchema, json: bool) -> Encoder:
+            if json:
+                return JsonEncoder(schema, entity.decimal_handling, self.spec.json_form)
+            return AvroEncoder(schema)
+
         return EntityState(
             name=entity.name,
             topic=entity.source_topic,
             schemas=schemas,
-            key_encoder=AvroEncoder(schemas.key),
-            value_encoders=[AvroEncoder(v) for v in schemas.values],
+            key_encoder=encoder(schemas.key, entity.key_format == "json"),
+            value_encoders=[encoder(v, entity.value_format == "json") for v in schemas.values],
+            json_values=entity.value_format == "json",
         )
 
     # --- the stream ----------------------------------------------------------------
@@ -162,7 +186,7 @@ class WorkloadGenerator:
                 history.append(message)
                 yield message
 
-    def _next_change(self, state: EntityState, encoder: AvroEncoder) -> list[GeneratedMessage]:
+    def _next_change(self, state: EntityState, encoder: Encoder) -> list[GeneratedMessage]:
         spec = self.spec
         hot = max(1, int(spec.keys * spec.hot_keys))
         k = (
@@ -186,7 +210,7 @@ class WorkloadGenerator:
         k: int,
         op: str,
         *,
-        encoder: AvroEncoder,
+        encoder: Encoder,
         lsn: int | None = None,
         snapshot: str = "false",
     ) -> GeneratedMessage:
@@ -247,10 +271,21 @@ class WorkloadGenerator:
         return self.lsn
 
     def _poison(self, state: EntityState) -> GeneratedMessage:
-        kind = self.random.choice(POISON_KINDS)
+        kind = self.random.choice(JSON_POISON_KINDS if state.json_values else POISON_KINDS)
         good = self._peek_valid(state)
         if kind == "null_key":
             return GeneratedMessage(state.name, state.topic, None, good.value, "poison", kind)
+        if kind == "malformed_json":
+            assert good.value is not None
+            cut = good.value[: self.random.randint(1, len(good.value) - 1)]
+            return GeneratedMessage(state.name, state.topic, good.key, cut, "poison", kind)
+        if kind == "wrong_type":  # a JSON string where the envelope has a number
+            assert good.value is not None
+            document = json.loads(good.value)
+            envelope = document.get("payload", document)
+            envelope["ts_ms"] = f"at {envelope['ts_ms']}"
+            wrong = json.dumps(document).encode()
+            return GeneratedMessage(state.name, state.topic, good.key, wrong, "poison", kind)
         if kind == "unknown_schema":
             header = b"\xc3\x01" + self.random.randbytes(8)
             assert good.value is not None

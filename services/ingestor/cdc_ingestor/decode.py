@@ -15,7 +15,7 @@ becomes the reader (it would make every older record unreadable and bronze unmer
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry
@@ -26,6 +26,15 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
+
+from cdc_ingestor.decode_json import (
+    JSON_ERROR_KINDS,
+    DecimalHandling,
+    JsonPart,
+    UnsupportedJsonSchemaError,
+)
+
+Format = Literal["avro", "json"]
 
 KAFKA_SCHEMA = T.StructType(
     [
@@ -63,6 +72,9 @@ class DecodePlan:
     key_writers: Mapping[bytes, KnownSchema]
     value_reader: KnownSchema
     key_reader: KnownSchema
+    value_format: Format = "avro"
+    key_format: Format = "avro"
+    decimals: DecimalHandling = "precise"  # JSON decimals (decode_json)
 
     @classmethod
     def from_schemas(
@@ -70,25 +82,39 @@ class DecodePlan:
         schemas: EntitySchemas,
         registry: SchemaRegistry,
         value_reader: KnownSchema | None = None,
+        entity: EntityConfig | None = None,
     ) -> DecodePlan:
         """Every known version of the entity's schemas, under each framing it may arrive in.
 
-        The value reader is ``value_reader``, else the newest version.
+        The value reader is ``value_reader``, else the newest version; the formats are the
+        entity's (Avro when no entity is given).
         """
-        return cls(
+        plan = cls(
             value_writers=_by_header(schemas.values),
             key_writers=_by_header((schemas.key,)),
             value_reader=value_reader or schemas.value,
             key_reader=schemas.key,
         )
+        if entity is None:
+            return plan
+        return replace(
+            plan,
+            value_format=entity.value_format,
+            key_format=entity.key_format,
+            decimals=entity.decimal_handling,
+        )
+
+    @property
+    def uses_avro(self) -> bool:
+        """Whether the value or the key is Avro: only then do framing headers matter."""
+        return "avro" in (self.value_format, self.key_format)
 
     def with_writers(self, value: list[KnownSchema], key: list[KnownSchema]) -> DecodePlan:
         """A copy of the plan with writer schemas found later in the registry."""
-        return DecodePlan(
+        return replace(
+            self,
             value_writers={**self.value_writers, **_by_header(value)},
             key_writers={**self.key_writers, **_by_header(key)},
-            value_reader=self.value_reader,
-            key_reader=self.key_reader,
         )
 
     def incompatible(self, spark: SparkSession, part: Literal["value", "key"]) -> dict[bytes, str]:
@@ -280,6 +306,7 @@ ERROR_KINDS = (
     "incompatible_schema",
     "corrupt",
     "null_key",
+    *JSON_ERROR_KINDS,
 )
 
 
@@ -352,15 +379,22 @@ def _framing_errors(
     ]
 
 
+#: The columns ``decode`` gives each part: (decoded, framing header, writer schema label).
+_PART_COLUMNS = {
+    "value": ("envelope", "value_header", "writer_schema"),
+    "key": ("decoded_key", "key_header", "key_writer_schema"),
+}
+Check = tuple[Column, str, Column]  # (condition, error kind, message)
+
+
 def decode(
     spark: SparkSession, raw: DataFrame, plan: DecodePlan, sequence_by: list[str]
 ) -> DataFrame:
-    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error."""
-    value_type = avro_type(spark, plan.value_reader)
-    key_type = avro_type(spark, plan.key_reader)
-    value_incompatible = plan.incompatible(spark, "value")
-    key_incompatible = plan.incompatible(spark, "key")
-    value_head, key_head = header(F.col("value")), header(F.col("key"))
+    """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error.
+
+    Each part (value, key) is decoded in its own format (Avro or JSON) into the types of
+    its reader schema, so bronze looks the same whatever the topic carries.
+    """
     step = raw.select(
         F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"),
@@ -368,33 +402,12 @@ def decode(
         F.col("timestamp").alias("kafka_timestamp"),
         F.col("key").alias("raw_key"),
         F.col("value").alias("raw_value"),
-        value_head.alias("value_header"),
-        key_head.alias("key_header"),
-        _writer_name(value_head, plan.value_writers).alias("writer_schema"),
-        _writer_name(key_head, plan.key_writers).alias("key_writer_schema"),
-        _decoded(
-            F.col("value"),
-            value_head,
-            plan.value_writers,
-            plan.value_reader,
-            value_type,
-            value_incompatible,
-        ).alias("envelope"),
-        _decoded(
-            F.col("key"), key_head, plan.key_writers, plan.key_reader, key_type, key_incompatible
-        ).alias("decoded_key"),
     )
+    step, value_checks, _ = _decode_part(spark, step, plan, "value")
+    step, key_checks, key_type = _decode_part(spark, step, plan, "key")
     value, key = F.col("raw_value"), F.col("raw_key")
     checks = [
-        (value.isNotNull() & condition, kind, message)
-        for condition, kind, message in _framing_errors(
-            value,
-            F.col("value_header"),
-            F.col("writer_schema"),
-            _by_prefix(F.col("value_header"), value_incompatible),
-            _decoded_ok(F.col("envelope"), value_type),
-            "value",
-        )
+        (value.isNotNull() & condition, kind, message) for condition, kind, message in value_checks
     ]
     is_truncate = F.coalesce(F.col("envelope.op") == F.lit("t"), F.lit(False))
     checks.append(
@@ -405,15 +418,7 @@ def decode(
         )
     )
     checks += [
-        (key.isNotNull() & condition, kind, message)
-        for condition, kind, message in _framing_errors(
-            key,
-            F.col("key_header"),
-            F.col("key_writer_schema"),
-            _by_prefix(F.col("key_header"), key_incompatible),
-            _decoded_ok(F.col("decoded_key"), key_type),
-            "key",
-        )
+        (key.isNotNull() & condition, kind, message) for condition, kind, message in key_checks
     ]
     assert isinstance(key_type, T.StructType)
     for field in key_type.fields:
@@ -438,14 +443,78 @@ def decode(
             for path in sequence_by
         ]
     )
+    kept = [c for c in step.columns if not c.startswith("_")]
     decoded = step.select(
-        "*", kind.alias("error_kind"), message.alias("error_message"), sequence.alias("sequence")
+        *kept, kind.alias("error_kind"), message.alias("error_message"), sequence.alias("sequence")
     )
     # Decode once per row and pass: the optimizer would otherwise inline the decoding into
     # both a filter and the projection above it. A generator is a barrier it keeps.
     return decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row")).select(
         "_row.*"
     )
+
+
+def _nullable(data_type: T.DataType) -> T.DataType:
+    """``data_type`` with every field, element and value nullable (to compare shapes)."""
+    if isinstance(data_type, T.StructType):
+        return T.StructType([T.StructField(f.name, _nullable(f.dataType)) for f in data_type])
+    if isinstance(data_type, T.ArrayType):
+        return T.ArrayType(_nullable(data_type.elementType))
+    if isinstance(data_type, T.MapType):
+        return T.MapType(data_type.keyType, _nullable(data_type.valueType))
+    return data_type
+
+
+def _decode_part(
+    spark: SparkSession, step: DataFrame, plan: DecodePlan, part: Literal["value", "key"]
+) -> tuple[DataFrame, list[Check], T.DataType]:
+    """``step`` with the part's decoded, header and writer columns; its checks; its type.
+
+    Helper columns start with ``_``; ``decode`` drops them.
+    """
+    decoded_name, header_name, writer_name = _PART_COLUMNS[part]
+    raw = F.col(f"raw_{part}")
+    reader = plan.value_reader if part == "value" else plan.key_reader
+    reader_type = avro_type(spark, reader)
+    if (plan.value_format if part == "value" else plan.key_format) == "json":
+        json = JsonPart.of(reader, plan.decimals, part)
+        parsed_name, body_name = f"_{part}_parsed", f"_{part}_body"
+        step = step.withColumn(parsed_name, json.parsed(raw))
+        step = step.withColumn(body_name, json.body(F.col(parsed_name)))
+        step = step.withColumns(
+            {
+                decoded_name: json.decoded(F.col(body_name)),
+                header_name: F.lit(None).cast("binary"),
+                writer_name: F.lit("json"),
+            }
+        )
+        decoded_type = step.schema[decoded_name].dataType
+        if _nullable(decoded_type) != _nullable(reader_type):
+            raise UnsupportedJsonSchemaError(
+                f"{reader.full_name}: JSON decodes to {decoded_type.simpleString()}, not to "
+                f"{reader_type.simpleString()} as Avro does"
+            )
+        checks = json.errors(raw, F.col(parsed_name), F.col(body_name), F.col(decoded_name))
+        return step, checks, reader_type
+    writers = plan.value_writers if part == "value" else plan.key_writers
+    incompatible = plan.incompatible(spark, part)
+    head = header(raw)
+    step = step.withColumns(
+        {
+            header_name: head,
+            writer_name: _writer_name(head, writers),
+            decoded_name: _decoded(raw, head, writers, reader, reader_type, incompatible),
+        }
+    )
+    checks = _framing_errors(
+        raw,
+        F.col(header_name),
+        F.col(writer_name),
+        _by_prefix(F.col(header_name), incompatible),
+        _decoded_ok(F.col(decoded_name), reader_type),
+        part,
+    )
+    return step, checks, reader_type
 
 
 def refusing_incompatible(decoded: DataFrame) -> DataFrame:

@@ -1,7 +1,7 @@
 """``cdc-ingestor``: Kafka CDC topics -> bronze Delta, exactly-once, with quarantine.
 
-Per entity: Spark's Kafka source (source) -> JVM Avro decoding and contract checks
-(transform) -> one foreachBatch writing bronze and quarantine idempotently (sink).
+Per entity: Spark's Kafka source (source) -> JVM Avro or JSON decoding and contract
+checks (transform) -> one foreachBatch writing bronze and quarantine idempotently (sink).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class EntityIngestion:
                         "reason": reason,
                     },
                 )
-        return DecodePlan.from_schemas(schemas, self.registry, reader)
+        return DecodePlan.from_schemas(schemas, self.registry, reader, self.entity)
 
     def create_tables(self) -> None:
         """Bronze and quarantine, with explicit schemas, unless they exist."""
@@ -248,7 +248,8 @@ class EntityIngestion:
         self.registry.refresh()
         listing = self.registry.listing()
         if listing is None:
-            self._learn_writers(*batch_headers(batch))
+            if self.plan.uses_avro:  # JSON records carry no header to look up
+                self._learn_writers(*batch_headers(batch))
             return
         planned = {s.fingerprint for s in self.plan.value_writers.values()}
         new = [s for s in listing if s.fingerprint not in planned]
