@@ -27,6 +27,16 @@ def local_servers() -> Iterator[infra.Endpoints]:
 
 
 @pytest.fixture(scope="session")
+def registry_url(local_servers: infra.Endpoints) -> Iterator[str]:
+    """A Confluent-compatible schema registry (Apicurio, in memory), started on first use."""
+    already = infra.running(TEST_INFRA)["registry"]
+    url = infra.start_registry(TEST_INFRA)
+    yield url
+    if not already and not os.environ.get("CDC_TEST_KEEP_INFRA"):
+        infra.stop(TEST_INFRA, "registry")
+
+
+@pytest.fixture(scope="session")
 def kafka_config(local_servers: infra.Endpoints) -> KafkaConfig:
     return KafkaConfig(bootstrap_servers=local_servers.kafka_bootstrap_servers)
 

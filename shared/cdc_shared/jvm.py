@@ -13,6 +13,7 @@ DELTA_VERSION = "4.4.0"
 SCALA_BINARY = "2.13"
 KAFKA_VERSION = "4.4.0"
 ELASTICSEARCH_VERSION = "9.2.4"
+APICURIO_VERSION = "3.3.3"
 
 JVM_CACHE_ENV_VAR = "CDC_JVM_CACHE"
 
@@ -52,6 +53,11 @@ def kafka_classpath() -> list[Path]:
     """The Kafka broker's runtime classpath; empty if unfetched."""
     folder = jvm_cache_dir() / "kafka" / "libs"
     return sorted(folder.glob("*.jar")) if folder.is_dir() else []
+
+
+def registry_home() -> Path:
+    """The unpacked Apicurio Registry (a Quarkus fast-jar; may not exist yet)."""
+    return jvm_cache_dir() / "registry" / f"apicurio-registry-{APICURIO_VERSION}"
 
 
 def elasticsearch_home() -> Path:

@@ -17,6 +17,7 @@ TEST_INFRA = infra.InfraSettings(
     kafka_controller_port=int(os.environ.get("CDC_TEST_KAFKA_CONTROLLER_PORT", "29093")),
     es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
     es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
+    registry_port=int(os.environ.get("CDC_TEST_REGISTRY_PORT", "28081")),
 )
 
 
@@ -30,4 +31,5 @@ def infra_env() -> dict[str, str]:
         "CDC_INFRA_KAFKA_CONTROLLER_PORT": str(TEST_INFRA.kafka_controller_port),
         "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
         "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
+        "CDC_INFRA_REGISTRY_PORT": str(TEST_INFRA.registry_port),
     }

@@ -31,6 +31,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ES_USER = "cdc-es"  # Elasticsearch refuses to run as root
 MIN_ES_JAVA = 21
+MIN_REGISTRY_JAVA = 21  # Apicurio Registry 3 (Quarkus)
+REGISTRY_CONFLUENT_API = "/apis/ccompat/v7"
+#: Every server ``up`` can start, in start order.
+SERVERS = ("kafka", "elasticsearch", "registry")
 
 
 class InfraError(RuntimeError):
@@ -54,6 +58,8 @@ class InfraSettings(BaseSettings):
     es_port: int = Field(default=9200, gt=0, lt=65536)
     es_transport_port: int = Field(default=9300, gt=0, lt=65536)
     es_heap: str = "512m"
+    registry_port: int = Field(default=8081, gt=0, lt=65536)
+    registry_heap: str = "256m"
     start_timeout_s: float = 120.0
 
 
@@ -63,14 +69,21 @@ class Endpoints:
 
     kafka_bootstrap_servers: str
     elasticsearch_url: str
+    registry_url: str | None = None  # the Confluent-compatible API, when it was started
 
 
-def endpoints(settings: InfraSettings) -> Endpoints:
+def endpoints(settings: InfraSettings, with_registry: bool = False) -> Endpoints:
     """The addresses ``up`` serves with these settings."""
     return Endpoints(
         kafka_bootstrap_servers=f"127.0.0.1:{settings.kafka_port}",
         elasticsearch_url=f"http://127.0.0.1:{settings.es_port}",
+        registry_url=registry_url(settings) if with_registry else None,
     )
+
+
+def registry_url(settings: InfraSettings) -> str:
+    """Apicurio Registry's Confluent-compatible API (``schema_registry.url``)."""
+    return f"http://127.0.0.1:{settings.registry_port}{REGISTRY_CONFLUENT_API}"
 
 
 # --- processes --------------------------------------------------------------------
@@ -395,6 +408,53 @@ def start_elasticsearch(settings: InfraSettings) -> None:
     _wait_ready(settings, "elasticsearch", pid, lambda: _es_ready(url))
 
 
+# --- schema registry ----------------------------------------------------------------
+
+
+def _registry_ready(url: str) -> bool:
+    try:
+        response = httpx.get(f"{url}/subjects", timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def start_registry(settings: InfraSettings) -> str:
+    """Start Apicurio Registry (in-memory) unless it runs; wait until its API answers.
+
+    Returns the URL of its Confluent-compatible API. Its schemas live as long as the
+    process: a restart forgets them, as a test or demo registry may.
+    """
+    url = registry_url(settings)
+    if (pid := _read_pid(settings, "registry")) is not None:
+        _wait_ready(settings, "registry", pid, lambda: _registry_ready(url))
+        return url
+    home = jvm.registry_home()
+    if not (home / "quarkus-run.jar").exists():
+        raise InfraError("Apicurio Registry is not in the JVM cache; run `make jvm` first")
+    _check_ports_free("the schema registry", {"registry_port": settings.registry_port})
+    java = _find_java_home(MIN_REGISTRY_JAVA, "CDC_REGISTRY_JAVA_HOME") / "bin" / "java"
+    heap = settings.registry_heap
+    pid = _start(
+        settings,
+        "registry",
+        [
+            str(java),
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
+            "-XX:+UseSerialGC",
+            "-Dquarkus.http.host=127.0.0.1",
+            f"-Dquarkus.http.port={settings.registry_port}",
+            "-Dquarkus.log.level=WARN",
+            "-Dquarkus.http.access-log.enabled=false",
+            "-jar",
+            str(home / "quarkus-run.jar"),
+        ],
+    )
+    _wait_ready(settings, "registry", pid, lambda: _registry_ready(url))
+    return url
+
+
 # --- the whole ----------------------------------------------------------------------
 
 
@@ -405,13 +465,18 @@ def _deploy_local() -> Path:
     return root / "deploy" / "local"
 
 
-def up(settings: InfraSettings | None = None) -> Endpoints:
-    """Start Kafka and Elasticsearch (idempotent) and return their addresses."""
+def up(settings: InfraSettings | None = None, with_registry: bool = False) -> Endpoints:
+    """Start Kafka and Elasticsearch, and the schema registry if asked (idempotent).
+
+    A registry started before is reported whether asked for or not.
+    """
     settings = settings or InfraSettings()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     start_kafka(settings)
     start_elasticsearch(settings)
-    served = endpoints(settings)
+    if with_registry:
+        start_registry(settings)
+    served = endpoints(settings, with_registry or running(settings)["registry"])
     (settings.state_dir / "endpoints.json").write_text(json.dumps(served.__dict__, indent=2))
     return served
 
@@ -419,23 +484,23 @@ def up(settings: InfraSettings | None = None) -> Endpoints:
 def down(settings: InfraSettings | None = None) -> list[str]:
     """Stop what ``up`` started; returns the names of the servers that were running."""
     settings = settings or InfraSettings()
-    return [name for name in ("elasticsearch", "kafka") if _stop(settings, name)]
+    return [name for name in reversed(SERVERS) if _stop(settings, name)]
 
 
 def running(settings: InfraSettings | None = None) -> dict[str, bool]:
     """Which local servers are running (by their PID files)."""
     settings = settings or InfraSettings()
-    return {name: _read_pid(settings, name) is not None for name in ("kafka", "elasticsearch")}
+    return {name: _read_pid(settings, name) is not None for name in SERVERS}
 
 
 def stop(settings: InfraSettings, name: str) -> bool:
-    """Stop one server (``kafka`` or ``elasticsearch``); True if it was running.
+    """Stop one server (``kafka``, ``elasticsearch`` or ``registry``); True if it ran.
 
-    Its data stays: starting it again (``up``) resumes where it stopped. Used by the
-    fault injection of the chaos run and the restart tests.
+    Kafka's and Elasticsearch's data stay: starting them again (``up``) resumes where
+    they stopped. Used by the fault injection of the chaos run and the restart tests.
     """
-    if name not in ("kafka", "elasticsearch"):
-        raise InfraError(f"unknown server {name!r}: kafka or elasticsearch")
+    if name not in SERVERS:
+        raise InfraError(f"unknown server {name!r}: one of {', '.join(SERVERS)}")
     return _stop(settings, name)
 
 

@@ -20,21 +20,30 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 infra_app = typer.Typer(
-    help="Local Kafka and Elasticsearch on loopback (no Docker).", no_args_is_help=True
+    help="Local Kafka, Elasticsearch and a schema registry on loopback (no Docker).",
+    no_args_is_help=True,
 )
 app.add_typer(infra_app, name="infra")
 
 
 @infra_app.command("up")
-def infra_up() -> None:
+def infra_up(
+    with_registry: bool = typer.Option(
+        False,
+        "--with-registry",
+        help="Also start a schema registry (Apicurio, Confluent-compatible API, in memory).",
+    ),
+) -> None:
     """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
     try:
-        served = infra.up()
+        served = infra.up(with_registry=with_registry)
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     typer.echo(f"kafka bootstrap servers: {served.kafka_bootstrap_servers}")
     typer.echo(f"elasticsearch url:       {served.elasticsearch_url}")
+    if served.registry_url:
+        typer.echo(f"schema registry url:     {served.registry_url}")
 
 
 @infra_app.command("down")
