@@ -20,7 +20,7 @@ def service_main(
 
     Exit codes: 0 done or stopped, 1 a stream failed, 2 bad configuration or schemas.
     """
-    parser = argparse.ArgumentParser(prog=f"cdc-{service}", description=description)
+    parser = argparse.ArgumentParser(prog=command_name(service), description=description)
     parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
     parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
     parser.add_argument("--once", action="store_true", help="process what is available, then exit")
@@ -33,6 +33,11 @@ def service_main(
         runner.run()
 
     return run_to_exit_code(service, args.config, run)
+
+
+def command_name(service: str) -> str:
+    """The service's command (``publisher_kafka`` -> ``cdc-publisher-kafka``)."""
+    return f"cdc-{service.replace('_', '-')}"
 
 
 def run_to_exit_code(

@@ -524,7 +524,7 @@ def start_streams(
     entities = config.select_entities(entity_names)
     if not entities:
         raise ConfigError(f"the configuration defines no entities for the {service}")
-    spark = spark or build_spark_session(config.spark, f"cdc-{service}")
+    spark = spark or build_spark_session(config.spark, f"cdc-{service.replace('_', '-')}")
     runner = StreamRunner(
         spark,
         service,
