@@ -80,3 +80,33 @@ def test_a_failure_it_does_not_recognise_stops_the_service(
     runner.start("things", writer, QueryIdentity())
     with pytest.raises(StreamFailedError, match=r"(?s)'things' failed: .*ValueError: a bug"):
         runner.run()
+
+
+def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches(
+    spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from cdc_shared.streaming import BatchStats, _ProgressDispatch
+
+    source = str(tmp_path / "source")
+    spark.range(20).write.format("delta").save(source)
+    runners = [StreamRunner(spark, service) for service in ("left", "right")]
+    assert len(_ProgressDispatch._by_session[id(spark)]._loggers) == 2
+    for runner in runners:
+
+        def process(batch: DataFrame, batch_id: int, runner: StreamRunner = runner) -> None:
+            runner.report("things", batch_id, BatchStats(counts={"seen": batch.count()}))
+
+        writer = foreach_batch_writer(
+            spark.readStream.format("delta").load(source),
+            process,
+            str(tmp_path / f"checkpoint-{runner.service}"),
+            once=True,
+            interval="1 second",
+        )
+        runner.start("things", writer, QueryIdentity())
+    with caplog.at_level("INFO", logger="cdc_shared.streaming"):
+        for runner in runners:
+            runner.run()
+    batches = [vars(r) for r in caplog.records if r.getMessage() == "batch"]
+    assert sorted((b["service"], b["seen"]) for b in batches) == [("left", 20), ("right", 20)]
+    assert id(spark) not in _ProgressDispatch._by_session  # the last runner removed it
