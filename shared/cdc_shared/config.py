@@ -37,6 +37,12 @@ _IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
 _SECRET_WORDS = ("password", "secret", "api_key", "apikey", "token", "credential", "user.info")
 
 
+#: How a source topic's values or keys are written (see EntityConfig).
+Format = Literal["avro", "json"]
+#: Debezium's ``decimal.handling.mode``: how JSON records carry decimals.
+DecimalHandling = Literal["precise", "string", "double"]
+
+
 class ConfigError(ValueError):
     """The pipeline configuration is missing, unreadable or invalid."""
 
@@ -274,10 +280,10 @@ class EntityConfig(_Section):
     es_index: str | None = None
     # How the source topic's values and keys are written: Avro (Confluent or single-object
     # framing) or Kafka Connect's JsonConverter (schemas.enable true or false, per record).
-    value_format: Literal["avro", "json"] = "avro"
-    key_format: Literal["avro", "json"] = "avro"
+    value_format: Format = "avro"
+    key_format: Format = "avro"
     # JSON decimals as Debezium's decimal.handling.mode writes them (precise: base64).
-    decimal_handling: Literal["precise", "string", "double"] = "precise"
+    decimal_handling: DecimalHandling = "precise"
 
     @field_validator("name")
     @classmethod

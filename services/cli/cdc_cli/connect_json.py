@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import fastavro
 from cdc_shared.avro import KnownSchema
+from cdc_shared.config import DecimalHandling
 
-DecimalHandling = Literal["precise", "string", "double"]
 #: ``plain``: schemas.enable=false; ``schemas``: =true; ``mixed``: alternately, per record.
 JsonForm = Literal["plain", "schemas", "mixed"]
 
@@ -45,15 +45,24 @@ def expanded(schema: KnownSchema | Mapping[str, Any]) -> Any:
     return fastavro.parse_schema(dict(definition), expand=True)
 
 
+def _typed(avro: Any) -> tuple[Any, str, str | None, bool]:
+    """(the type, its kind, its logical type, whether null was allowed) of an Avro type.
+
+    A union is read as its one non-null branch (Connect JSON has no other unions).
+    """
+    optional = isinstance(avro, list) and "null" in avro
+    if isinstance(avro, list):
+        avro = next(b for b in avro if b != "null")
+    kind = avro if isinstance(avro, str) else avro["type"]
+    logical = avro.get("logicalType") if isinstance(avro, dict) else None
+    return avro, kind, logical, optional
+
+
 def to_connect(datum: Any, avro: Any, decimals: DecimalHandling) -> Any:
     """A datum fastavro would write with ``avro``, as JSON-ready Connect values."""
     if datum is None:
         return None
-    if isinstance(avro, list):
-        branch = next(b for b in avro if b != "null")
-        return to_connect(datum, branch, decimals)
-    kind = avro if isinstance(avro, str) else avro["type"]
-    logical = avro.get("logicalType") if isinstance(avro, dict) else None
+    avro, kind, logical, _ = _typed(avro)
     if kind == "record":
         return {
             f["name"]: to_connect(datum.get(f["name"]), f["type"], decimals) for f in avro["fields"]
@@ -85,11 +94,7 @@ def from_connect(value: Any, avro: Any, decimals: DecimalHandling) -> Any:
     """Connect JSON values -> the datum fastavro would read with ``avro``."""
     if value is None:
         return None
-    if isinstance(avro, list):
-        branch = next(b for b in avro if b != "null")
-        return from_connect(value, branch, decimals)
-    kind = avro if isinstance(avro, str) else avro["type"]
-    logical = avro.get("logicalType") if isinstance(avro, dict) else None
+    avro, kind, logical, _ = _typed(avro)
     if kind == "record":
         return {
             f["name"]: from_connect(value.get(f["name"]), f["type"], decimals)
@@ -122,11 +127,7 @@ def connect_schema(
     avro: Any, decimals: DecimalHandling, field: str | None = None
 ) -> dict[str, Any]:
     """The Connect schema ``JsonConverter`` embeds for ``avro`` (schemas.enable=true)."""
-    optional = isinstance(avro, list) and "null" in avro
-    if isinstance(avro, list):
-        avro = next(b for b in avro if b != "null")
-    kind = avro if isinstance(avro, str) else avro["type"]
-    logical = avro.get("logicalType") if isinstance(avro, dict) else None
+    avro, kind, logical, optional = _typed(avro)
     schema: dict[str, Any]
     if kind == "record":
         schema = {

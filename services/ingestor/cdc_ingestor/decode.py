@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry
-from cdc_shared.config import EntityConfig
+from cdc_shared.config import DecimalHandling, EntityConfig, Format
 from cdc_shared.schemas import EntitySchemas
 from cdc_shared.tables import AUTO_COMPACT
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -27,14 +27,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
-from cdc_ingestor.decode_json import (
-    JSON_ERROR_KINDS,
-    DecimalHandling,
-    JsonPart,
-    UnsupportedJsonSchemaError,
-)
-
-Format = Literal["avro", "json"]
+from cdc_ingestor.decode_json import JSON_ERROR_KINDS, JsonPart, UnsupportedJsonSchemaError
 
 KAFKA_SCHEMA = T.StructType(
     [
@@ -62,6 +55,10 @@ _SINGLE_OBJECT = bytes([0xC3, 0x01])
 REFUSED_INCOMPATIBLE = "cdc-ingestor refused a record of an incompatible writer schema: "
 #: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.
 _REASONS: dict[tuple[bytes, bytes], str | None] = {}
+#: Schema fingerprint -> the Spark type ``from_avro`` gives for it.
+_AVRO_TYPES: dict[bytes, T.DataType] = {}
+#: (reader fingerprint, decimal handling, part) -> its checked JSON decoding.
+_JSON_PARTS: dict[tuple[bytes, str, str], JsonPart] = {}
 
 
 @dataclass(frozen=True)
@@ -277,9 +274,38 @@ def _writer_name(head: Column, writers: Mapping[bytes, KnownSchema]) -> Column:
 
 
 def avro_type(spark: SparkSession, schema: KnownSchema) -> T.DataType:
-    """The Spark type ``from_avro`` gives for ``schema``."""
-    probe = spark.range(0).select(from_avro(F.lit(None).cast("binary"), schema.json()).alias("v"))
-    return probe.schema["v"].dataType
+    """The Spark type ``from_avro`` gives for ``schema`` (asked once per schema).
+
+    Asking means analysing a plan on the driver: every batch decodes, so it is cached.
+    """
+    if schema.fingerprint not in _AVRO_TYPES:
+        probe = spark.range(0).select(
+            from_avro(F.lit(None).cast("binary"), schema.json()).alias("v")
+        )
+        _AVRO_TYPES[schema.fingerprint] = probe.schema["v"].dataType
+    return _AVRO_TYPES[schema.fingerprint]
+
+
+def json_part(
+    spark: SparkSession, reader: KnownSchema, decimals: DecimalHandling, part: str
+) -> JsonPart:
+    """The JSON decoding of ``part`` with ``reader``, checked once to give Avro's types.
+
+    UnsupportedJsonSchemaError when JSON would decode to other types than ``from_avro``.
+    """
+    key = (reader.fingerprint, decimals, part)
+    if key not in _JSON_PARTS:
+        json = JsonPart.of(reader, decimals, part)
+        nothing = F.lit(None).cast("binary")
+        probe = spark.range(0).select(json.decoded(json.body(json.parsed(nothing))).alias("v"))
+        decoded_type, reader_type = probe.schema["v"].dataType, avro_type(spark, reader)
+        if _nullable(decoded_type) != _nullable(reader_type):
+            raise UnsupportedJsonSchemaError(
+                f"{reader.full_name}: JSON decodes to {decoded_type.simpleString()}, not to "
+                f"{reader_type.simpleString()} as Avro does"
+            )
+        _JSON_PARTS[key] = json
+    return _JSON_PARTS[key]
 
 
 def _decoded_ok(decoded: Column, decoded_type: T.DataType) -> Column:
@@ -477,7 +503,7 @@ def _decode_part(
     reader = plan.value_reader if part == "value" else plan.key_reader
     reader_type = avro_type(spark, reader)
     if (plan.value_format if part == "value" else plan.key_format) == "json":
-        json = JsonPart.of(reader, plan.decimals, part)
+        json = json_part(spark, reader, plan.decimals, part)
         parsed_name, body_name = f"_{part}_parsed", f"_{part}_body"
         step = step.withColumn(parsed_name, json.parsed(raw))
         step = step.withColumn(body_name, json.body(F.col(parsed_name)))
@@ -488,12 +514,6 @@ def _decode_part(
                 writer_name: F.lit("json"),
             }
         )
-        decoded_type = step.schema[decoded_name].dataType
-        if _nullable(decoded_type) != _nullable(reader_type):
-            raise UnsupportedJsonSchemaError(
-                f"{reader.full_name}: JSON decodes to {decoded_type.simpleString()}, not to "
-                f"{reader_type.simpleString()} as Avro does"
-            )
         checks = json.errors(raw, F.col(parsed_name), F.col(body_name), F.col(decoded_name))
         return step, checks, reader_type
     writers = plan.value_writers if part == "value" else plan.key_writers

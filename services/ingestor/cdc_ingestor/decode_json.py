@@ -23,15 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import fastavro
 from cdc_shared.avro import KnownSchema
+from cdc_shared.config import DecimalHandling
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-DecimalHandling = Literal["precise", "string", "double"]
 CORRUPT_RECORD = "_corrupt_record"
 #: The two fields of ``JsonConverter``'s ``schemas.enable=true`` form.
 WRAPPER_FIELDS = ("schema", "payload")
