@@ -14,6 +14,7 @@ becomes the reader (it would make every older record unreadable and bronze unmer
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -21,8 +22,9 @@ from typing import Any, Literal
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
 from cdc_shared.schemas import EntitySchemas
+from cdc_shared.spark import clock
 from cdc_shared.tables import AUTO_COMPACT
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
@@ -565,12 +567,18 @@ def bronze_rows(decoded: DataFrame) -> DataFrame:
         F.col("raw_value").isNull().alias("is_tombstone"),
         "sequence",
         "writer_schema",
-        F.current_timestamp().alias("ingested_at"),
+        clock().alias("ingested_at"),
     )
 
 
-def quarantine_columns(entity: EntityConfig, batch_id: int) -> list[Column]:
-    """The quarantine table's columns for a decoded record (QUARANTINE_SCHEMA's order)."""
+def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Column]:
+    """The quarantine table's columns for a decoded record (QUARANTINE_SCHEMA's order).
+
+    Without ``batch_id``, ``batch_id`` and ``quarantined_at`` are left null, for the
+    caller to fill in on the driver: a per-batch literal would make the query compile
+    anew every batch (see ``cdc_shared.spark.clock``).
+    """
+    stamped = batch_id is not None
     return [
         F.lit("ingestor").alias("service"),
         F.lit(entity.name).alias("entity"),
@@ -584,9 +592,17 @@ def quarantine_columns(entity: EntityConfig, batch_id: int) -> list[Column]:
         F.col("raw_value"),
         F.lit(None).cast("string").alias("source_table"),
         F.lit(None).cast("long").alias("source_version"),
-        F.lit(batch_id).cast("long").alias("batch_id"),
-        F.current_timestamp().alias("quarantined_at"),
+        (F.lit(batch_id) if stamped else F.lit(None)).cast("long").alias("batch_id"),
+        (F.current_timestamp() if stamped else F.lit(None).cast("timestamp")).alias(
+            "quarantined_at"
+        ),
     ]
+
+
+def stamped(rows: Sequence[Row], batch_id: int) -> list[dict[str, Any]]:
+    """Quarantine rows made by ``quarantine_columns(entity, None)``, completed."""
+    now = dt.datetime.now(dt.UTC)
+    return [{**row.asDict(), "batch_id": batch_id, "quarantined_at": now} for row in rows]
 
 
 def quarantine_rows(decoded: DataFrame, entity: EntityConfig, batch_id: int) -> DataFrame:

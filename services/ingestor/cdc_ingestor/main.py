@@ -62,6 +62,7 @@ from cdc_ingestor.decode import (
     quarantine_rows,
     readable_reader,
     refusing_incompatible,
+    stamped,
 )
 
 SERVICE = "ingestor"
@@ -195,7 +196,7 @@ class EntityIngestion:
         refuse = self.config.ingestor.on_incompatible_schema == "stop"
         written = refusing_incompatible(decoded) if refuse else decoded
         observation = Observation(f"ingest-{self.entity.name}-{batch_id}")
-        observed = written.observe(observation, *self._outcome_metrics(batch_id))
+        observed = written.observe(observation, *self._outcome_metrics())
         try:
             idempotent_append(
                 bronze_rows(observed), self.bronze_path, app, batch_id, merge_schema=True
@@ -203,14 +204,14 @@ class EntityIngestion:
         except Exception as error:
             if REFUSED_INCOMPATIBLE not in str(error):
                 raise
-            counts, rejected = self._count(decoded, batch_id)
+            counts, rejected = self._count(decoded)
             count = counts.get("incompatible_schema", 0)
             raise IncompatibleSchemaError(self._incompatible_stop(count, rejected)) from None
         lap("bronze")
         counts, rejected = (
             self._outcomes(observation.get)
             if observation_ready(observation)
-            else self._count(decoded, batch_id)  # a replay: Delta skipped the write
+            else self._count(decoded)  # a replay: Delta skipped the write
         )
         errors = {kind: n for kind, n in counts.items() if kind != "ok"}
         if errors.get("incompatible_schema"):
@@ -218,7 +219,7 @@ class EntityIngestion:
         if errors:
             collected = len(rejected) == sum(errors.values())
             quarantined = (
-                self.spark.createDataFrame(rejected, QUARANTINE_SCHEMA)
+                self.spark.createDataFrame(stamped(rejected, batch_id), QUARANTINE_SCHEMA)
                 if collected
                 else quarantine_rows(decoded, self.entity, batch_id)  # many: another pass
             )
@@ -256,17 +257,18 @@ class EntityIngestion:
         if new:
             self._replan(listing, listing, [s.fingerprint.hex() for s in new])
 
-    def _count(self, decoded: DataFrame, batch_id: int) -> tuple[dict[str, int], list[Any]]:
+    def _count(self, decoded: DataFrame) -> tuple[dict[str, int], list[Any]]:
         """A pass of its own over the batch: what ``_outcome_metrics`` observes on a write."""
-        return self._outcomes(decoded.agg(*self._outcome_metrics(batch_id)).first())
+        return self._outcomes(decoded.agg(*self._outcome_metrics()).first())
 
-    def _outcome_metrics(self, batch_id: int) -> list[Column]:
+    def _outcome_metrics(self) -> list[Column]:
         """Aggregates of a decoded batch: records per outcome, and the records to quarantine.
 
-        The records come as quarantine rows, up to ``MAX_COLLECTED_QUARANTINE`` of them.
+        The records come as quarantine rows without their batch id and time (``stamped``
+        adds them), up to ``MAX_COLLECTED_QUARANTINE`` of them.
         """
         kind = F.col("error_kind")
-        record = F.struct(*quarantine_columns(self.entity, batch_id))
+        record = F.struct(*quarantine_columns(self.entity, None))
         return [
             F.count_if(kind.isNull()).alias("ok"),
             *[F.count_if(kind == name).alias(name) for name in ERROR_KINDS],

@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import BackgroundCall
+from cdc_shared.spark import BackgroundCall, clock
 from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
@@ -270,7 +270,7 @@ def apply_batch(
         latest = latest.where(F.col(SEQUENCE) > sequence_literal(floor))
     # A local checkpoint: the MERGE (which reads its source twice) and the tombstones'
     # append then read computed rows instead of planning bronze's read again.
-    candidates = latest.withColumn(COMMIT_TS, F.current_timestamp()).localCheckpoint(eager=True)
+    candidates = latest.withColumn(COMMIT_TS, clock()).localCheckpoint(eager=True)
     summary = batch.get
     lap("prepare")
     rejected = int(summary["rejected"])

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
@@ -28,7 +29,6 @@ from cdc_shared.streaming import (
 from cdc_shared.tables import wait_for_table
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_publisher_kafka.contract import ChangeTopicContract, encode_changes, register_contract
@@ -97,9 +97,11 @@ class EntityPublication:
             self.runner.report(self.entity.name, batch_id, BatchStats(counts={"skipped": 1}))
             return
         changes = shape_changes(batch, self.entity.key, self.settings.include_before)
-        if published is not None:
-            changes = changes.where(F.col("commit_version") > published.version)
         encoded = encode_changes(self.spark, changes, self.contract).toArrow()
+        if published is not None:
+            # Here, not in Spark: a literal that changes every batch would make Spark
+            # compile the encoding query again every batch.
+            encoded = encoded.filter(pc.greater(encoded["commit_version"], published.version))
         encoded = encoded.sort_by("commit_version")  # per key: changes in commit order
         messages, counts = self._messages(encoded)
         extra: dict[str, object] = {}
