@@ -30,7 +30,7 @@ $(VENV_STAMP): pyproject.toml
 
 venv: $(VENV_STAMP)
 
-$(JVM_STAMP): deploy/jvm/pom.xml deploy/jvm/spark/pom.xml deploy/jvm/kafka/pom.xml deploy/jvm/elasticsearch/pom.xml deploy/jvm/registry/pom.xml
+$(JVM_STAMP): $(shell find deploy/jvm -name pom.xml)
 	@$(MAKE) --no-print-directory tools
 	mvn --batch-mode --quiet -f deploy/jvm/pom.xml -Djvm.cache=$(JVM_CACHE) package
 	@touch $@

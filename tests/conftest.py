@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from cdc_cli import infra
+from cdc_cli.postgres import Database, local_server
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, SparkConfig
 from cdc_shared.spark import build_spark_session
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -34,6 +35,31 @@ def registry_url(local_servers: infra.Endpoints) -> Iterator[str]:
     yield url
     if not already and not os.environ.get("CDC_TEST_KEEP_INFRA"):
         infra.stop(TEST_INFRA, "registry")
+
+
+def _keep_infra() -> bool:
+    return bool(os.environ.get("CDC_TEST_KEEP_INFRA"))
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[Database]:
+    """PostgreSQL (``wal_level=logical``, loopback), started on first use; its superuser."""
+    already = infra.running(TEST_INFRA)["postgres"]
+    infra.start_postgres(TEST_INFRA)
+    yield local_server(TEST_INFRA)
+    if not already and not _keep_infra():
+        infra.stop(TEST_INFRA, "postgres")
+
+
+@pytest.fixture(scope="session")
+def connect_url(local_servers: infra.Endpoints) -> Iterator[str]:
+    """Kafka Connect (standalone, Debezium and Apicurio's converter) on the test Kafka,
+    started on first use; the URL of its REST API."""
+    already = infra.running(TEST_INFRA)["connect"]
+    url = infra.start_connect(TEST_INFRA)
+    yield url
+    if not already and not _keep_infra():
+        infra.stop(TEST_INFRA, "connect")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,11 @@ SCALA_BINARY = "2.13"
 KAFKA_VERSION = "4.4.0"
 ELASTICSEARCH_VERSION = "9.2.4"
 APICURIO_VERSION = "3.3.3"
+# Kafka Connect and its plugins (deploy/jvm/connect). Connect stays on 4.3.0: 4.4.0
+# breaks Debezium 3.6.1. Apicurio's converter is the 2.x line (3.x is not on Maven Central).
+CONNECT_VERSION = "4.3.0"
+DEBEZIUM_VERSION = "3.6.1.Final"
+APICURIO_CONVERTER_VERSION = "2.6.13.Final"
 
 JVM_CACHE_ENV_VAR = "CDC_JVM_CACHE"
 

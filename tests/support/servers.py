@@ -1,4 +1,5 @@
-"""Where the test session's own Kafka and Elasticsearch run."""
+"""Where the test session's own servers run (Kafka, Elasticsearch, and on demand the
+registry, PostgreSQL and Kafka Connect)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ TEST_INFRA = infra.InfraSettings(
     es_port=int(os.environ.get("CDC_TEST_ES_PORT", "29200")),
     es_transport_port=int(os.environ.get("CDC_TEST_ES_TRANSPORT_PORT", "29300")),
     registry_port=int(os.environ.get("CDC_TEST_REGISTRY_PORT", "28081")),
+    postgres_port=int(os.environ.get("CDC_TEST_POSTGRES_PORT", "25432")),
+    connect_port=int(os.environ.get("CDC_TEST_CONNECT_PORT", "28083")),
 )
 
 
@@ -32,4 +35,6 @@ def infra_env() -> dict[str, str]:
         "CDC_INFRA_ES_PORT": str(TEST_INFRA.es_port),
         "CDC_INFRA_ES_TRANSPORT_PORT": str(TEST_INFRA.es_transport_port),
         "CDC_INFRA_REGISTRY_PORT": str(TEST_INFRA.registry_port),
+        "CDC_INFRA_POSTGRES_PORT": str(TEST_INFRA.postgres_port),
+        "CDC_INFRA_CONNECT_PORT": str(TEST_INFRA.connect_port),
     }

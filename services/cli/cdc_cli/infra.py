@@ -1,9 +1,10 @@
 """Local infrastructure without Docker: a real Kafka broker and Elasticsearch on loopback.
 
-Both run from the JVM cache that deploy/jvm/pom.xml fills (``make jvm``). Each server's
-configuration, data, log and PID live in one state folder, so ``up`` is idempotent (a
-server already answering is left alone) and ``down`` stops exactly what ``up`` started,
-with its whole process group.
+Both run from the JVM cache that deploy/jvm/pom.xml fills (``make jvm``); so do the
+optional schema registry and Kafka Connect. The optional PostgreSQL (a Debezium source)
+runs from Debian's ``postgresql-15`` package. Each server's configuration, data, log and
+PID live in one state folder, so ``up`` is idempotent (a server already answering is left
+alone) and ``down`` stops exactly what ``up`` started, with its whole process group.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -30,11 +32,22 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ES_USER = "cdc-es"  # Elasticsearch refuses to run as root
+POSTGRES_USER = "cdc-pg"  # initdb and postgres refuse to run as root
 MIN_ES_JAVA = 21
 MIN_REGISTRY_JAVA = 21  # Apicurio Registry 3 (Quarkus)
+MIN_CONNECT_JAVA = 17
 REGISTRY_CONFLUENT_API = "/apis/ccompat/v7"
-#: Every server ``up`` can start, in start order.
-SERVERS = ("kafka", "elasticsearch", "registry")
+#: Apicurio's own API of the 2.x line: what its Kafka Connect converter speaks.
+REGISTRY_CORE_API = "/apis/registry/v2"
+POSTGRES_MAJOR = 15  # Debian's postgresql-15
+#: The database superuser ``up`` creates (its password: ``postgres_password``).
+POSTGRES_SUPERUSER = "cdc"
+#: Every server ``up`` can start, in start order (``down`` stops them in reverse).
+SERVERS = ("kafka", "elasticsearch", "registry", "postgres", "connect")
+#: The signal that asks a server to stop, when it is not SIGTERM. PostgreSQL's SIGTERM
+#: is a "smart" shutdown that waits for every client (Debezium's replication connection
+#: among them); SIGINT is its "fast" shutdown.
+_STOP_SIGNALS = {"postgres": signal.SIGINT}
 
 
 class InfraError(RuntimeError):
@@ -60,6 +73,10 @@ class InfraSettings(BaseSettings):
     es_heap: str = "512m"
     registry_port: int = Field(default=8081, gt=0, lt=65536)
     registry_heap: str = "256m"
+    postgres_port: int = Field(default=5432, gt=0, lt=65536)
+    postgres_bin: Path = Path(f"/usr/lib/postgresql/{POSTGRES_MAJOR}/bin")
+    connect_port: int = Field(default=8083, gt=0, lt=65536)
+    connect_heap: str = "512m"
     start_timeout_s: float = 120.0
 
 
@@ -70,20 +87,36 @@ class Endpoints:
     kafka_bootstrap_servers: str
     elasticsearch_url: str
     registry_url: str | None = None  # the Confluent-compatible API, when it was started
+    postgres: str | None = None  # host:port of PostgreSQL, when it was started
+    connect_url: str | None = None  # Kafka Connect's REST API, when it was started
 
 
-def endpoints(settings: InfraSettings, with_registry: bool = False) -> Endpoints:
+def endpoints(
+    settings: InfraSettings, with_registry: bool = False, with_postgres: bool = False
+) -> Endpoints:
     """The addresses ``up`` serves with these settings."""
     return Endpoints(
         kafka_bootstrap_servers=f"127.0.0.1:{settings.kafka_port}",
         elasticsearch_url=f"http://127.0.0.1:{settings.es_port}",
         registry_url=registry_url(settings) if with_registry else None,
+        postgres=f"127.0.0.1:{settings.postgres_port}" if with_postgres else None,
+        connect_url=connect_url(settings) if with_postgres else None,
     )
 
 
 def registry_url(settings: InfraSettings) -> str:
     """Apicurio Registry's Confluent-compatible API (``schema_registry.url``)."""
     return f"http://127.0.0.1:{settings.registry_port}{REGISTRY_CONFLUENT_API}"
+
+
+def registry_core_url(settings: InfraSettings) -> str:
+    """Apicurio Registry's own v2 API: where Apicurio's Kafka Connect converter registers."""
+    return f"http://127.0.0.1:{settings.registry_port}{REGISTRY_CORE_API}"
+
+
+def connect_url(settings: InfraSettings) -> str:
+    """Kafka Connect's REST API (connectors are added with PUT /connectors/NAME/config)."""
+    return f"http://127.0.0.1:{settings.connect_port}"
 
 
 # --- processes --------------------------------------------------------------------
@@ -175,7 +208,8 @@ def _stop(settings: InfraSettings, name: str, grace_s: float = 30.0) -> bool:
     _pid_file(settings, name).unlink(missing_ok=True)
     if pid is None:
         return False
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+    first = _STOP_SIGNALS.get(name, signal.SIGTERM)
+    for sig, wait in ((first, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -339,17 +373,28 @@ def _es_ready(url: str) -> bool:
     return response.status_code == 200 and response.json().get("status") in ("yellow", "green")
 
 
-def _ensure_es_user() -> tuple[int, int]:
+def _ensure_system_user(name: str) -> tuple[int, int]:
+    """Uid and gid of the system user ``name``, created (no home, no shell) if missing."""
     try:
-        entry = pwd.getpwnam(ES_USER)
+        entry = pwd.getpwnam(name)
     except KeyError:
         subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ES_USER],
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
             check=True,
             capture_output=True,
         )
-        entry = pwd.getpwnam(ES_USER)
+        entry = pwd.getpwnam(name)
     return entry.pw_uid, entry.pw_gid
+
+
+def _as_user(uid: int, gid: int) -> list[str]:
+    """The prefix that runs a command as ``uid``/``gid`` (servers that refuse root)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+
+
+def _chown_tree(folder: Path, uid: int, gid: int) -> None:
+    for path in (folder, *folder.rglob("*")):
+        os.chown(path, uid, gid)
 
 
 def start_elasticsearch(settings: InfraSettings) -> None:
@@ -389,10 +434,9 @@ def start_elasticsearch(settings: InfraSettings) -> None:
     )
     command = [str(home / "bin" / "elasticsearch")]
     if os.geteuid() == 0:
-        uid, gid = _ensure_es_user()
-        for path in (folder, *folder.rglob("*")):
-            os.chown(path, uid, gid)
-        command = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *command]
+        uid, gid = _ensure_system_user(ES_USER)
+        _chown_tree(folder, uid, gid)
+        command = [*_as_user(uid, gid), *command]
     heap = settings.es_heap
     pid = _start(
         settings,
@@ -455,6 +499,245 @@ def start_registry(settings: InfraSettings) -> str:
     return url
 
 
+# --- PostgreSQL ---------------------------------------------------------------------
+
+
+def postgres_password(settings: InfraSettings) -> str:
+    """The superuser's password, made with the data folder (a file readable by this user).
+
+    Never printed: commands get it through ``PGPASSWORD``, connectors through their
+    configuration (Connect hides password fields in its logs).
+    """
+    try:
+        return (settings.state_dir / "postgres.password").read_text().strip()
+    except OSError:
+        raise InfraError(
+            "PostgreSQL has not been set up here; run `cdc infra up --with-postgres`"
+        ) from None
+
+
+def _postgres_ready(settings: InfraSettings) -> bool:
+    if not _port_taken(settings.postgres_port):
+        return False
+    answered = subprocess.run(
+        [
+            str(settings.postgres_bin / "pg_isready"),
+            "--quiet",
+            "--host=127.0.0.1",
+            f"--port={settings.postgres_port}",
+            f"--username={POSTGRES_SUPERUSER}",
+            "--dbname=postgres",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    return answered.returncode == 0
+
+
+def _init_postgres(settings: InfraSettings, data_dir: Path, owner: tuple[int, int] | None) -> None:
+    """``initdb`` a fresh data folder (as ``owner`` when given).
+
+    UTF-8, superuser ``cdc`` with a new random password, password (SCRAM) authentication
+    over TCP on loopback only, replication connections allowed.
+    """
+    password_file = settings.state_dir / "postgres.password"
+    password = secrets.token_urlsafe(18)
+    password_file.write_text(password + "\n")
+    password_file.chmod(0o600)
+    # initdb reads the password from a file its own user can read; gone right after.
+    handoff = data_dir.parent / "initdb.pw"
+    handoff.write_text(password + "\n")
+    if owner is not None:
+        os.chown(handoff, *owner)
+    handoff.chmod(0o600)
+    try:
+        made = subprocess.run(
+            [
+                *(_as_user(*owner) if owner else []),
+                str(settings.postgres_bin / "initdb"),
+                f"--pgdata={data_dir}",
+                f"--username={POSTGRES_SUPERUSER}",
+                f"--pwfile={handoff}",
+                "--auth=scram-sha-256",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    finally:
+        handoff.unlink(missing_ok=True)
+    if made.returncode != 0:
+        raise InfraError(f"initdb failed:\n{made.stdout}{made.stderr}")
+    (data_dir / "pg_hba.conf").write_text(
+        "# Written by `cdc infra up`: TCP on loopback only, passwords (SCRAM).\n"
+        "host all all 127.0.0.1/32 scram-sha-256\n"
+        "host replication all 127.0.0.1/32 scram-sha-256\n"
+    )
+
+
+def start_postgres(settings: InfraSettings) -> str:
+    """Start PostgreSQL (``wal_level=logical``, loopback only) unless it runs; wait for it.
+
+    The data folder is made on first start (``initdb``) and kept: a restart resumes.
+    Under root it runs as the system user ``cdc-pg``. Returns ``host:port``.
+    """
+    address = f"127.0.0.1:{settings.postgres_port}"
+    if (pid := _read_pid(settings, "postgres")) is not None:
+        _wait_ready(settings, "postgres", pid, lambda: _postgres_ready(settings))
+        return address
+    if not (settings.postgres_bin / "postgres").exists():
+        raise InfraError(
+            f"PostgreSQL {POSTGRES_MAJOR} is not installed ({settings.postgres_bin} has no "
+            f"postgres); install the Debian package postgresql-{POSTGRES_MAJOR} "
+            "(deploy/local/ensure-tools.sh does) or set CDC_INFRA_POSTGRES_BIN"
+        )
+    _check_ports_free("PostgreSQL", {"postgres_port": settings.postgres_port})
+    folder = settings.state_dir / "postgres"
+    data_dir = folder / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    owner = _ensure_system_user(POSTGRES_USER) if os.geteuid() == 0 else None
+    if not (data_dir / "PG_VERSION").exists():
+        if data_dir.exists():
+            shutil.rmtree(data_dir)  # a failed initdb's leftovers
+        data_dir.mkdir(mode=0o700)
+        if owner is not None:
+            _chown_tree(folder, *owner)
+        _init_postgres(settings, data_dir, owner)
+    if owner is not None:
+        _chown_tree(folder, *owner)
+    pid = _start(
+        settings,
+        "postgres",
+        [
+            *(_as_user(*owner) if owner else []),
+            str(settings.postgres_bin / "postgres"),
+            "-D",
+            str(data_dir),
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            f"port={settings.postgres_port}",
+            "-c",
+            "unix_socket_directories=",  # TCP on loopback only
+            "-c",
+            "wal_level=logical",  # what Debezium's logical decoding (pgoutput) needs
+            "-c",
+            "max_replication_slots=20",
+            "-c",
+            "max_wal_senders=20",
+            "-c",
+            "shared_buffers=64MB",
+            "-c",
+            "fsync=off",  # a test and demo server: speed over crash safety
+            "-c",
+            "full_page_writes=off",
+            "-c",
+            "logging_collector=off",
+        ],
+    )
+    _wait_ready(settings, "postgres", pid, lambda: _postgres_ready(settings))
+    return address
+
+
+# --- Kafka Connect ------------------------------------------------------------------
+
+
+def connect_home() -> Path:
+    """The Kafka Connect worker and its plugins in the JVM cache (may not exist yet)."""
+    return jvm.jvm_cache_dir() / "connect"
+
+
+def _connect_ready(url: str) -> bool:
+    try:
+        response = httpx.get(f"{url}/connectors", timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+def start_connect(settings: InfraSettings) -> str:
+    """Start a standalone Kafka Connect worker on the local Kafka unless it runs.
+
+    Waits for its REST API and returns its URL. Plugins (Debezium's PostgreSQL connector,
+    Apicurio's converter) are found in the cache's plugin folders
+    (``plugin.discovery=hybrid_warn``). Source offsets go to a file in the state folder;
+    connectors added over the REST API live as long as the process.
+    """
+    url = connect_url(settings)
+    if (pid := _read_pid(settings, "connect")) is not None:
+        _wait_ready(settings, "connect", pid, lambda: _connect_ready(url))
+        return url
+    home = connect_home()
+    classpath = sorted((home / "libs").glob("*.jar")) if (home / "libs").is_dir() else []
+    if not classpath or not (home / "plugins").is_dir():
+        raise InfraError("Kafka Connect is not in the JVM cache; run `make jvm` first")
+    _check_ports_free("Kafka Connect", {"connect_port": settings.connect_port})
+    java = _find_java_home(MIN_CONNECT_JAVA, "CDC_CONNECT_JAVA_HOME") / "bin" / "java"
+    folder = settings.state_dir / "connect"
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = folder / "worker.properties"
+    worker.write_text(
+        "\n".join(
+            [
+                "# Written by `cdc infra up --with-postgres`: a standalone worker on loopback.",
+                f"bootstrap.servers={endpoints(settings).kafka_bootstrap_servers}",
+                f"listeners=http://127.0.0.1:{settings.connect_port}",
+                "rest.advertised.host.name=127.0.0.1",
+                f"rest.advertised.port={settings.connect_port}",
+                # Each connector names its own converters; these are the fallback.
+                "key.converter=org.apache.kafka.connect.json.JsonConverter",
+                "value.converter=org.apache.kafka.connect.json.JsonConverter",
+                f"offset.storage.file.filename={folder / 'offsets.dat'}",
+                "offset.flush.interval.ms=1000",
+                f"plugin.path={home / 'plugins'}",
+                "plugin.discovery=hybrid_warn",
+                # Connectors may create their topics (topic.creation.default.*).
+                "topic.creation.enable=true",
+                "",
+            ]
+        )
+    )
+    # Properties, not YAML: the worker's classpath has no YAML parser for log4j2.
+    logging = folder / "log4j2.properties"
+    logging.write_text(
+        "\n".join(
+            [
+                "appender.out.type=Console",
+                "appender.out.name=STDOUT",
+                "appender.out.layout.type=PatternLayout",
+                "appender.out.layout.pattern=[%d] %p %m (%c)%n",
+                "rootLogger.level=INFO",
+                "rootLogger.appenderRef.out.ref=STDOUT",
+                # Every config dump at start: long, and not what a reader of the log wants.
+                "logger.config.name=org.apache.kafka.common.config.AbstractConfig",
+                "logger.config.level=WARN",
+                "",
+            ]
+        )
+    )
+    heap = settings.connect_heap
+    pid = _start(
+        settings,
+        "connect",
+        [
+            str(java),
+            f"-Xms{heap}",
+            f"-Xmx{heap}",
+            "-XX:+UseSerialGC",
+            f"-Dlog4j2.configurationFile={logging}",
+            "-cp",
+            ":".join(str(p) for p in classpath),
+            "org.apache.kafka.connect.cli.ConnectStandalone",
+            str(worker),
+        ],
+    )
+    _wait_ready(settings, "connect", pid, lambda: _connect_ready(url))
+    return url
+
+
 # --- the whole ----------------------------------------------------------------------
 
 
@@ -465,10 +748,14 @@ def _deploy_local() -> Path:
     return root / "deploy" / "local"
 
 
-def up(settings: InfraSettings | None = None, with_registry: bool = False) -> Endpoints:
-    """Start Kafka and Elasticsearch, and the schema registry if asked (idempotent).
+def up(
+    settings: InfraSettings | None = None,
+    with_registry: bool = False,
+    with_postgres: bool = False,
+) -> Endpoints:
+    """Start Kafka and Elasticsearch; the registry, PostgreSQL and Connect if asked.
 
-    A registry started before is reported whether asked for or not.
+    Idempotent. Servers started before are reported whether asked for or not.
     """
     settings = settings or InfraSettings()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -476,7 +763,15 @@ def up(settings: InfraSettings | None = None, with_registry: bool = False) -> En
     start_elasticsearch(settings)
     if with_registry:
         start_registry(settings)
-    served = endpoints(settings, with_registry or running(settings)["registry"])
+    if with_postgres:
+        start_postgres(settings)
+        start_connect(settings)
+    now = running(settings)
+    served = endpoints(
+        settings,
+        with_registry or now["registry"],
+        with_postgres or (now["postgres"] and now["connect"]),
+    )
     (settings.state_dir / "endpoints.json").write_text(json.dumps(served.__dict__, indent=2))
     return served
 
@@ -494,10 +789,10 @@ def running(settings: InfraSettings | None = None) -> dict[str, bool]:
 
 
 def stop(settings: InfraSettings, name: str) -> bool:
-    """Stop one server (``kafka``, ``elasticsearch`` or ``registry``); True if it ran.
+    """Stop one server (one of ``SERVERS``); True if it ran.
 
-    Kafka's and Elasticsearch's data stay: starting them again (``up``) resumes where
-    they stopped. Used by the fault injection of the chaos run and the restart tests.
+    Kafka's, Elasticsearch's and PostgreSQL's data stay: starting them again (``up``)
+    resumes where they stopped. Used by the fault injection of the chaos run and the restart tests.
     """
     if name not in SERVERS:
         raise InfraError(f"unknown server {name!r}: one of {', '.join(SERVERS)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
@@ -13,6 +14,14 @@ from cdc_cli import infra
 from cdc_cli.processes import RunMode
 
 T = TypeVar("T")
+
+
+class DemoSource(StrEnum):
+    """What feeds the demo's pipeline."""
+
+    GENERATED = "generated"  # a Debezium-style load produced straight to Kafka
+    POSTGRES = "postgres"  # a SQL workload on PostgreSQL, captured by Debezium
+
 
 app = typer.Typer(
     help="Operate the CDC replication pipeline.",
@@ -33,10 +42,17 @@ def infra_up(
         "--with-registry",
         help="Also start a schema registry (Apicurio, Confluent-compatible API, in memory).",
     ),
+    with_postgres: bool = typer.Option(
+        False,
+        "--with-postgres",
+        help="Also start PostgreSQL (wal_level=logical) and Kafka Connect with Debezium's "
+        "PostgreSQL connector (standalone; add connectors over its REST API).",
+    ),
 ) -> None:
     """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
     try:
-        served = infra.up(with_registry=with_registry)
+        settings = infra.InfraSettings()
+        served = infra.up(settings, with_registry=with_registry, with_postgres=with_postgres)
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -44,6 +60,13 @@ def infra_up(
     typer.echo(f"elasticsearch url:       {served.elasticsearch_url}")
     if served.registry_url:
         typer.echo(f"schema registry url:     {served.registry_url}")
+    if served.postgres:
+        typer.echo(
+            f"postgres:                {served.postgres} (user {infra.POSTGRES_SUPERUSER}, "
+            f"password in {settings.state_dir / 'postgres.password'})"
+        )
+    if served.connect_url:
+        typer.echo(f"kafka connect url:       {served.connect_url}")
 
 
 @infra_app.command("down")
@@ -108,12 +131,30 @@ def run(
 
 @app.command("demo")
 def demo(
-    events: int = typer.Option(20_000, min=100, help="Change events to generate."),
-    rate: float = typer.Option(2_000.0, min=1, help="Messages per second offered to Kafka."),
+    source: DemoSource = typer.Option(
+        DemoSource.GENERATED,
+        "--source",
+        help="generated: a Debezium-style load produced straight to Kafka; postgres: a SQL "
+        "workload on a real PostgreSQL, captured by Debezium (Avro and JSON connectors).",
+    ),
+    events: int | None = typer.Option(
+        None,
+        min=10,
+        help="Change events to generate (default 20,000); with --source postgres, SQL "
+        "transactions to run (default 300).",
+    ),
+    rate: float | None = typer.Option(
+        None,
+        min=0.1,
+        help="Messages per second offered to Kafka (default 2,000); with --source postgres, "
+        "transactions per second (default 10).",
+    ),
     keys: int = typer.Option(2_000, min=10, help="Key space per entity."),
     workdir: Path = typer.Option(Path("data/demo"), help="Tables, logs and report (wiped)."),
     timeout: float = typer.Option(600.0, min=10, help="Seconds to wait for the catch-up."),
-    down: bool = typer.Option(False, "--down", help="Stop Kafka and Elasticsearch at the end."),
+    down: bool = typer.Option(
+        False, "--down", help="Stop the servers at the end (Kafka, Elasticsearch, ...)."
+    ),
     mode: RunMode = typer.Option(
         RunMode.APPLICATION,
         "--mode",
@@ -125,23 +166,34 @@ def demo(
 
     By default the services run as one Spark application (`cdc run`): on a small machine
     it starts sooner and keeps up better; `--mode services` runs them as four processes.
+    `--source postgres` feeds them from a real PostgreSQL through Debezium instead, and
+    checks every output against the database's tables.
 
-    Exits 0 when silver, the change topics and the indexes all equal the oracle and every
-    service stopped cleanly on SIGTERM; 1 otherwise.
+    Exits 0 when silver, the change topics and the indexes all equal the oracle (or the
+    database) and every service stopped cleanly on SIGTERM; 1 otherwise.
     """
     from cdc_cli.demo import DemoOptions, run_demo, summary_rows
 
+    postgres = source is DemoSource.POSTGRES
     options = DemoOptions(
-        events=events,
-        rate=rate,
+        events=events if events is not None else (300 if postgres else 20_000),
+        rate=rate if rate is not None else (10.0 if postgres else 2_000.0),
         keys=keys,
         workdir=workdir,
         catch_up_timeout_s=timeout,
         mode=mode,
     )
-    result = _run_or_exit(lambda: run_demo(options, typer.echo))
-    _print_summary(summary_rows(result))
-    typer.echo(f"\nreport: {result.report}")
+    if postgres:
+        from cdc_cli import demo_postgres
+
+        found = _run_or_exit(lambda: demo_postgres.run_postgres_demo(options, typer.echo))
+        _print_summary(demo_postgres.summary_rows(found))
+        report, agrees = found.report, found.agrees
+    else:
+        result = _run_or_exit(lambda: run_demo(options, typer.echo))
+        _print_summary(summary_rows(result))
+        report, agrees = result.report, result.agrees
+    typer.echo(f"\nreport: {report}")
     if down:
         infra.down()
     else:
@@ -149,7 +201,7 @@ def demo(
             f"servers left running. Look around: `cdc status --config {workdir}/pipeline.yaml`, "
             "then `cdc infra down`"
         )
-    if not result.agrees:
+    if not agrees:
         raise typer.Exit(1)
 
 
