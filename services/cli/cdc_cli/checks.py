@@ -13,22 +13,20 @@ import datetime as dt
 import io
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from typing import Any
 
 import fastavro
+from cdc_shared.avro import SchemaRegistry, read_header
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.schemas import make_registry
 from cdc_shared.tables import has_commits
 from confluent_kafka import TopicPartition
 from elasticsearch import NotFoundError
 from elasticsearch.helpers import scan
 from pyspark.sql import SparkSession
-
-from cdc_cli.oracle import load_fingerprints
 
 Key = tuple[Any, ...]
 Rows = dict[Key, dict[str, Any]]
@@ -134,8 +132,12 @@ class ChangeTopicState:
 def change_topic_state(
     config: PipelineConfig, entity: EntityConfig, timeout_s: float = 60.0
 ) -> ChangeTopicState:
-    """Read the entity's change topic (read_committed) and replay it into a state."""
-    schemas = load_fingerprints([Path(config.storage_root) / "_schemas"])
+    """Read the entity's change topic (read_committed) and replay it into a state.
+
+    Reads either framing publisher-kafka writes: Confluent ids (with an HTTP registry) or
+    single-object fingerprints (schema files), through the pipeline's own registry.
+    """
+    registry = make_registry(config)
     topic = entity.change_topic_name
     consumer = make_consumer(
         config.kafka, f"cdc-check-{uuid.uuid4().hex[:8]}", **{"isolation.level": "read_committed"}
@@ -161,7 +163,7 @@ def change_topic_state(
                 value = message.value()
                 if message.error() is not None or value is None:
                     continue  # tombstones after deletes carry no event
-                event = _decode(value, schemas)
+                event = _decode(value, registry)
                 key = tuple(event["key"][k] for k in entity.key)
                 events[event["op"]] += 1
                 if event["op"] == "d":
@@ -184,9 +186,10 @@ def change_topic_state(
     return ChangeTopicState(events, rows, times, duplicates)
 
 
-def _decode(data: bytes, schemas: Mapping[bytes, Any]) -> dict[str, Any]:
-    writer = schemas[bytes(data[2:10])]
-    record = fastavro.schemaless_reader(io.BytesIO(data[10:]), writer, None)
+def _decode(data: bytes, registry: SchemaRegistry) -> dict[str, Any]:
+    header = read_header(data)
+    writer = registry.resolve(header).parsed
+    record = fastavro.schemaless_reader(io.BytesIO(data[header.size :]), writer, None)
     assert isinstance(record, dict)
     return record
 

@@ -8,23 +8,15 @@ exactly what the database's tables hold at the end, key by key and column by col
 
 from __future__ import annotations
 
-import io
-import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-import fastavro
 import yaml
-from cdc_shared.avro import read_header
-from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.schemas import make_registry
-from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 
 from cdc_cli import infra
-from cdc_cli.checks import Difference, Rows, compare, index_rows, silver_rows
+from cdc_cli.checks import Difference, change_topic_state, compare, index_rows, silver_rows
 from cdc_cli.debezium import Capture, entity_settings
 from cdc_cli.local_run import write_pipeline_config
 from cdc_cli.postgres import TABLES, Database, Table
@@ -65,54 +57,6 @@ def write_postgres_pipeline(
     return path
 
 
-def change_topic_rows(
-    config: PipelineConfig, entity: EntityConfig, timeout_s: float = 60.0
-) -> Rows:
-    """The state the entity's change topic implies (read_committed, replayed per key).
-
-    Reads either framing publisher-kafka writes: Confluent ids (with a registry) or
-    single-object fingerprints (schema files), through the pipeline's own registry.
-    """
-    registry = make_registry(config)
-    topic = entity.change_topic_name
-    consumer = make_consumer(
-        config.kafka, f"cdc-check-{uuid.uuid4().hex[:8]}", **{"isolation.level": "read_committed"}
-    )
-    rows: Rows = {}
-    try:
-        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
-        if metadata is None or metadata.error is not None:
-            return rows
-        partitions = sorted(metadata.partitions)
-        ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-            for p in partitions
-        }
-        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for message in consumer.consume(10_000, timeout=0.5):
-                value = message.value()
-                if message.error() is not None or value is None:
-                    continue  # tombstones after deletes carry no event
-                header = read_header(value)
-                writer = registry.resolve(header).parsed
-                event = fastavro.schemaless_reader(io.BytesIO(value[header.size :]), writer, None)
-                assert isinstance(event, dict)
-                key = tuple(event["key"][k] for k in entity.key)
-                if event["op"] == "d":
-                    rows.pop(key, None)
-                else:
-                    rows[key] = dict(event["after"])
-            positions = consumer.position([TopicPartition(topic, p) for p in partitions])
-            if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition]):
-                return rows
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"could not read {topic} to its end in {timeout_s} s")
-    finally:
-        consumer.close()
-
-
 def outputs_against_database(
     spark: SparkSession, config: PipelineConfig, database: Database
 ) -> list[Difference]:
@@ -124,7 +68,9 @@ def outputs_against_database(
         want = expected[table_of(entity).name]
         differences += [
             compare(f"silver/{entity.name}", want, silver_rows(spark, config, entity)),
-            compare(f"topic {entity.change_topic_name}", want, change_topic_rows(config, entity)),
+            compare(
+                f"topic {entity.change_topic_name}", want, change_topic_state(config, entity).rows
+            ),
             compare(f"index {entity.es_index_name}", want, index_rows(config, entity)),
         ]
     return differences
