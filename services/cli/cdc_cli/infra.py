@@ -455,12 +455,12 @@ def start_elasticsearch(settings: InfraSettings) -> None:
 # --- schema registry ----------------------------------------------------------------
 
 
-def _registry_ready(url: str) -> bool:
+def _answers(url: str) -> bool:
+    """Whether an HTTP API answers ``GET url`` with 200 (a readiness probe)."""
     try:
-        response = httpx.get(f"{url}/subjects", timeout=2.0)
+        return httpx.get(url, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
-    return response.status_code == 200
 
 
 def start_registry(settings: InfraSettings) -> str:
@@ -471,7 +471,7 @@ def start_registry(settings: InfraSettings) -> str:
     """
     url = registry_url(settings)
     if (pid := _read_pid(settings, "registry")) is not None:
-        _wait_ready(settings, "registry", pid, lambda: _registry_ready(url))
+        _wait_ready(settings, "registry", pid, lambda: _answers(f"{url}/subjects"))
         return url
     home = jvm.registry_home()
     if not (home / "quarkus-run.jar").exists():
@@ -495,7 +495,7 @@ def start_registry(settings: InfraSettings) -> str:
             str(home / "quarkus-run.jar"),
         ],
     )
-    _wait_ready(settings, "registry", pid, lambda: _registry_ready(url))
+    _wait_ready(settings, "registry", pid, lambda: _answers(f"{url}/subjects"))
     return url
 
 
@@ -650,14 +650,6 @@ def connect_home() -> Path:
     return jvm.jvm_cache_dir() / "connect"
 
 
-def _connect_ready(url: str) -> bool:
-    try:
-        response = httpx.get(f"{url}/connectors", timeout=2.0)
-    except httpx.HTTPError:
-        return False
-    return response.status_code == 200
-
-
 def start_connect(settings: InfraSettings) -> str:
     """Start a standalone Kafka Connect worker on the local Kafka unless it runs.
 
@@ -668,7 +660,7 @@ def start_connect(settings: InfraSettings) -> str:
     """
     url = connect_url(settings)
     if (pid := _read_pid(settings, "connect")) is not None:
-        _wait_ready(settings, "connect", pid, lambda: _connect_ready(url))
+        _wait_ready(settings, "connect", pid, lambda: _answers(f"{url}/connectors"))
         return url
     home = connect_home()
     classpath = sorted((home / "libs").glob("*.jar")) if (home / "libs").is_dir() else []
@@ -734,7 +726,7 @@ def start_connect(settings: InfraSettings) -> str:
             str(worker),
         ],
     )
-    _wait_ready(settings, "connect", pid, lambda: _connect_ready(url))
+    _wait_ready(settings, "connect", pid, lambda: _answers(f"{url}/connectors"))
     return url
 
 
