@@ -6,6 +6,7 @@ four down at once)."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,29 +19,42 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CDC = str(Path(sys.executable).with_name("cdc"))
 # Each kill of the application restarts all four services: fewer keep the run short.
 KILLS = {"services": 4, "application": 3}
+# Below the test's own timeout, so a run that hangs still reports what it saw.
+RUN_LIMIT_S = 1050
 
 
+@pytest.mark.timeout(1260)
 @pytest.mark.parametrize("mode", list(KILLS))
 def test_short_chaos_run_has_no_divergence(
     mode: str, local_servers: infra.Endpoints, tmp_path: Path
 ) -> None:
     # The run restarts the servers it finds with `cdc infra`: point it at the session's own.
     env = infra_env()
-    run = subprocess.run(
+    chaos = subprocess.Popen(
         [
             CDC,
             "chaos",
             *("--events", "2500", "--rate", "100", "--keys", "300"),
             *("--kills", str(KILLS[mode]), "--broker-restarts", "1", "--es-outages", "1"),
             *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
-            *("--workdir", str(tmp_path / "chaos"), "--timeout", "600", "--mode", mode),
+            *("--workdir", str(tmp_path / "chaos"), "--timeout", "480", "--mode", mode),
         ],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=1500,
-        check=False,
     )
+    try:
+        stdout, stderr = chaos.communicate(timeout=RUN_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not the SIGKILL a timeout sends: `cdc chaos` then stops the services
+        # it started, which would otherwise outlive it and load the rest of the suite.
+        chaos.send_signal(signal.SIGTERM)
+        stdout, stderr = chaos.communicate(timeout=150)
+        pytest.fail(
+            f"chaos run still going after {RUN_LIMIT_S} s:\n{stdout[-4000:]}\n{stderr[-3000:]}"
+        )
+    run = subprocess.CompletedProcess(chaos.args, chaos.returncode, stdout, stderr)
     summary = run.stdout[run.stdout.find("events produced") :]
     assert run.returncode == 0, (
         f"chaos run failed:\n{summary or run.stdout[-4000:]}\n{run.stderr[-3000:]}"
