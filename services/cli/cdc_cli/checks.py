@@ -125,7 +125,7 @@ class ChangeTopicState:
     rows: Rows
     publish_times: dict[tuple[Key, tuple[int, ...]], float]  # (key, sequence) -> epoch s
     # (key, sequence, op) seen more than once: a change published twice. Not (key,
-    # sequence): a delete carries the sequence of the row it removed (README, limits).
+    # sequence): a delete carries the sequence of the row it removed (docs/guarantees.md, limits).
     duplicates: list[tuple[Key, tuple[int, ...], str]] = field(default_factory=list)
 
 

@@ -21,7 +21,7 @@ The settings the pipeline relies on, and why:
 - ``tombstones.on.delete=true`` (the default): a delete is followed by a null-value record,
   which the ingestor keeps in bronze as a tombstone.
 - The sequence is ``source.lsn``: PostgreSQL's WAL position orders every change of a
-  database, across partitions, which truncates need (README, merger).
+  database, across partitions, which truncates need (docs/services.md, merger).
 """
 
 from __future__ import annotations

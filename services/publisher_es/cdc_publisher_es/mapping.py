@@ -6,7 +6,7 @@ arrives; the index is ``dynamic: strict``, so a field nobody mapped is an error 
 document goes to quarantine) rather than a guess. A silver column the Avro schema does
 not describe falls back to a mapping from its Spark type.
 
-Type choices (README "Mapping"):
+Type choices (services/publisher_es/README.md, "Mapping"):
 
 ============================  ==================================================
 Avro                          Elasticsearch
