@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import re
 import signal
 import threading
@@ -33,6 +32,7 @@ from cdc_shared.config import (
     StreamingServiceConfig,
 )
 from cdc_shared.observability import BATCH_SECONDS, BATCHES, HEALTHY, LAG, ROWS, HealthServer
+from cdc_shared.retry import backoff_s, log_retry
 from cdc_shared.spark import build_spark_session
 
 log = logging.getLogger(__name__)
@@ -495,13 +495,10 @@ class StreamRunner:
         with self._lock:
             failures, restart_at, _ = self._restarts.get(entity, (0, None, ""))
         if restart_at is None:  # newly failed: schedule the restart
-            delay = min(self._max_restart_backoff_s, 2.0**failures) * random.uniform(0.75, 1)
+            delay = backoff_s(failures + 1, 1.0, self._max_restart_backoff_s)
             with self._lock:
                 self._restarts[entity] = (failures + 1, now + delay, f"{reason}; restarting")
-            log.warning(
-                reason,
-                extra={"service": self.service, "entity": entity, "restart_in_s": round(delay)},
-            )
+            log_retry(log, reason, failures + 1, delay, service=self.service, entity=entity)
         elif restart_at <= now:
             if entity in self._to_rebuild and entity in self._rebuilders:
                 writer, identity = self._rebuilders[entity]()

@@ -25,15 +25,9 @@ from delta.exceptions import (
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
-from tenacity import (
-    RetryCallState,
-    retry,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
 from cdc_shared.config import ConfigError
+from cdc_shared.retry import retrying
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
@@ -192,21 +186,15 @@ def on_conflict_retry(write: Callable[_P, _T]) -> Callable[_P, _T]:
 
     Each retry is logged as a warning by the write's own module logger.
     """
-    log = logging.getLogger(write.__module__)
-
-    def before_sleep(state: RetryCallState) -> None:
-        error = state.outcome.exception() if state.outcome else None
-        log.warning(
-            "write conflict on %s (%s); retrying, attempt %d",
-            write.__name__,
-            type(error).__name__,
-            state.attempt_number,
-        )
-
-    return retry(
-        retry=retry_if_exception_type(CONFLICTS),
-        stop=stop_after_attempt(6),
-        wait=wait_random_exponential(multiplier=0.5, max=10),
-        before_sleep=before_sleep,
-        reraise=True,
-    )(write)
+    policy = retrying(
+        lambda error: isinstance(error, CONFLICTS),
+        initial_s=0.5,
+        max_s=10,
+        attempts=6,
+        log=logging.getLogger(write.__module__),
+        describe=lambda error, attempt: (
+            f"write conflict on {write.__name__} ({type(error).__name__}); "
+            f"retrying, attempt {attempt}"
+        ),
+    )
+    return policy.wraps(write)

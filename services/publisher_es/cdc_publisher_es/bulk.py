@@ -7,7 +7,7 @@ retries off, errors returned instead of raised) and sorts each answer:
   on delete (nothing to delete; the delete's version is still recorded);
 - retried: 429, 5xx, 408, an alias that vanished, and every failure of a whole request
   (connection refused, timeout, 401/403, ...), since those say nothing about the
-  document. Retries use exponential backoff with full jitter and never give up: after
+  document. Retries use exponential backoff (``cdc_shared.retry``) and never give up: after
   ``max_retries`` rounds the entity is reported unhealthy, and it keeps waiting, so
   nothing is lost or skipped while Elasticsearch is down;
 - failed: any other per-document 4xx (mapping or parse errors, an id too long, a
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_shared.config import PublisherEsConfig
+from cdc_shared.retry import backoff_s, log_retry
 from elastic_transport import TransportError
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import streaming_bulk
@@ -109,7 +110,7 @@ class BulkWriter:
         on_problem: Callable[[str | None], None] = lambda _p: None,
         scrub: Callable[[str], str] = lambda s: s,
         sleep: Callable[[float], None] = time.sleep,
-        jitter: Callable[[], float] = random.random,
+        jitter: Callable[[], float] = random.random,  # draws in [0, 1) for the backoff
         window: int | None = None,
         require_alias: bool = True,
     ) -> None:
@@ -175,16 +176,21 @@ class BulkWriter:
             log.info("Elasticsearch accepts writes again", extra={"index": self.index})
 
     def _backoff(self, attempt: int, waiting: int, problem: str | None) -> None:
-        cap = min(self.settings.max_backoff_s, self.settings.initial_backoff_s * 2 ** (attempt - 1))
-        delay = cap * self.jitter()  # full jitter: retries of many writers spread out
+        settings = self.settings
+        delay = backoff_s(attempt, settings.initial_backoff_s, settings.max_backoff_s, self.jitter)
         text = problem or f"Elasticsearch asked to retry {waiting} document(s) (429/5xx)"
         text = f"{text}; retrying (attempt {attempt})"
-        if problem is not None or attempt > self.settings.max_retries:
+        if problem is not None or attempt > settings.max_retries:
             self._reported_problem = True
             self.on_problem(text)
-            log.warning(
+            log_retry(
+                log,
                 "bulk write waiting for Elasticsearch",
-                extra={"index": self.index, "problem": text, "documents": waiting},
+                attempt,
+                delay,
+                index=self.index,
+                problem=text,
+                documents=waiting,
             )
         self.sleep(delay)
 

@@ -22,6 +22,7 @@ from cdc_shared.avro import UnknownSchemaError
 from cdc_shared.changefeed import LatestVersion, change_feed, row_columns, shape_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.retry import retrying
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -69,6 +70,16 @@ PUBLISH_DELAY = Histogram(
     ["service", "entity"],
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
 )
+
+
+def _worth_waiting(error: BaseException) -> bool:
+    """Whether an index admin call's error passes with time: no answer, 429 or 5xx."""
+    if isinstance(error, TransportError):
+        return True
+    if isinstance(error, ApiError):
+        status = getattr(error, "status_code", None)
+        return status is None or status >= 500 or status == 429
+    return False
 
 
 def version_source(entity: EntityConfig) -> str:
@@ -157,38 +168,39 @@ class EntityPublisher:
 
     def _until_available(self, step: Any) -> None:
         """Run ``step`` (an index admin call), waiting while Elasticsearch is unreachable."""
-        attempt = 0
-        while True:
-            try:
-                step()
-            except (TransportError, ApiError) as exc:
-                status = getattr(exc, "status_code", None) if isinstance(exc, ApiError) else None
-                if (
-                    isinstance(exc, ApiError)
-                    and status is not None
-                    and status < 500
-                    and status != 429
-                ):
-                    hint = ""
-                    if "[scaled_float]" in str(exc):
-                        hint = (
-                            " (this cluster lacks the mapper-extras module: set "
-                            "publisher_es.decimal_as: string)"
-                        )
-                    raise MappingError(
-                        self.scrub(f"Elasticsearch refused to set up {self.alias!r}: {exc}{hint}")
-                    ) from None
-                attempt += 1
-                problem = self.scrub(f"Elasticsearch unavailable ({type(exc).__name__}); retrying")
-                self.runner.set_problem(self.entity.name, problem)
-                log.warning(problem, extra={"entity": self.entity.name, "attempt": attempt})
-                time.sleep(
-                    min(self.settings.max_backoff_s, self.settings.initial_backoff_s * 2**attempt)
+        retried = False
+
+        def report(_error: BaseException, problem: str) -> None:
+            nonlocal retried
+            retried = True
+            self.runner.set_problem(self.entity.name, problem)
+
+        policy = retrying(
+            _worth_waiting,
+            initial_s=self.settings.initial_backoff_s,
+            max_s=self.settings.max_backoff_s,
+            attempts=None,
+            log=log,
+            describe=lambda exc, _attempt: self.scrub(
+                f"Elasticsearch unavailable ({type(exc).__name__}); retrying"
+            ),
+            on_retry=report,
+            fields={"entity": self.entity.name},
+        )
+        try:
+            policy(step)
+        except ApiError as exc:  # refused for good: _worth_waiting said no
+            hint = ""
+            if "[scaled_float]" in str(exc):
+                hint = (
+                    " (this cluster lacks the mapper-extras module: set "
+                    "publisher_es.decimal_as: string)"
                 )
-                continue
-            if attempt:
-                self.runner.set_problem(self.entity.name, None)
-            return
+            raise MappingError(
+                self.scrub(f"Elasticsearch refused to set up {self.alias!r}: {exc}{hint}")
+            ) from None
+        if retried:
+            self.runner.set_problem(self.entity.name, None)
 
     # --- the stream ----------------------------------------------------------------
 

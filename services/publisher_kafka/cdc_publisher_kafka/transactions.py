@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cdc_shared.clients import kafka_client_config
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.retry import retrying
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from tenacity import Retrying
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ _TRANSIENT_CODES = frozenset(
         KafkaError._ALL_BROKERS_DOWN,
     }
 )
+
+#: The first wait of a retry (the config sets the longest, ``max_backoff_s``).
+INITIAL_BACKOFF_S = 0.5
 
 Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
 
@@ -153,27 +156,34 @@ class TransactionalPublisher:
         exponential backoff; raises PublisherFatalError when the producer is fenced or
         hit a fatal error, and KafkaException when the retries are exhausted.
         """
-        attempts = self.settings.retry_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                self._transaction(messages, progress)
-            except StuckProducerError as exc:
-                if attempt == attempts:
-                    raise
-                self._backoff(attempt, str(exc))  # a new producer took over: no abort
-            except KafkaException as exc:
-                error: KafkaError = exc.args[0]
-                if error.fatal():
-                    raise PublisherFatalError(self._fatal_message(error)) from None
-                if attempt == attempts or not (error.txn_requires_abort() or error.retriable()):
-                    self._on_problem(f"Kafka transaction failing: {error.str()}")
-                    raise
+
+        def retriable(exc: BaseException) -> bool:
+            if isinstance(exc, StuckProducerError):  # a new producer took over: no abort
+                return True
+            if not isinstance(exc, KafkaException):
+                return False
+            error: KafkaError = exc.args[0]
+            return error.txn_requires_abort() or error.retriable()
+
+        def describe(exc: BaseException, _attempt: int) -> str:
+            if isinstance(exc, KafkaException):
+                return f"transaction failed, retrying: {exc.args[0].str()}"
+            return str(exc)
+
+        def before_retry(exc: BaseException, problem: str) -> None:
+            if isinstance(exc, KafkaException):
                 self._abort_quietly()
-                self._backoff(attempt, f"transaction failed, retrying: {error.str()}")
-            else:
-                self.progress = progress
-                self._on_problem(None)
-                return
+            self._on_problem(problem)
+
+        try:
+            self._retrying(retriable, describe, before_retry)(
+                self._fatal_raised, lambda: self._transaction(messages, progress)
+            )
+        except KafkaException as exc:
+            self._on_problem(f"Kafka transaction failing: {exc.args[0].str()}")
+            raise
+        self.progress = progress
+        self._on_problem(None)
 
     def _transaction(self, messages: Sequence[Message], progress: Progress) -> None:
         producer = self._producer
@@ -252,31 +262,60 @@ class TransactionalPublisher:
             log.warning("abort failed", extra={"topic": self.change_topic, "error": error.str()})
 
     def _with_retries(self, what: str, call: Callable[[], Any]) -> Any:
-        attempts = self.settings.retry_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                result = call()
-            except KafkaException as exc:
-                error: KafkaError = exc.args[0]
-                if error.fatal():
-                    raise PublisherFatalError(self._fatal_message(error)) from None
-                transient = error.retriable() or error.code() in _TRANSIENT_CODES
-                if attempt == attempts or error.txn_requires_abort() or not transient:
-                    self._on_problem(f"Kafka {what} failing: {error.str()}")
-                    raise
-                self._backoff(attempt, f"{what} failed, retrying: {error.str()}")
-            else:
-                if attempt > 1:  # recovered: /health must stop reporting the retries
-                    self._on_problem(None)
-                return result
-        raise AssertionError("unreachable")
+        def retriable(exc: BaseException) -> bool:
+            if not isinstance(exc, KafkaException):
+                return False
+            error: KafkaError = exc.args[0]
+            transient = error.retriable() or error.code() in _TRANSIENT_CODES
+            return transient and not error.txn_requires_abort()
 
-    def _backoff(self, attempt: int, problem: str) -> None:
-        delay = min(self.settings.max_backoff_s, 0.5 * 2 ** (attempt - 1))
-        delay *= random.uniform(0.5, 1.0)  # jitter: restarted publishers do not retry in step
-        self._on_problem(problem)
-        log.warning(problem, extra={"topic": self.change_topic, "retry_in_s": round(delay, 2)})
-        time.sleep(delay)
+        retried = False
+
+        def before_retry(_exc: BaseException, problem: str) -> None:
+            nonlocal retried
+            retried = True
+            self._on_problem(problem)
+
+        try:
+            result = self._retrying(
+                retriable,
+                lambda exc, _attempt: f"{what} failed, retrying: {exc.args[0].str()}",
+                before_retry,
+            )(self._fatal_raised, call)
+        except KafkaException as exc:
+            self._on_problem(f"Kafka {what} failing: {exc.args[0].str()}")
+            raise
+        if retried:  # recovered: /health must stop reporting the retries
+            self._on_problem(None)
+        return result
+
+    def _retrying(
+        self,
+        retriable: Callable[[BaseException], bool],
+        describe: Callable[[BaseException, int], str],
+        before_retry: Callable[[BaseException, str], None],
+    ) -> Retrying:
+        """The retry policy of a producer call: ``retry_attempts`` calls at most."""
+        return retrying(
+            retriable,
+            initial_s=INITIAL_BACKOFF_S,
+            max_s=self.settings.max_backoff_s,
+            attempts=self.settings.retry_attempts,
+            log=log,
+            describe=describe,
+            on_retry=before_retry,
+            fields={"topic": self.change_topic},
+        )
+
+    def _fatal_raised(self, call: Callable[[], Any]) -> Any:
+        """Run ``call``; a fatal Kafka error (never retried) becomes PublisherFatalError."""
+        try:
+            return call()
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal():
+                raise PublisherFatalError(self._fatal_message(error)) from None
+            raise
 
     def _fatal_message(self, error: KafkaError) -> str:
         if error.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED):
