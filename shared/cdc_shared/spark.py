@@ -11,7 +11,7 @@ from pyspark import InheritableThread
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared import jvm
+from cdc_shared import jvm, jvm_bridge
 from cdc_shared.config import SparkConfig
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,6 @@ def counting_jobs(spark: SparkSession) -> Iterator[Callable[[], int]]:
     tag = f"cdc-count-{uuid.uuid4().hex}"
     context.addJobTag(tag)
     try:
-        yield lambda: len(context._jsc.sc().statusTracker().getJobIdsForTag(tag))
+        yield lambda: jvm_bridge.jobs_with_tag(spark, tag)
     finally:
         context.removeJobTag(tag)

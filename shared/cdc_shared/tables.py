@@ -27,6 +27,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
 from cdc_shared.config import ConfigError
+from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.retry import retrying
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
@@ -153,10 +154,7 @@ def clear_interrupted_creation(spark: SparkSession, path: str) -> None:
 
 def _delta_log(spark: SparkSession, path: str) -> tuple[Any, Any]:
     """The Hadoop file system and path of the table's ``_delta_log`` folder."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    log_dir = jvm.org.apache.hadoop.fs.Path(f"{path.rstrip('/')}/_delta_log")
-    return log_dir.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), log_dir
+    return hadoop_path(spark, f"{path.rstrip('/')}/_delta_log")
 
 
 def _holds_commits(fs: Any, log_dir: Any) -> bool:

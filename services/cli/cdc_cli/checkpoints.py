@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cdc_shared.jvm_bridge import hadoop_path, read_text
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 
@@ -29,29 +30,12 @@ class CommittedBatch:
     sources: tuple[Any, ...]
 
 
-def _hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
-    jvm: Any = spark._jvm
-    hadoop_path = jvm.org.apache.hadoop.fs.Path(path)
-    return hadoop_path.getFileSystem(spark._jsc.hadoopConfiguration()), hadoop_path
-
-
 def list_names(spark: SparkSession, path: str) -> list[str] | None:
     """Names of the entries in the folder ``path``; None when it does not exist."""
-    fs, folder = _hadoop_path(spark, path)
+    fs, folder = hadoop_path(spark, path)
     if not fs.exists(folder):
         return None
     return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
-
-
-def read_text(spark: SparkSession, path: str) -> str:
-    """The content of the file ``path`` as UTF-8 text."""
-    fs, file = _hadoop_path(spark, path)
-    stream = fs.open(file)
-    try:
-        jvm: Any = spark._jvm
-        return str(jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
-    finally:
-        stream.close()
 
 
 def last_committed_batch(spark: SparkSession, checkpoint: str) -> CommittedBatch | None:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
+from cdc_shared.jvm_bridge import avro_compatibility, avro_schema
 from cdc_shared.schemas import EntitySchemas
 from cdc_shared.spark import clock
 from cdc_shared.tables import AUTO_COMPACT
@@ -163,19 +164,15 @@ def incompatibility(spark: SparkSession, reader: KnownSchema, writer: KnownSchem
         return None
     pair = (reader.fingerprint, writer.fingerprint)
     if pair not in _REASONS:
-        jvm = spark.sparkContext._jvm
-        assert jvm is not None
-        parse = jvm.org.apache.avro.Schema.Parser
         _REASONS[pair] = _reason(
-            jvm, parse().parse(reader.json()), parse().parse(writer.json()), []
+            spark, avro_schema(spark, reader.json()), avro_schema(spark, writer.json()), []
         )
     return _REASONS[pair]
 
 
-def _reason(jvm: Any, reader: Any, writer: Any, path: list[str]) -> str | None:
+def _reason(spark: SparkSession, reader: Any, writer: Any, path: list[str]) -> str | None:
     """The first incompatibility of two JVM Avro schemas, ``path`` naming where they sit."""
-    check = jvm.org.apache.avro.SchemaCompatibility.checkReaderWriterCompatibility
-    result = check(reader, writer).getResult()
+    result = avro_compatibility(spark, reader, writer)
     if result.getCompatibility().toString() == "COMPATIBLE":
         return None
     found = result.getIncompatibilities()[0]
@@ -186,7 +183,7 @@ def _reason(jvm: Any, reader: Any, writer: Any, path: list[str]) -> str | None:
         if branch.getType().getName() == "record":
             for candidate in found.getReaderFragment().getTypes():
                 if candidate.getFullName() == branch.getFullName():
-                    deeper = _reason(jvm, candidate, branch, here)
+                    deeper = _reason(spark, candidate, branch, here)
                     if deeper is not None:
                         return deeper
     where = ".".join(here) or "the top-level type"

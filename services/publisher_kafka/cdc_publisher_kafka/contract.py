@@ -9,12 +9,12 @@ only the finished bytes reach Python.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry, subject_name
 from cdc_shared.config import EntityConfig
+from cdc_shared.jvm_bridge import spark_type_of_avro
 from cdc_shared.schemas import EntitySchemas, change_event_schemas
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -53,15 +53,6 @@ def register_contract(
     )
 
 
-def _spark_type(spark: SparkSession, avro_type: Any) -> T.DataType:
-    """Spark's own reading of an Avro type (the type ``from_avro`` would produce)."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    parsed = jvm.org.apache.avro.Schema.Parser().parse(json.dumps(avro_type))
-    sql_type = jvm.org.apache.spark.sql.avro.SchemaConverters.toSqlType(parsed).dataType()
-    return T._parse_datatype_json_string(sql_type.json())
-
-
 def _aligned_row(
     spark: SparkSession, row: Column, present: set[str], record: dict[str, Any]
 ) -> Column:
@@ -76,7 +67,7 @@ def _aligned_row(
         if name in present:
             fields.append(row[name].alias(name))
         else:
-            fields.append(F.lit(None).cast(_spark_type(spark, field["type"])).alias(name))
+            fields.append(F.lit(None).cast(spark_type_of_avro(spark, field["type"])).alias(name))
     return F.when(row.isNotNull(), F.struct(*fields))
 
 

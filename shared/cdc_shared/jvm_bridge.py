@@ -1,0 +1,63 @@
+"""Every call from Python into the JVM beyond PySpark's public API, in one place.
+
+PySpark exposes no public way to reach Hadoop's file system, Avro's Java library or
+Spark's job status tracker, so these go through Py4J (``SparkContext._jvm``,
+``_jsc``) and, for one type conversion, a private PySpark helper. Keeping them here
+means a PySpark upgrade that moves any of them breaks one module, covered by the
+tests of its callers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pyspark.sql import SparkSession
+from pyspark.sql import types as T
+
+
+def jvm(spark: SparkSession) -> Any:
+    """The Py4J view of the driver's JVM (``jvm.org.apache...``)."""
+    view = spark.sparkContext._jvm
+    assert view is not None, "the SparkSession has no JVM gateway (stopped?)"
+    return view
+
+
+def hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
+    """Hadoop's file system for ``path`` and the path itself, as Spark configures them."""
+    hadoop = jvm(spark).org.apache.hadoop.fs.Path(path)
+    return hadoop.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hadoop
+
+
+def read_text(spark: SparkSession, path: str) -> str:
+    """The content of the file ``path`` (any Hadoop file system) as UTF-8 text."""
+    fs, file = hadoop_path(spark, path)
+    stream = fs.open(file)
+    try:
+        return str(jvm(spark).org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+    finally:
+        stream.close()
+
+
+def jobs_with_tag(spark: SparkSession, tag: str) -> int:
+    """How many Spark jobs carry the job tag ``tag`` (running or done)."""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()
+    return len(tracker.getJobIdsForTag(tag))
+
+
+def avro_schema(spark: SparkSession, definition: str) -> Any:
+    """Avro's Java ``Schema`` parsed from its JSON ``definition``."""
+    return jvm(spark).org.apache.avro.Schema.Parser().parse(definition)
+
+
+def avro_compatibility(spark: SparkSession, reader: Any, writer: Any) -> Any:
+    """Avro's ``SchemaCompatibility`` result of reading ``writer``'s data with ``reader``."""
+    check = jvm(spark).org.apache.avro.SchemaCompatibility.checkReaderWriterCompatibility
+    return check(reader, writer).getResult()
+
+
+def spark_type_of_avro(spark: SparkSession, avro_type: Any) -> T.DataType:
+    """Spark's own reading of an Avro type: the type ``from_avro`` would produce."""
+    parsed = avro_schema(spark, json.dumps(avro_type))
+    sql_type = jvm(spark).org.apache.spark.sql.avro.SchemaConverters.toSqlType(parsed)
+    return T._parse_datatype_json_string(sql_type.dataType().json())
