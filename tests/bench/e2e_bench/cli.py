@@ -1,0 +1,107 @@
+"""Benchmark: the whole pipeline at steady offered loads, beside the seed-style baseline.
+
+The command line, and the whole run: every pipeline at every rate, then the figures.
+What the bench measures and how: the package docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from cdc_cli import infra
+
+from .baseline import run_baseline
+from .probes import ROOT
+from .report import markdown, svg
+from .run import PIPELINES, run_pipeline
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument(
+        "--rates",
+        type=lambda text: [float(r) for r in text.split(",")],
+        default=[1000.0, 5000.0, 20000.0],
+        help="offered loads in events/s, comma-separated (default 1000,5000,20000)",
+    )
+    parser.add_argument("--seconds-per-rate", type=float, default=180.0)
+    parser.add_argument("--keys", type=int, default=100_000, help="key space per entity")
+    parser.add_argument("--workdir", type=Path, default=ROOT / "data" / "bench-e2e")
+    parser.add_argument(
+        "--pipelines",
+        type=lambda text: [p for p in text.split(",") if p],
+        default=list(PIPELINES),
+        help="which to run, one after another (default cdc,cdc-app,baseline)",
+    )
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-baseline leaves the baseline out of --pipelines",
+    )
+    parser.add_argument(
+        "--producers",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 4),
+        help="producer processes (one reaches about 5,000 events/s per core)",
+    )
+    parser.add_argument("--probe-share", type=float, default=0.02)
+    parser.add_argument("--drain-timeout", type=float, default=300.0)
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--port-base", type=int, default=49101, help="metrics ports from here")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--down", action="store_true", help="stop the servers at the end")
+    parser.add_argument("--run-baseline", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run both pipelines at every rate; write and print the figures."""
+    args = parse_args(argv)
+    if args.run_baseline:
+        run_baseline(args.run_baseline)
+        return
+    unknown = set(args.pipelines) - set(PIPELINES)
+    if unknown:
+        raise SystemExit(f"unknown pipelines {sorted(unknown)}; known: {', '.join(PIPELINES)}")
+    if not args.baseline:
+        args.pipelines = [p for p in args.pipelines if p != "baseline"]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.workdir.exists():
+        shutil.rmtree(args.workdir)
+    args.workdir.mkdir(parents=True)
+    served = infra.up()
+    print(f"kafka {served.kafka_bootstrap_servers} · es {served.elasticsearch_url}", flush=True)
+    started = time.time()
+    results = [run_pipeline(kind, args, served, started) for kind in args.pipelines]
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    document = {
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "bench_cpu_s": usage.ru_utime + usage.ru_stime,
+        "pipelines": [
+            {
+                **asdict(r),
+                "highest_sustainable": r.highest_sustainable,
+                "steps": [{**asdict(s), "achieved": s.achieved} for s in r.steps],
+            }
+            for r in results
+        ],
+    }
+    (args.workdir / "results.json").write_text(json.dumps(document, indent=1, default=str))
+    table = markdown(results, args)
+    (args.workdir / "results.md").write_text(table)
+    (args.workdir / "plot.svg").write_text(svg(results))
+    print("\n" + table)
+    print(f"written: {args.workdir}/results.json, results.md, plot.svg", flush=True)
+    if args.down:
+        infra.down()

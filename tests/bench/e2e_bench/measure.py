@@ -1,0 +1,208 @@
+"""The results, and turning observations into them: delays, backlog, the verdict."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from cdc_shared.config import PipelineConfig
+
+from .probes import Key, Mark, Seq
+from .watch import IndexWatcher, TopicWatcher, index_sequence
+
+
+@dataclass
+class StepResult:
+    """One rate step of one pipeline."""
+
+    rate: float
+    seconds: float
+    produced: int = 0
+    produce_seconds: float = 0.0
+    drained: bool = False
+    drain_seconds: float = 0.0
+    delays_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> p50..
+    samples: dict[str, int] = field(default_factory=dict)
+    growth_s: dict[str, float] = field(default_factory=dict)
+    allowed_s: dict[str, float] = field(default_factory=dict)
+    backlog_events: dict[str, tuple[float, float]] = field(default_factory=dict)  # mid, end
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    verdict: str = ""
+
+    @property
+    def achieved(self) -> float:
+        """Messages per second the producers reached."""
+        return self.produced / self.produce_seconds if self.produce_seconds else 0.0
+
+    @property
+    def sustainable(self) -> bool:
+        """The rule of the package docstring."""
+        return self.verdict == "sustainable"
+
+
+@dataclass
+class PipelineResult:
+    """Everything measured for one pipeline."""
+
+    name: str
+    stages: list[str]
+    steps: list[StepResult] = field(default_factory=list)
+    peak_rss_mib: dict[str, float] = field(default_factory=dict)
+    series: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    lags: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    step_bounds: list[tuple[float, float]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    processes: list[str] = field(default_factory=list)  # the pipeline's own, not servers
+
+    @property
+    def highest_sustainable(self) -> float | None:
+        """The highest sustainable offered rate, if any."""
+        rates = [s.rate for s in self.steps if s.sustainable]
+        return max(rates) if rates else None
+
+
+def _silver_times(
+    config: PipelineConfig, probes: set[tuple[str, Key]]
+) -> tuple[dict[Mark, float], dict[Mark, float], dict[tuple[str, Key, int], Seq]]:
+    """Kafka timestamps from bronze; silver commit times and commit versions from its CDF."""
+    from cdc_shared.spark import build_spark_session
+    from pyspark.sql import functions as F
+
+    spark = build_spark_session(config.spark, "bench-e2e-measure")
+    spark.sparkContext.setLogLevel("ERROR")
+    produced: dict[Mark, float] = {}
+    committed: dict[Mark, float] = {}
+    commit_seq: dict[tuple[str, Key, int], Seq] = {}
+    try:
+        for entity in config.entities:
+            first = entity.key[0]
+            firsts = sorted({k[0] for name, k in probes if name == entity.name})
+            bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
+            rows = (
+                bronze.where(F.col(f"key.{first}").isin(firsts))
+                .groupBy("key", "sequence")
+                .agg(F.min("kafka_timestamp").alias("at"))
+                .collect()
+            )
+            for r in rows:
+                key = tuple(r["key"][k] for k in entity.key)
+                if (entity.name, key) in probes:
+                    at = r["at"].replace(tzinfo=dt.UTC).timestamp()
+                    produced[(entity.name, key, tuple(r["sequence"]))] = at
+            feed = (
+                spark.read.format("delta")
+                .option("readChangeFeed", "true")
+                .option("startingVersion", 0)
+                .load(config.table_path("silver", entity.name))
+                .where(F.col("_change_type").isin("insert", "update_postimage"))
+                .where(F.col(first).isin(firsts))
+                .select(*entity.key, "_cdc_seq", "_commit_version", "_commit_timestamp")
+                .collect()
+            )
+            for r in feed:
+                key = tuple(r[k] for k in entity.key)
+                seq = tuple(r["_cdc_seq"])
+                at = r["_commit_timestamp"].replace(tzinfo=dt.UTC).timestamp()
+                mark = (entity.name, key, seq)
+                committed[mark] = min(at, committed.get(mark, at))
+                commit_seq[(entity.name, key, int(r["_commit_version"]))] = seq
+    finally:
+        spark.stop()
+    return produced, committed, commit_seq
+
+
+def _cuts(values: list[float]) -> dict[str, float]:
+    if len(values) < 2:
+        return {}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98], "max": max(values)}
+
+
+def measure_delays(
+    config: PipelineConfig,
+    result: PipelineResult,
+    produced_at: dict[Mark, tuple[float, int]],
+    topic: TopicWatcher,
+    index: IndexWatcher | None,
+    started: float,
+) -> None:
+    """Delays per step and stage, the growth rule, and the delay series for the plot."""
+    probes = {(name, key) for name, key, _ in produced_at}
+    kafka_ts, committed, commit_seq = _silver_times(config, probes)
+    arrived: dict[str, dict[Mark, float]] = {"silver": committed, "topic": topic.seen}
+    if index is not None:
+        entities = {e.name: e for e in config.entities}
+        in_index: dict[Mark, float] = {}
+        for (name, key, version), at in index.seen.items():
+            seq = index_sequence(entities[name], key, version, commit_seq)
+            if seq is not None:
+                in_index[(name, key, seq)] = min(at, in_index.get((name, key, seq), at))
+        arrived["index"] = in_index
+    missing_ts = sum(1 for m in produced_at if m not in kafka_ts)
+    if missing_ts:
+        result.notes.append(f"{missing_ts} probe events not found in bronze (producer time used)")
+    for number, step in enumerate(result.steps):
+        begun, ended = result.step_bounds[number]
+        quarter = (ended - begun) / 4
+        for stage in result.stages:
+            all_, mid, end = [], [], []
+            points = []
+            for mark, (wrapper_at, at_step) in produced_at.items():
+                if at_step != number or mark not in arrived[stage]:
+                    continue
+                at = kafka_ts.get(mark, wrapper_at)
+                delay = arrived[stage][mark] - at
+                all_.append(delay * 1000)
+                offset = at - started - begun
+                if quarter <= offset < 2 * quarter:
+                    mid.append(delay)
+                elif offset >= 3 * quarter:
+                    end.append(delay)
+                points.append((at - started, delay))
+            step.delays_ms[stage] = _cuts(all_)
+            step.samples[stage] = len(all_)
+            result.series.setdefault(stage, []).extend(_bins(points, 10.0))
+            if mid and end:
+                m, e = statistics.median(mid), statistics.median(end)
+                step.growth_s[stage] = e - m
+                step.allowed_s[stage] = max(2.0, 0.25 * m, 0.05 * step.seconds)
+                scale = step.produced / len(points)  # events per sampled event
+                step.backlog_events[stage] = (
+                    scale * _in_flight(points, (begun + ended) / 2),
+                    scale * _in_flight(points, ended),
+                )
+        step.verdict = _verdict(step, result.stages)
+
+
+def _in_flight(points: list[tuple[float, float]], t: float) -> int:
+    """Sampled events produced by ``t`` that reached the output after ``t``."""
+    return sum(1 for at, delay in points if at <= t < at + delay)
+
+
+def _bins(points: list[tuple[float, float]], width: float) -> list[tuple[float, float, float]]:
+    """(bin start, p50, p99) of the delays, by produce time."""
+    bins: dict[int, list[float]] = {}
+    for at, delay in points:
+        bins.setdefault(int(at // width), []).append(delay)
+    out = []
+    for b, values in sorted(bins.items()):
+        values.sort()
+        p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+        out.append((b * width, statistics.median(values), p99))
+    return out
+
+
+def _verdict(step: StepResult, stages: list[str]) -> str:
+    if step.achieved < 0.95 * step.rate:
+        return "producer-bound"
+    if not step.drained:
+        return "did not drain"
+    if any(s not in step.growth_s for s in stages):
+        return "too few samples"
+    if any(step.delays_ms[s]["p50"] / 1000 > step.seconds / 2 for s in stages):
+        return "step too short"  # events wait longer than half the step: no trend to see
+    if any(step.growth_s[s] > step.allowed_s[s] for s in stages):
+        return "backlog grows"
+    return "sustainable"

@@ -1,0 +1,153 @@
+"""The figures as Markdown tables and an SVG plot."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+
+from .measure import PipelineResult
+
+
+def _ms(cuts: dict[str, float]) -> str:
+    if not cuts:
+        return "n/a"
+    return f"{cuts['p50'] / 1000:.1f} / {cuts['p95'] / 1000:.1f} / {cuts['p99'] / 1000:.1f}"
+
+
+def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
+    """The figures as Markdown tables."""
+    lines = [
+        f"# End-to-end benchmark, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"{os.cpu_count()} cores; {args.keys:,} keys per entity; {args.producers} producer "
+        f"process(es); {args.seconds_per_rate:.0f} s per rate. Delays in seconds "
+        "(p50 / p95 / p99) from the source record's Kafka timestamp.",
+        "",
+        "| pipeline | offered/s | produced/s | to silver commit | to change topic "
+        "| to searchable | samples | backlog before silver, mid -> end "
+        "| delay growth s (allowed) | verdict |",
+        "|---|---:|---:|---|---|---|---:|---|---|---|",
+    ]
+    for r in results:
+        for s in r.steps:
+            growth = ", ".join(
+                f"{stage} {s.growth_s[stage]:+.1f} ({s.allowed_s[stage]:.1f})"
+                for stage in r.stages
+                if stage in s.growth_s
+            )
+            mid, end = s.backlog_events.get("silver", (math.nan, math.nan))
+            backlog = f"{mid:,.0f} -> {end:,.0f}"
+            lines.append(
+                f"| {r.name} | {s.rate:,.0f} | {s.achieved:,.0f} "
+                f"| {_ms(s.delays_ms.get('silver', {}))} | {_ms(s.delays_ms.get('topic', {}))} "
+                f"| {_ms(s.delays_ms.get('index', {})) if 'index' in r.stages else '-'} "
+                f"| {min(s.samples.values(), default=0):,} | {backlog} | {growth or 'n/a'} "
+                f"| {s.verdict} |"
+            )
+    lines += ["", "| pipeline | highest sustainable load |", "|---|---|"]
+    for r in results:
+        best = r.highest_sustainable
+        lines.append(f"| {r.name} | {'none of the rates' if best is None else f'{best:,.0f}/s'} |")
+    lines += [
+        "",
+        "CPU seconds over each step and its drain (per 1,000 events produced), and peak RSS "
+        "per process group:",
+        "",
+    ]
+    for r in results:
+        names = sorted({n for s in r.steps for n in s.cpu_s})
+        header = " | ".join(f"{s.rate:,.0f}/s" for s in r.steps)
+        lines += [
+            f"| {r.name} | {header} | peak RSS MiB |",
+            "|---|" + "---:|" * (len(r.steps) + 1),
+        ]
+        for n in names:
+            cells = " | ".join(
+                f"{s.cpu_s.get(n, 0):,.0f} ({s.cpu_s.get(n, 0) / max(s.produced, 1) * 1000:.2f})"
+                for s in r.steps
+            )
+            lines.append(f"| {n} | {cells} | {r.peak_rss_mib.get(n, 0):,.0f} |")
+        own = [n for n in names if n in r.processes]
+        cells = " | ".join(
+            f"{sum(s.cpu_s.get(n, 0) for n in own) / max(s.produced, 1) * 1000:.2f}"
+            for s in r.steps
+        )
+        rss = sum(r.peak_rss_mib.get(n, 0) for n in own)
+        lines.append(f"| **pipeline** ({', '.join(own)}) per 1k | {cells} | {rss:,.0f} (sum) |")
+        lines.append("")
+    notes = [f"{r.name}: {n}" for r in results for n in r.notes]
+    if notes:
+        lines += ["Notes:", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines)
+
+
+_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+
+
+def svg(results: list[PipelineResult]) -> str:
+    """Delay p50/p99 per stage over time, then each service's reported lag, per pipeline."""
+    width, height, pad = 760, 230, 50
+    panels: list[tuple[str, dict[str, list[tuple[float, float]]], list[tuple[float, float]]]] = []
+    for r in results:
+        delay: dict[str, list[tuple[float, float]]] = {}
+        for stage, bins in r.series.items():
+            delay[f"{stage} p50"] = [(t, p50) for t, p50, _ in bins]
+            delay[f"{stage} p99"] = [(t, p99) for t, _, p99 in bins]
+        panels.append((f"{r.name}: delay from produce (s), by produce time", delay, r.step_bounds))
+        panels.append(
+            (f"{r.name}: lag per micro-batch (Kafka records; silver versions)", r.lags, [])
+        )
+    parts = []
+    for number, (title, series, bounds) in enumerate(panels):
+        top = number * (height + 30)
+        points = [p for values in series.values() for p in values]
+        max_x = max((x for x, _ in points), default=1.0) or 1.0
+        max_y = max((y for _, y in points), default=1.0) or 1.0
+        x0 = min((x for x, _ in points), default=0.0)
+
+        def xy(
+            x: float,
+            y: float,
+            x0: float = x0,
+            max_x: float = max_x,
+            m: float = max_y,
+            top: int = top,
+        ) -> str:
+            px = pad + (x - x0) / max(max_x - x0, 1e-9) * (width - 2 * pad)
+            py = top + height - pad - y / m * (height - 2 * pad)
+            return f"{px:.1f},{py:.1f}"
+
+        parts.append(
+            f'<text x="{pad}" y="{top + 18}" font-size="13" font-weight="bold">{title}</text>'
+            f'<line x1="{pad}" y1="{top + height - pad}" x2="{width - pad}" '
+            f'y2="{top + height - pad}" stroke="#888"/>'
+            f'<line x1="{pad}" y1="{top + pad}" x2="{pad}" y2="{top + height - pad}" '
+            'stroke="#888"/>'
+            f'<text x="{pad - 4}" y="{top + pad}" font-size="11" text-anchor="end">{max_y:,.0f}'
+            f"</text>"
+            f'<text x="{width - pad}" y="{top + height - pad + 14}" font-size="11" '
+            f'text-anchor="end">{max_x:,.0f} s since start</text>'
+        )
+        for begun, ended in bounds:
+            for at in (begun, ended):
+                if x0 <= at <= max_x:
+                    a, b = xy(at, 0).split(",")[0], xy(at, max_y).split(",")[1]
+                    parts.append(
+                        f'<line x1="{a}" y1="{b}" x2="{a}" y2="{top + height - pad}" '
+                        'stroke="#ccc" stroke-dasharray="4"/>'
+                    )
+        for i, (name, values) in enumerate(sorted(series.items())):
+            colour = _COLOURS[i % len(_COLOURS)]
+            path = " ".join(xy(x, y) for x, y in sorted(values))
+            parts.append(
+                f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>'
+                f'<text x="{width - pad + 4}" y="{top + pad + 12 * i}" font-size="10" '
+                f'fill="{colour}">{name}</text>'
+            )
+    total = len(panels) * (height + 30)
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 120}" height="{total}" '
+        f'font-family="sans-serif">{"".join(parts)}</svg>\n'
+    )

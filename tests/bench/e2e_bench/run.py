@@ -1,0 +1,233 @@
+"""One pipeline from start to stop: configuration, processes, watchers, load, rate steps."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+from cdc_cli import infra
+from cdc_cli.local_run import Progress, wait_until_healthy, write_pipeline_config
+from cdc_cli.processes import RunMode, ServiceProcess, launch, wait_a_little
+from cdc_cli.workload import WorkloadSpec, ensure_topics
+from cdc_shared.clients import make_consumer
+from cdc_shared.config import PipelineConfig, load_config
+
+from .baseline import BaselineProcess
+from .load import Load
+from .measure import PipelineResult, StepResult, measure_delays
+from .meter import Meter
+from .probes import Key, Mark, Seq, probe_keys, probe_numbers
+from .watch import IndexWatcher, TopicWatcher, pending
+
+STAGES = ("silver", "topic", "index")
+#: The pipelines the bench can run: ours as four processes, ours as one application.
+CDC_MODES = {"cdc": RunMode.SERVICES, "cdc-app": RunMode.APPLICATION}
+PIPELINES = ("cdc", "cdc-app", "baseline")
+
+
+def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0) -> None:
+    """Wait until the broker answers offset requests (a fresh broker first says NOT_COORDINATOR).
+
+    publisher-kafka reads its progress with such a request at start-up and exits on that
+    error, so on a just-started broker the bench waits for the coordinator first.
+    """
+    from confluent_kafka import KafkaException, TopicPartition
+
+    consumer = make_consumer(config.kafka, f"bench-e2e-{uuid.uuid4().hex[:8]}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                consumer.committed([TopicPartition(config.entities[0].source_topic, 0)], 10)
+                return
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+    finally:
+        consumer.close()
+
+
+def _configure(workdir: Path, served: infra.Endpoints, prefix: str, port_base: int) -> Path:
+    path = write_pipeline_config(workdir, served, prefix=prefix)
+    document = yaml.safe_load(path.read_text())
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
+    for offset, section in enumerate(sections):
+        document[section]["metrics_port"] = port_base + offset
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+class PipelineRun:
+    """One pipeline (``cdc`` or ``baseline``) from start to stop, one rate step at a time."""
+
+    def __init__(
+        self, kind: str, args: argparse.Namespace, served: infra.Endpoints, started: float
+    ) -> None:
+        self.kind, self.args, self.started = kind, args, started
+        self.is_cdc = kind in CDC_MODES
+        self.workdir = args.workdir / kind
+        self.workdir.mkdir(parents=True)
+        prefix = {"cdc": "e2e", "cdc-app": "app"}.get(kind, "base")
+        self.config_path = _configure(self.workdir, served, prefix, args.port_base)
+        self.config = load_config(self.config_path)
+        self.result = PipelineResult(kind, list(STAGES) if self.is_cdc else ["silver", "topic"])
+        numbers = probe_numbers(
+            args.keys, args.probe_share, WorkloadSpec().hot_keys, args.producers
+        )
+        self.probes = probe_keys(self.config, numbers)
+        logs = self.workdir / "logs"
+        self.services: list[ServiceProcess] = (
+            launch(CDC_MODES[kind], self.config_path, logs)
+            if self.is_cdc
+            else [BaselineProcess("baseline", self.config_path, logs / "baseline.log")]
+        )
+        self.result.processes = [s.name for s in self.services]
+        self.meter = Meter()
+        self.progress = Progress(self.services, lambda line: print(f"  {kind}: {line}", flush=True))
+        self.topic = TopicWatcher(self.config, self.probes, headers=not self.is_cdc)
+        self.index = IndexWatcher(self.config, self.probes) if self.is_cdc else None
+        self.load: Load | None = None
+        self.expected: dict[tuple[str, Key], tuple[Seq, str]] = {}
+        self.produced_at: dict[Mark, tuple[float, int]] = {}  # first time, step (-1: warm-up)
+
+    def start(self) -> None:
+        """Topics, processes, watchers and producers; returns when all are ready."""
+        topics = [e.source_topic for e in self.config.entities]
+        if not self.is_cdc:
+            topics += [e.change_topic_name for e in self.config.entities]
+        ensure_topics(self.config.kafka, topics)
+        _wait_for_group_coordinator(self.config)
+        print(f"{self.kind}: starting; logs in {self.workdir / 'logs'}", flush=True)
+        for service in self.services:
+            service.start()
+            assert service.process is not None
+            self.meter.watch(service.name, service.process.pid)
+        for name in ("kafka", "elasticsearch"):
+            pid_file = infra.InfraSettings().state_dir / f"{name}.pid"
+            if pid_file.exists():
+                self.meter.watch(name, int(pid_file.read_text().strip()))
+        self.meter.watch("bench (this process)", os.getpid(), group=False)
+        self.progress.start()
+        if isinstance(self.services[0], BaselineProcess):
+            baseline = self.services[0]
+            deadline = time.monotonic() + self.args.start_timeout
+            while not baseline.ready():
+                if not baseline.alive or time.monotonic() > deadline:
+                    raise RuntimeError(f"the baseline did not start; see {baseline.log_path}")
+                wait_a_little(self.services, 2)
+        else:
+            wait_until_healthy(self.services, self.config, self.args.start_timeout)
+        self.meter.start()
+        self.topic.start()
+        if self.index is not None:
+            self.index.start()
+        self.load = Load(self.config_path, self.args, self.probes)
+        for shard, pid in self.load.pids().items():
+            self.meter.watch(shard, pid, group=False)
+
+    def _note(self, marks: list[tuple[str, Key, Seq, str, float]], step: int) -> None:
+        for entity, key, seq, op, at in marks:
+            if (entity, key) not in self.expected or self.expected[(entity, key)][0] < seq:
+                self.expected[(entity, key)] = (seq, op)
+            if op != "d":
+                self.produced_at.setdefault((entity, key, seq), (at, step))
+
+    def _drain(self, timeout: float) -> tuple[bool, float]:
+        """Wait until every probe key's last change is in every output; (done, seconds)."""
+        begun = time.monotonic()
+        while time.monotonic() - begun < timeout:
+            if not all(s.alive for s in self.services):
+                raise RuntimeError("a service stopped; see its log")
+            if not pending(self.config, self.expected, self.topic, self.index):
+                return True, time.monotonic() - begun
+            wait_a_little(self.services, 1)
+        return False, time.monotonic() - begun
+
+    def warm_up(self) -> None:
+        """The snapshot, unthrottled, until it is everywhere (not measured)."""
+        assert self.load is not None
+        print(f"{self.kind}: warm-up: the snapshot, unthrottled", flush=True)
+        produced, _, marks = self.load.run(None, None)
+        self._note(marks, -1)
+        drained, took = self._drain(self.args.drain_timeout * 2)
+        print(f"{self.kind}: warm-up {produced:,} messages, drained={drained} in {took:.0f} s")
+
+    def step(self, number: int, rate: float) -> StepResult:
+        """Offer ``rate`` for the step's length, then wait for the pipeline to drain."""
+        assert self.load is not None
+        step = StepResult(rate, self.args.seconds_per_rate)
+        cpu_before = self.meter.cpu_seconds()
+        begun = time.time()
+        print(f"{self.kind}: {rate:,.0f} events/s for {step.seconds:.0f} s", flush=True)
+        step.produced, step.produce_seconds, marks = self.load.run(int(rate * step.seconds), rate)
+        ended = time.time()
+        self._note(marks, number)
+        step.drained, step.drain_seconds = self._drain(self.args.drain_timeout)
+        cpu_after = self.meter.cpu_seconds()
+        step.cpu_s = {n: cpu_after[n] - cpu_before.get(n, 0.0) for n in cpu_after}
+        self.result.steps.append(step)
+        self.result.step_bounds.append((begun - self.started, ended - self.started))
+        print(
+            f"{self.kind}: {rate:,.0f}/s offered, {step.achieved:,.0f}/s produced; "
+            f"drained={step.drained} after {step.drain_seconds:.0f} s",
+            flush=True,
+        )
+        return step
+
+    def stop(self) -> None:
+        """Stop watchers, producers and processes (SIGTERM: the batch in flight finishes)."""
+        self.topic.done.set()
+        if self.index is not None:
+            self.index.done.set()
+        if self.load is not None:
+            self.load.stop()
+        self.progress.done.set()
+        for service in self.services:
+            code = service.stop()
+            if code not in (0, None):
+                self.result.notes.append(f"{service.name} exited {code}")
+        self.meter.done.set()
+
+    def measure(self) -> PipelineResult:
+        """Lag series from the logs, peak RSS, and the delays (``measure_delays``)."""
+        for service in self.services:
+            service.poll()
+            for batch in service.batches:
+                if batch.get("lag") is None:
+                    continue
+                at = dt.datetime.fromisoformat(str(batch["ts"]).replace("Z", "+00:00"))
+                name = f"{batch.get('service') or service.name}/{batch.get('entity')}"
+                self.result.lags.setdefault(name, []).append(
+                    (at.timestamp() - self.started, float(batch["lag"]))
+                )
+        self.result.peak_rss_mib = {n: v / 2**20 for n, v in self.meter.peak_rss.items()}
+        measure_delays(
+            self.config, self.result, self.produced_at, self.topic, self.index, self.started
+        )
+        return self.result
+
+
+def run_pipeline(
+    kind: str, args: argparse.Namespace, served: infra.Endpoints, started: float
+) -> PipelineResult:
+    """Start ``kind`` (cdc or baseline), offer every rate, stop it, measure the delays."""
+    run = PipelineRun(kind, args, served, started)
+    try:
+        run.start()
+        run.warm_up()
+        for number, rate in enumerate(args.rates):
+            if not run.step(number, rate).drained:
+                run.result.notes.append(
+                    f"{rate:,.0f}/s did not drain in {args.drain_timeout:.0f} s: "
+                    "higher rates not run"
+                )
+                break
+    finally:
+        run.stop()
+    return run.measure()
