@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from cdc_shared.layout import StorageLayout
 from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
@@ -405,13 +406,18 @@ class PipelineConfig(BaseSettings):
             return list(self.entities)
         return [self.entity(n) for n in names]
 
+    @property
+    def layout(self) -> StorageLayout:
+        """Every table and checkpoint path under ``storage_root``."""
+        return StorageLayout(self.storage_root)
+
     def table_path(self, layer: str, name: str) -> str:
-        """``<storage_root>/<layer>/<name>`` (bronze, silver, quarantine, ...)."""
+        """``<storage_root>/<layer>/<name>``; prefer the named paths of ``layout``."""
         return f"{self.storage_root.rstrip('/')}/{layer}/{name}"
 
     def checkpoint_path(self, service: str, entity: str) -> str:
         """``<storage_root>/_checkpoints/<service>/<entity>``."""
-        return self.table_path(f"_checkpoints/{service}", entity)
+        return self.layout.checkpoint(service, entity)
 
 
 def _format_validation_error(source: str, error: ValidationError) -> str:

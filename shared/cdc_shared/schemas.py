@@ -112,7 +112,7 @@ def make_registry(config: PipelineConfig) -> SchemaRegistry:
         if path is not None
     ]
     storage = config.storage_root
-    write_dir = None if "://" in storage else Path(storage) / "_schemas"
+    write_dir = None if "://" in storage else Path(config.layout.change_schemas())
     files = FileSchemaRegistry(config.schema_registry.dirs, pinned, write_dir=write_dir)
     if config.schema_registry.url:
         return ConfluentSchemaRegistry(

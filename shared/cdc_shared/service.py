@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 
 from cdc_shared.config import ConfigError, PipelineConfig, load_config
+from cdc_shared.layout import command_name
 from cdc_shared.observability import configure_logging
 from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
 
@@ -33,11 +34,6 @@ def service_main(
         runner.run()
 
     return run_to_exit_code(service, args.config, run)
-
-
-def command_name(service: str) -> str:
-    """The service's command (``publisher_kafka`` -> ``cdc-publisher-kafka``)."""
-    return f"cdc-{service.replace('_', '-')}"
 
 
 def run_to_exit_code(

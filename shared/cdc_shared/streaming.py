@@ -31,6 +31,7 @@ from cdc_shared.config import (
     PipelineConfig,
     StreamingServiceConfig,
 )
+from cdc_shared.layout import command_name
 from cdc_shared.observability import BATCH_SECONDS, BATCHES, HEALTHY, LAG, ROWS, HealthServer
 from cdc_shared.retry import backoff_s, log_retry
 from cdc_shared.spark import build_spark_session
@@ -571,7 +572,7 @@ def start_streams(
     entities = config.select_entities(entity_names)
     if not entities:
         raise ConfigError(f"the configuration defines no entities for the {service}")
-    spark = spark or build_spark_session(config.spark, f"cdc-{service.replace('_', '-')}")
+    spark = spark or build_spark_session(config.spark, command_name(service))
     runner = StreamRunner(
         spark,
         service,

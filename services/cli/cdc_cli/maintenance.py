@@ -157,7 +157,7 @@ def stream_needs(
 ) -> list[StreamNeed]:
     """What the merger needs of bronze and the publishers of silver, for one entity."""
     needs: list[StreamNeed] = []
-    bronze = config.table_path("bronze", entity.name)
+    bronze = config.layout.bronze(entity.name)
     if "merger" not in ignore_services and is_delta_table(spark, bronze):
         _, need = _need_from_checkpoint(
             spark,
@@ -169,7 +169,7 @@ def stream_needs(
         # A merger that has not started reads bronze's latest snapshot when it does.
         if need is not None:
             needs.append(need)
-    silver = config.table_path("silver", entity.name)
+    silver = config.layout.silver(entity.name)
     if is_delta_table(spark, silver):
         settings: dict[str, ChangeFeedConfig] = {
             "publisher_kafka": config.publisher_kafka,
@@ -295,9 +295,10 @@ def run_maintenance(
 
     report = MaintenanceReport(needs=all_needs)
     for entity in entities:
-        tombstones = config.table_path("silver/_tombstones", entity.name)
-        for layer in ("bronze", "silver"):
-            path = config.table_path(layer, entity.name)
+        tombstones = config.layout.tombstones(entity.name)
+        layers = {"bronze": config.layout.bronze, "silver": config.layout.silver}
+        for layer, path_of in layers.items():
+            path = path_of(entity.name)
             if not is_delta_table(spark, path):
                 continue
             removed = added = vacuumed = None

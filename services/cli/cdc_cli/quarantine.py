@@ -41,6 +41,7 @@ from typing import Any
 
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.layout import QUARANTINE_WRITERS
 from cdc_shared.tables import ensure_table
 from confluent_kafka import KafkaError, Message, TopicPartition
 from delta.tables import DeltaTable
@@ -51,9 +52,7 @@ from pyspark.sql import types as T
 
 from cdc_cli.checkpoints import is_delta_table
 
-SERVICES = ("ingestor", "merger", "publisher_es")
 REPLAYABLE = ("ingestor",)
-LEDGER = "_replayed"
 REPLAY_HEADER = "cdc.replay.of"
 RUN_HEADER = "cdc.replay.run"
 DEFAULT_LEASE = dt.timedelta(minutes=10)
@@ -145,8 +144,10 @@ def _spark(config: PipelineConfig, spark: SparkSession | None) -> SparkSession:
 
 
 def _check_service(service: str) -> None:
-    if service not in SERVICES:
-        raise ConfigError(f"unknown service {service!r}; quarantine exists for {SERVICES}")
+    if service not in QUARANTINE_WRITERS:
+        raise ConfigError(
+            f"unknown service {service!r}; quarantine exists for {QUARANTINE_WRITERS}"
+        )
 
 
 def _check_replayable(service: str) -> None:
@@ -161,7 +162,7 @@ def _check_replayable(service: str) -> None:
 def _quarantine(
     config: PipelineConfig, spark: SparkSession, service: str, entity: str | None
 ) -> DataFrame | None:
-    path = config.table_path("quarantine", service)
+    path = config.layout.quarantine(service)
     if not is_delta_table(spark, path):
         return None
     frame = spark.read.format("delta").load(path)
@@ -169,7 +170,7 @@ def _quarantine(
 
 
 def _ledger_path(config: PipelineConfig) -> str:
-    return config.table_path("quarantine", LEDGER)
+    return config.layout.replay_ledger()
 
 
 def _ledger(config: PipelineConfig, spark: SparkSession) -> DataFrame:
@@ -203,7 +204,7 @@ def list_groups(
     spark = _spark(config, spark)
     ledger = _ledger(config, spark)
     groups: list[QuarantineGroup] = []
-    for name in [service] if service else SERVICES:
+    for name in [service] if service else QUARANTINE_WRITERS:
         frame = _quarantine(config, spark, name, entity)
         if frame is None:
             continue

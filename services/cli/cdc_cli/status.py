@@ -24,6 +24,7 @@ from typing import Any
 
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import QUARANTINE_WRITERS, publisher_progress_group
 from confluent_kafka import KafkaException, TopicPartition
 from pyspark.sql import SparkSession
 
@@ -37,7 +38,6 @@ from cdc_cli.checkpoints import (
 )
 
 NOT_STARTED = "not started"
-QUARANTINE_SERVICES = ("ingestor", "merger", "publisher_es")
 KAFKA_TIMEOUT_S = 10.0
 
 
@@ -148,7 +148,7 @@ def published_version(config: PipelineConfig, entity: EntityConfig) -> int | Non
     Its progress is the offset of consumer group ``cdc-publisher-kafka.<change topic>`` on
     partition 0 of the progress topic: the last published version + 1.
     """
-    group = f"cdc-publisher-kafka.{entity.change_topic_name}"
+    group = publisher_progress_group(entity.change_topic_name)
     consumer = make_consumer(config.kafka, group_id=group)
     try:
         (committed,) = consumer.committed(
@@ -185,8 +185,8 @@ def publisher_kafka_lag(
 def quarantine_counts(config: PipelineConfig, spark: SparkSession) -> dict[str, dict[str, int]]:
     """Rows per entity in each service's quarantine table that exists."""
     counts: dict[str, dict[str, int]] = {}
-    for service in QUARANTINE_SERVICES:
-        path = config.table_path("quarantine", service)
+    for service in QUARANTINE_WRITERS:
+        path = config.layout.quarantine(service)
         if not is_delta_table(spark, path):
             continue
         rows = spark.read.format("delta").load(path).groupBy("entity").count().collect()
@@ -212,8 +212,8 @@ def collect_status(
     spark = spark or build_spark_session(config.spark, "cdc-status")
     statuses = []
     for entity in entities:
-        bronze = _history(spark, config.table_path("bronze", entity.name))
-        silver = _history(spark, config.table_path("silver", entity.name))
+        bronze = _history(spark, config.layout.bronze(entity.name))
+        silver = _history(spark, config.layout.silver(entity.name))
         streams = (
             ingestor_lag(config, entity, spark),
             _delta_stream_lag(
@@ -245,7 +245,7 @@ def render(report: StatusReport) -> str:
             lag = f"lag {stream.lag:,} {stream.unit}" if stream.lag is not None else "-"
             lines.append(f"  {stream.service:<16} {lag:<22} {stream.note}")
     lines.append("quarantine")
-    for service in QUARANTINE_SERVICES:
+    for service in QUARANTINE_WRITERS:
         per_entity = report.quarantine.get(service)
         if per_entity is None:
             lines.append(f"  {service:<16} {NOT_STARTED}")

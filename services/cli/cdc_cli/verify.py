@@ -327,7 +327,7 @@ def verify(
     spark = spark or build_spark_session(config.spark, "cdc-verify")
     results = []
     for entity in entities:
-        path = config.table_path("silver", entity.name)
+        path = config.layout.silver(entity.name)
         if not is_delta_table(spark, path):
             results.append(EntityVerification(entity.name, None, ()))
             continue

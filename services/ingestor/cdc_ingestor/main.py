@@ -23,6 +23,7 @@ from cdc_shared.avro import (
 )
 from cdc_shared.clients import make_admin, spark_kafka_options
 from cdc_shared.config import EntityConfig, KafkaConfig, PipelineConfig
+from cdc_shared.layout import INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
@@ -65,7 +66,7 @@ from cdc_ingestor.decode import (
     stamped,
 )
 
-SERVICE = "ingestor"
+SERVICE = INGESTOR
 #: Quarantined records of one batch collected to the driver and written from there;
 #: a batch with more is quarantined by a third pass over it instead.
 MAX_COLLECTED_QUARANTINE = 20_000
@@ -111,8 +112,8 @@ class EntityIngestion:
         self.runner = runner
         self.identity = QueryIdentity()
         self.plan = self._newest_plan()
-        self.bronze_path = config.table_path("bronze", entity.name)
-        self.quarantine_path = config.table_path("quarantine", SERVICE)
+        self.bronze_path = config.layout.bronze(entity.name)
+        self.quarantine_path = config.layout.quarantine(SERVICE)
         check_sequence_paths(spark, entity, self.plan)
 
     def _newest_plan(self) -> DecodePlan:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import MERGER
 from cdc_shared.service import service_main
 from cdc_shared.spark import counting_jobs
 from cdc_shared.streaming import (
@@ -44,16 +45,16 @@ from cdc_merger.apply import (
     expire_tombstones,
 )
 
-SERVICE = "merger"
+SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
     """``silver/<entity>``, its tombstones and its truncates under ``silver/_*/<entity>``."""
     return SilverLayout(
-        silver_path=config.table_path("silver", entity.name),
-        tombstone_path=config.table_path("silver/_tombstones", entity.name),
-        truncate_path=config.table_path("silver/_truncates", entity.name),
+        silver_path=config.layout.silver(entity.name),
+        tombstone_path=config.layout.tombstones(entity.name),
+        truncate_path=config.layout.truncates(entity.name),
         key=list(entity.key),
     )
 
@@ -98,10 +99,10 @@ class EntityMerge:
         self.entity = entity
         self.runner = runner
         self.identity = QueryIdentity()
-        self.bronze_path = config.table_path("bronze", entity.name)
+        self.bronze_path = config.layout.bronze(entity.name)
         self.layout = silver_layout(config, entity)
         self.state = MergeState(spark, self.layout)
-        self.quarantine_path = config.table_path("quarantine", SERVICE)
+        self.quarantine_path = config.layout.quarantine(SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
     def create_tables(self, wait_s: float) -> None:

@@ -22,6 +22,7 @@ from cdc_shared.avro import UnknownSchemaError
 from cdc_shared.changefeed import LatestVersion, change_feed, row_columns, shape_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.retry import retrying
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
@@ -58,7 +59,7 @@ from cdc_publisher_es.mapping import (
     index_mappings,
 )
 
-SERVICE = "publisher_es"
+SERVICE = PUBLISHER_ES
 #: Silver file bytes per micro-batch when ``max_bytes_per_trigger`` is not set.
 DEFAULT_MAX_BYTES_PER_TRIGGER = "64m"
 log = logging.getLogger("cdc_publisher_es")
@@ -106,8 +107,8 @@ class EntityPublisher:
         self.runner = runner
         self.identity = QueryIdentity()
         self.alias = entity.es_index_name
-        self.silver_path = config.table_path("silver", entity.name)
-        self.quarantine_path = config.table_path("quarantine", SERVICE)
+        self.silver_path = config.layout.silver(entity.name)
+        self.quarantine_path = config.layout.quarantine(SERVICE)
         es_config = config.elasticsearch
         self.scrub = Scrubber(
             s.get_secret_value() for s in (es_config.api_key, es_config.password) if s is not None

@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import PUBLISHER_KAFKA
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -39,7 +40,7 @@ from cdc_publisher_kafka.transactions import (
     ensure_topics,
 )
 
-SERVICE = "publisher_kafka"
+SERVICE = PUBLISHER_KAFKA
 log = logging.getLogger("cdc_publisher_kafka")
 
 
@@ -61,7 +62,7 @@ class EntityPublication:
         self.runner = runner
         self.contract = contract
         self.identity = QueryIdentity()
-        self.silver_path = config.table_path("silver", entity.name)
+        self.silver_path = config.layout.silver(entity.name)
         self.latest_version = LatestVersion(spark, self.silver_path)
         self.publisher = TransactionalPublisher(
             config.kafka,
@@ -174,7 +175,7 @@ def start(
     def open_stream(
         spark: SparkSession, entity: EntityConfig, runner: StreamRunner
     ) -> tuple[DataStreamWriter, QueryIdentity]:
-        silver_path = config.table_path("silver", entity.name)
+        silver_path = config.layout.silver(entity.name)
         hint = f"start the merger for entity {entity.name!r} first"
         wait_for_table(spark, silver_path, 0 if once else 3600, hint, log)
         # Registered on every (re)build: after silver's schema changed, the rebuilt stream

@@ -19,6 +19,7 @@ from typing import Any
 
 from cdc_shared.clients import kafka_client_config
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.layout import publisher_progress_group
 from cdc_shared.retry import retrying
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -94,7 +95,7 @@ class TransactionalPublisher:
     ) -> None:
         self.settings = settings
         self.change_topic = change_topic
-        self.transactional_id = f"cdc-publisher-kafka.{change_topic}"
+        self.transactional_id = publisher_progress_group(change_topic)
         self._progress_partition = TopicPartition(settings.progress_topic, 0)
         self._on_problem = on_problem
         self._producer_config = kafka_client_config(

@@ -1,0 +1,81 @@
+"""Where everything lives under the storage root, and the names the services share.
+
+The services meet only in these tables and names, so each is made here, once: a
+service, the ``cdc`` command and the tests cannot disagree on a path. docs/design.md
+("Tables") says what each table holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INGESTOR = "ingestor"
+MERGER = "merger"
+PUBLISHER_KAFKA = "publisher_kafka"
+PUBLISHER_ES = "publisher_es"
+#: The services, in pipeline order, by their configuration section (also their folder
+#: name under ``_checkpoints/`` and ``quarantine/``).
+SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
+#: The services that quarantine what they cannot process (publisher-kafka stops instead).
+QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_ES)
+
+
+def display_name(service: str) -> str:
+    """The service as people and logs of processes name it: ``publisher-kafka``."""
+    return service.replace("_", "-")
+
+
+def command_name(service: str) -> str:
+    """The service's command: ``publisher_kafka`` -> ``cdc-publisher-kafka``."""
+    return f"cdc-{display_name(service)}"
+
+
+def publisher_progress_group(change_topic: str) -> str:
+    """publisher-kafka's transactional id for ``change_topic``, and its progress group.
+
+    The group's committed offset on the progress topic is the last published silver
+    version + 1, committed in the same transaction as the events.
+    """
+    return f"cdc-publisher-kafka.{change_topic}"
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """The tables and checkpoints under one storage root (a local path or a URI)."""
+
+    root: str
+
+    def _under(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def bronze(self, entity: str) -> str:
+        """The append-only change log of ``entity``, written by the ingestor."""
+        return self._under("bronze", entity)
+
+    def silver(self, entity: str) -> str:
+        """The current state of ``entity``, one row per key, written by the merger."""
+        return self._under("silver", entity)
+
+    def tombstones(self, entity: str) -> str:
+        """The merger's newest delete per key of ``entity``, so late events stay out."""
+        return self._under("silver", "_tombstones", entity)
+
+    def truncates(self, entity: str) -> str:
+        """The merger's record of truncates of ``entity``."""
+        return self._under("silver", "_truncates", entity)
+
+    def quarantine(self, service: str) -> str:
+        """What ``service`` could not process, with the reason."""
+        return self._under("quarantine", service)
+
+    def replay_ledger(self) -> str:
+        """``cdc quarantine replay``'s ledger of what it re-produced."""
+        return self._under("quarantine", "_replayed")
+
+    def checkpoint(self, service: str, entity: str) -> str:
+        """The streaming checkpoint of ``service``'s query for ``entity``."""
+        return self._under("_checkpoints", service, entity)
+
+    def change_schemas(self) -> str:
+        """Change-event schemas publisher-kafka derives when no registry is set."""
+        return self._under("_schemas")
