@@ -1,0 +1,56 @@
+"""How a failed ingestion query reads: restart it, stop its entity, or stop the service.
+
+Spark reports a failed query as one long error text; the patterns below pick out the
+failures the ingestor knows and turn each into the line an operator reads.
+"""
+
+from __future__ import annotations
+
+import re
+
+from cdc_shared.config import PipelineConfig
+from cdc_shared.layout import INGESTOR
+from cdc_shared.streaming import Failure, OnFailure
+
+from cdc_ingestor.incompatible_schema import INCOMPATIBLE
+
+#: Spark's failure when the Kafka brokers are out of reach (a query restarted with backoff).
+KAFKA_UNAVAILABLE = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.(TimeoutException|DisconnectException|NetworkException)"
+    r"|Timed out waiting for a node assignment|Cannot fetch record.* in \d+ milliseconds"
+)
+#: Spark's failure when offsets the checkpoint needs are gone (failOnDataLoss is on).
+KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|OffsetOutOfRange")
+
+
+def kafka_failures(config: PipelineConfig) -> OnFailure:
+    """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop."""
+
+    def read(entity: str, error: str) -> Failure | None:
+        if incompatible := INCOMPATIBLE.search(error):
+            return Failure(incompatible.group(1), entity_only=True)
+        if KAFKA_DATA_LOSS.search(error):
+            topic = config.entity(entity).source_topic
+            partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
+            where = ", ".join(map(str, partitions)) or "unknown (see Spark's reason)"
+            spark_reason = re.search(r"Reason: (.*)", error)  # Spark's KAFKA_DATA_LOSS line
+            return Failure(
+                f"stopped: Kafka no longer has records it must ingest from topic {topic!r} "
+                f"partition(s) {where} (deleted by retention or delete-records, or the topic "
+                "was recreated). The stream stopped at the gap: nothing was skipped and bronze is "
+                "as it was. To go on, "
+                "accept the gap and restart with a new checkpoint (move "
+                f"{config.checkpoint_path(INGESTOR, entity)} aside), then re-snapshot the "
+                "source table if its rows are needed; raise the topic's retention.ms so it "
+                "does not happen again. Spark: "
+                + (spark_reason.group(1) if spark_reason else error.partition("\n")[0])[:600]
+            )
+        if KAFKA_UNAVAILABLE.search(error):
+            return Failure(
+                f"Kafka unavailable ({config.kafka.bootstrap_servers}): "
+                "the stream failed and restarts from its checkpoint",
+                transient=True,
+            )
+        return None
+
+    return read

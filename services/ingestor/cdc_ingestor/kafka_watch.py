@@ -1,0 +1,96 @@
+"""A probe of the Kafka brokers while the ingestor runs, so that waiting for them shows.
+
+Spark's Kafka source mostly waits, silently, when the brokers go away; the probe turns
+that wait into ``/health`` 503 and warning lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cdc_shared.clients import make_admin
+from cdc_shared.config import KafkaConfig
+from cdc_shared.layout import INGESTOR
+from cdc_shared.streaming import StreamRunner
+from confluent_kafka import KafkaError, KafkaException
+
+log = logging.getLogger("cdc_ingestor")
+
+
+class KafkaWatch:
+    """Probes the brokers while the ingestor runs; unreachable -> ``/health`` 503 and a warning.
+
+    Spark's Kafka source mostly waits when the brokers go away: the executors' consumers
+    retry until they are back, and the driver's offset lookup retries for about three
+    minutes (3 attempts of ``default.api.timeout.ms``) before the query fails and is
+    restarted (:func:`cdc_ingestor.failures.kafka_failures`). The probe makes the wait
+    visible: ``set_problem`` on every entity, a warning when Kafka goes away and once a
+    minute while it stays away, and a note when it is back.
+    """
+
+    def __init__(
+        self,
+        kafka: KafkaConfig,
+        entities: list[str],
+        runner: StreamRunner,
+        interval_s: float = 5.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.kafka = kafka
+        self.entities = entities
+        self.runner = runner
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._admin = make_admin(kafka, log_level=0)  # our warning says it; librdkafka is noisy
+        self._stop = threading.Event()
+        self._down_since: float | None = None
+        self._warned_at = 0.0
+
+    def start(self) -> KafkaWatch:
+        """Probe in a daemon thread until the runner closes."""
+        threading.Thread(target=self._run, name="kafka-watch", daemon=True).start()
+        self.runner.on_close(self._stop.set)
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.check()
+
+    def check(self) -> bool:
+        """One probe (a metadata request); True if a broker answered."""
+        try:
+            self._admin.list_topics(timeout=self.timeout_s)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            self._unreachable(error.str() if isinstance(error, KafkaError) else type(exc).__name__)
+            return False
+        if self._down_since is not None:
+            log.info(
+                "Kafka reachable again",
+                extra={"service": INGESTOR, "down_s": round(time.monotonic() - self._down_since)},
+            )
+            self._down_since = None
+            for entity in self.entities:
+                self.runner.set_problem(entity, None)
+        return True
+
+    def _unreachable(self, reason: str) -> None:
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        problem = f"Kafka unreachable ({self.kafka.bootstrap_servers}): {reason}; retrying"
+        for entity in self.entities:
+            self.runner.set_problem(entity, problem)
+        if now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning(
+                "Kafka unreachable; ingestion waits and retries, nothing is skipped",
+                extra={
+                    "service": INGESTOR,
+                    "bootstrap_servers": self.kafka.bootstrap_servers,
+                    "error": reason,
+                    "down_s": round(now - self._down_since),
+                },
+            )
