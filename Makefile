@@ -1,6 +1,7 @@
 # The two commands of a fresh machine: `make demo` and `make test`.
 # Each bootstraps what is missing: system tools (Java, Maven), the virtual environment
-# at .venv with the project installed editable, and the JVM cache (deploy/jvm).
+# at .venv with the project and its development kit (devkit/) installed editable, and the
+# JVM cache (deploy/jvm).
 
 PYTHON ?= python3.11
 VENV := .venv
@@ -22,10 +23,10 @@ help:
 tools:
 	@bash deploy/local/ensure-tools.sh
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml devkit/pyproject.toml
 	@$(MAKE) --no-print-directory tools
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev]" -e ./devkit
 	@touch $@
 
 venv: $(VENV_STAMP)

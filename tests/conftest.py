@@ -7,8 +7,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from cdc_cli import infra
-from cdc_cli.postgres import Database, local_server
+from cdc_devkit import infra
+from cdc_devkit.postgres import Database, local_server
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, SparkConfig
 from cdc_shared.spark import build_spark_session
 from confluent_kafka.admin import AdminClient, NewTopic

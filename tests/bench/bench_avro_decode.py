@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fastavro
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import AvroDecoder, FileSchemaRegistry
 from cdc_shared.config import EntityConfig
 

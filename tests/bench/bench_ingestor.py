@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 import yaml
-from cdc_cli.processes import group_rss_bytes
+from cdc_devkit.processes import group_rss_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -97,7 +97,7 @@ def main() -> None:
         baseline(args.baseline_of)
         return
 
-    from cdc_cli.workload import WorkloadGenerator, WorkloadSpec, produce
+    from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
     from cdc_shared.config import load_config
     from cdc_shared.schemas import make_registry
 

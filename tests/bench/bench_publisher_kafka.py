@@ -35,7 +35,7 @@ from pathlib import Path
 import fastavro
 import yaml
 from bench_ingestor import run_measured
-from cdc_cli.oracle import load_fingerprints
+from cdc_devkit.oracle import load_fingerprints
 from cdc_shared.config import load_config
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import ensure_table

@@ -18,12 +18,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cdc_cli import infra
 from cdc_cli.application import Application
-from cdc_cli.checks import compare, silver_rows
-from cdc_cli.debezium import Capture, ConnectClient, start_captures, stop_captures, wait_captured
-from cdc_cli.postgres import CUSTOMERS, Database, SqlWorkload
-from cdc_cli.postgres_pipeline import outputs_against_database, write_postgres_pipeline
+from cdc_devkit import infra
+from cdc_devkit.checks import compare, silver_rows
+from cdc_devkit.debezium import Capture, ConnectClient, start_captures, stop_captures, wait_captured
+from cdc_devkit.postgres import CUSTOMERS, Database, SqlWorkload
+from cdc_devkit.postgres_pipeline import outputs_against_database, write_postgres_pipeline
 from cdc_shared.config import SERVICE_NAMES, load_config
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession

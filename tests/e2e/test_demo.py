@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cdc_cli import infra
+from cdc_devkit import infra
 from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -13,16 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_cli import infra
-from cdc_cli.checks import change_topic_state
-from cdc_cli.local_run import (
+from cdc_devkit import infra
+from cdc_devkit.checks import change_topic_state
+from cdc_devkit.local_run import (
     check_outputs,
     oracle_rows,
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_cli.processes import RunMode, launch, wait_a_little
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_devkit.processes import RunMode, launch, wait_a_little
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.config import load_config
 from cdc_shared.schemas import make_registry
 from pyspark.sql import SparkSession

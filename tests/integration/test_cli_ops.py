@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 from cdc_cli import quarantine
-from cdc_cli.workload import GeneratedMessage, ProduceReport, produce
+from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 from delta.tables import DeltaTable

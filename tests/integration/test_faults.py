@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdc_cli.workload import GeneratedMessage, produce
+from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_ingestor.main import start
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
 from cdc_shared.clients import make_consumer

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdc_cli.workload import (
+from cdc_devkit.workload import (
     produce,
 )
 from cdc_ingestor import main as ingestor_main

@@ -9,7 +9,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from cdc_cli.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec, produce
+from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec, produce
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, KafkaConfig

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from cdc_cli import infra
-from cdc_cli.workload import ProduceReport, produce
+from cdc_devkit import infra
+from cdc_devkit.workload import ProduceReport, produce
 from cdc_shared.clients import make_admin
 from cdc_shared.config import KafkaConfig
 from confluent_kafka import TopicPartition

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cdc_cli.workload import ProduceReport, produce
+from cdc_devkit.workload import ProduceReport, produce
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from support.ingestion import (

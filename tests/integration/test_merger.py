@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_cli.workload import produce
+from cdc_devkit.workload import produce
 from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
 from cdc_shared.config import KafkaConfig

@@ -280,8 +280,8 @@ def test_generated_workload_in_random_batches_equals_the_oracle(
 ) -> None:
     """Ingest the generated load, merge bronze in random slices: silver == the oracle."""
 
-    from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
-    from cdc_cli.workload import produce
+    from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
+    from cdc_devkit.workload import produce
     from pyspark.sql import functions as F
     from support.ingestion import bronze, generate, ingest_once
 

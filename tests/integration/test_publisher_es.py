@@ -1,6 +1,6 @@
 """publisher-es end to end: generated load -> ingestor -> merger -> publisher -> the index.
 
-Every assertion compares Elasticsearch with the independent oracle (cdc_cli.oracle), which
+Every assertion compares Elasticsearch with the independent oracle (cdc_devkit.oracle), which
 decodes the source topic itself and shares no code with the services.
 """
 

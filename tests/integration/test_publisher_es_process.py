@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cdc_cli import infra
+from cdc_devkit import infra
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_oracle, build_silver

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_cli.workload import produce
+from cdc_devkit.workload import produce
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from support.ingestion import generate, ingest_once

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_cli import infra
-from cdc_cli.workload import produce
+from cdc_devkit import infra
+from cdc_devkit.workload import produce
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import KafkaConfig
 from confluent_kafka import KafkaException, TopicPartition

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_cli.workload import produce
+from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start as start_publisher_es
 from cdc_publisher_kafka.main import start as start_publisher_kafka
 from cdc_shared.clients import make_elasticsearch

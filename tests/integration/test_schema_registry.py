@@ -13,8 +13,8 @@ import uuid
 from typing import Any
 
 import pytest
-from cdc_cli.oracle import EntityOracle, load_fingerprints
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec, produce
+from cdc_devkit.oracle import EntityOracle, load_fingerprints
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
 from cdc_shared.avro import ConfluentSchemaRegistry, FileSchemaRegistry, subject_name
 from cdc_shared.config import KafkaConfig
 from confluent_kafka import DeserializingConsumer, KafkaError, TopicPartition

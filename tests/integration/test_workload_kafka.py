@@ -6,8 +6,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec, produce
+from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, KafkaConfig
 from cdc_shared.schemas import entity_schemas

@@ -7,8 +7,8 @@ import datetime as dt
 from decimal import Decimal
 from typing import Any
 
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
-from cdc_cli.workload import produce
+from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import KafkaConfig

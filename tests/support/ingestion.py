@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cdc_cli.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
+from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients import make_consumer

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_publisher_kafka.main import start
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession

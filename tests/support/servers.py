@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cdc_cli import infra
+from cdc_devkit import infra
 
 ROOT = Path(__file__).resolve().parents[2]
 

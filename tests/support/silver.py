@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
 from cdc_shared.avro import FileSchemaRegistry

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cdc_cli.local_run import free_ports
+from cdc_devkit.local_run import free_ports
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 180.0) -> None:

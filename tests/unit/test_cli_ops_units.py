@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 from cdc_cli.checkpoints import Commit, data_commits_from, delta_position
-from cdc_cli.infra import Endpoints
-from cdc_cli.local_run import write_pipeline_config
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
     RetentionTooShortError,
@@ -20,6 +18,8 @@ from cdc_cli.maintenance import (
 )
 from cdc_cli.quarantine import preview
 from cdc_cli.verify import RowShape, canonical, compare
+from cdc_devkit.infra import Endpoints
+from cdc_devkit.local_run import write_pipeline_config
 from cdc_shared.config import EntityConfig
 from pyspark.sql import types as T
 

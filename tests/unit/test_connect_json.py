@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from cdc_cli.connect_json import (
+from cdc_devkit.connect_json import (
     JsonEncoder,
     connect_schema,
     decode_connect_json,
@@ -18,8 +18,8 @@ from cdc_cli.connect_json import (
     from_connect,
     to_connect,
 )
-from cdc_cli.oracle import EntityOracle, load_fingerprints
-from cdc_cli.workload import JSON_POISON_KINDS, WorkloadGenerator, WorkloadSpec
+from cdc_devkit.oracle import EntityOracle, load_fingerprints
+from cdc_devkit.workload import JSON_POISON_KINDS, WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import AvroDecoder, FileSchemaRegistry
 from cdc_shared.schemas import entity_schemas
 from hypothesis import given

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import fastavro
 import pytest
-from cdc_cli import infra
-from cdc_cli.debezium import (
+from cdc_devkit import infra
+from cdc_devkit.debezium import (
     READER_SCHEMAS,
     Capture,
     connector_config,
@@ -20,7 +20,7 @@ from cdc_cli.debezium import (
     reader_schema_path,
     reader_schemas,
 )
-from cdc_cli.postgres import (
+from cdc_devkit.postgres import (
     CUSTOMERS,
     MARKER,
     ORDERS,
@@ -32,7 +32,7 @@ from cdc_cli.postgres import (
     literal,
     typed,
 )
-from cdc_cli.postgres_pipeline import entity_name, table_of, write_postgres_pipeline
+from cdc_devkit.postgres_pipeline import entity_name, table_of, write_postgres_pipeline
 from cdc_ingestor.decode_json import shape_of
 from cdc_shared.avro import load_schema_file
 from cdc_shared.config import load_config

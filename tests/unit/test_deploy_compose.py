@@ -345,6 +345,27 @@ def test_dockerignore_keeps_local_state_out_but_not_what_the_images_copy() -> No
                 assert not excluded, f"COPY {source} is excluded by .dockerignore {pattern!r}"
 
 
+def test_images_do_not_contain_the_development_kit() -> None:
+    # The kit (devkit/, cdc_devkit: demo, chaos, local servers) is a second distribution,
+    # installed only by `make venv`: no image copies it, the build context leaves it out,
+    # and the product's distribution (what the images install) does not package it.
+    for dockerfile in DOCKER.glob("*.Dockerfile"):
+        for keyword, rest in parse_dockerfile(dockerfile):
+            if keyword == "COPY" and not rest.startswith("--from"):
+                sources = [PurePosixPath(s.rstrip("/")) for s in rest.split()[:-1]]
+                assert not any(s.parts[:1] == ("devkit",) for s in sources), (
+                    f"{dockerfile.name}: COPY {rest} copies the development kit"
+                )
+            if keyword == "RUN":
+                assert "devkit" not in rest, f"{dockerfile.name}: RUN {rest}"
+    ignored = (ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines()
+    assert "devkit" in ignored, ".dockerignore does not exclude devkit"
+    packaged = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]
+    assert not [w for w in packaged if PurePosixPath(w).parts[:1] == ("devkit",)], packaged
+    kit = tomllib.loads((ROOT / "devkit" / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "cdc.commands" in kit["project"]["entry-points"]  # how `cdc` finds its commands
+
+
 # ---- healthcheck command against the real health server ------------------------------
 
 

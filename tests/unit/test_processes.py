@@ -1,10 +1,10 @@
-"""Memory accounting of the service processes (``cdc_cli.processes``)."""
+"""Memory accounting of the service processes (``cdc_devkit.processes``)."""
 
 from __future__ import annotations
 
 import os
 
-from cdc_cli.processes import ProcessSample, group_rss_bytes, owns_its_memory, process_snapshot
+from cdc_devkit.processes import ProcessSample, group_rss_bytes, owns_its_memory, process_snapshot
 
 MIB = 2**20
 

@@ -8,8 +8,8 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from cdc_cli.oracle import EntityOracle, load_fingerprints
-from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec
+from cdc_devkit.oracle import EntityOracle, load_fingerprints
+from cdc_devkit.workload import ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import (
     AvroDecoder,
     AvroEncoder,

@@ -1,106 +1,26 @@
-"""The ``cdc`` entry point: one command, a subcommand per operator task."""
+"""The ``cdc`` entry point: one command, a subcommand per operator task.
+
+Development commands (``cdc demo``, ``chaos``, ``generate``, ``infra``) come from the
+development kit (devkit/, package ``cdc_devkit``) when it is installed: each entry point
+of the group ``cdc.commands`` is a ``register(app)`` function. The service images do
+not install the kit, so there ``cdc`` has only the operator commands.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import StrEnum
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TypeVar
 
 import typer
-from cdc_shared.config import ConfigError, load_config
 
-from cdc_cli import infra
-from cdc_cli.processes import RunMode
-
-T = TypeVar("T")
-
-
-class DemoSource(StrEnum):
-    """What feeds the demo's pipeline."""
-
-    GENERATED = "generated"  # a Debezium-style load produced straight to Kafka
-    POSTGRES = "postgres"  # a SQL workload on PostgreSQL, captured by Debezium
-
+COMMANDS_GROUP = "cdc.commands"
 
 app = typer.Typer(
     help="Operate the CDC replication pipeline.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-infra_app = typer.Typer(
-    help="Local Kafka, Elasticsearch and a schema registry on loopback (no Docker).",
-    no_args_is_help=True,
-)
-app.add_typer(infra_app, name="infra")
-
-
-@infra_app.command("up")
-def infra_up(
-    with_registry: bool = typer.Option(
-        False,
-        "--with-registry",
-        help="Also start a schema registry (Apicurio, Confluent-compatible API, in memory).",
-    ),
-    with_postgres: bool = typer.Option(
-        False,
-        "--with-postgres",
-        help="Also start PostgreSQL (wal_level=logical) and Kafka Connect with Debezium's "
-        "PostgreSQL connector (standalone; add connectors over its REST API).",
-    ),
-) -> None:
-    """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
-    try:
-        settings = infra.InfraSettings()
-        served = infra.up(settings, with_registry=with_registry, with_postgres=with_postgres)
-    except infra.InfraError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"kafka bootstrap servers: {served.kafka_bootstrap_servers}")
-    typer.echo(f"elasticsearch url:       {served.elasticsearch_url}")
-    if served.registry_url:
-        typer.echo(f"schema registry url:     {served.registry_url}")
-    if served.postgres:
-        typer.echo(
-            f"postgres:                {served.postgres} (user {infra.POSTGRES_SUPERUSER}, "
-            f"password in {settings.state_dir / 'postgres.password'})"
-        )
-    if served.connect_url:
-        typer.echo(f"kafka connect url:       {served.connect_url}")
-
-
-@infra_app.command("down")
-def infra_down() -> None:
-    """Stop the local servers that `cdc infra up` started."""
-    try:
-        stopped = infra.down()
-    except infra.InfraError as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-    typer.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
-
-
-@infra_app.command("status")
-def infra_status() -> None:
-    """Say which local servers are running."""
-    for name, is_running in infra.running().items():
-        typer.echo(f"{name}: {'running' if is_running else 'stopped'}")
-
-
-def _run_or_exit(run: Callable[[], T]) -> T:
-    """``run()``; a server or run failure becomes one red line and exit 1."""
-    try:
-        return run()
-    except (infra.InfraError, RuntimeError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
-
-
-def _print_summary(rows: list[tuple[str, str]]) -> None:
-    """A run's summary table, one ``label  value`` line per row."""
-    typer.echo("")
-    for label, value in rows:
-        typer.echo(f"  {label:<34} {value}")
 
 
 @app.command("run")
@@ -129,183 +49,11 @@ def run(
     raise typer.Exit(code)
 
 
-@app.command("demo")
-def demo(
-    source: DemoSource = typer.Option(
-        DemoSource.GENERATED,
-        "--source",
-        help="generated: a Debezium-style load produced straight to Kafka; postgres: a SQL "
-        "workload on a real PostgreSQL, captured by Debezium (Avro and JSON connectors).",
-    ),
-    events: int | None = typer.Option(
-        None,
-        min=10,
-        help="Change events to generate (default 20,000); with --source postgres, SQL "
-        "transactions to run (default 300).",
-    ),
-    rate: float | None = typer.Option(
-        None,
-        min=0.1,
-        help="Messages per second offered to Kafka (default 2,000); with --source postgres, "
-        "transactions per second (default 10).",
-    ),
-    keys: int = typer.Option(2_000, min=10, help="Key space per entity."),
-    workdir: Path = typer.Option(Path("data/demo"), help="Tables, logs and report (wiped)."),
-    timeout: float = typer.Option(600.0, min=10, help="Seconds to wait for the catch-up."),
-    down: bool = typer.Option(
-        False, "--down", help="Stop the servers at the end (Kafka, Elasticsearch, ...)."
-    ),
-    mode: RunMode = typer.Option(
-        RunMode.APPLICATION,
-        "--mode",
-        help="application: the four services in one Spark application (`cdc run`); "
-        "services: four processes, as deployed apart.",
-    ),
-) -> None:
-    """Run the four services on a generated load and check every output against the oracle.
-
-    By default the services run as one Spark application (`cdc run`): on a small machine
-    it starts sooner and keeps up better; `--mode services` runs them as four processes.
-    `--source postgres` feeds them from a real PostgreSQL through Debezium instead, and
-    checks every output against the database's tables.
-
-    Exits 0 when silver, the change topics and the indexes all equal the oracle (or the
-    database) and every service stopped cleanly on SIGTERM; 1 otherwise.
-    """
-    from cdc_cli.demo import DemoOptions, run_demo, summary_rows
-
-    postgres = source is DemoSource.POSTGRES
-    options = DemoOptions(
-        events=events if events is not None else (300 if postgres else 20_000),
-        rate=rate if rate is not None else (10.0 if postgres else 2_000.0),
-        keys=keys,
-        workdir=workdir,
-        catch_up_timeout_s=timeout,
-        mode=mode,
-    )
-    if postgres:
-        from cdc_cli import demo_postgres
-
-        found = _run_or_exit(lambda: demo_postgres.run_postgres_demo(options, typer.echo))
-        _print_summary(demo_postgres.summary_rows(found))
-        report, agrees = found.report, found.agrees
-    else:
-        result = _run_or_exit(lambda: run_demo(options, typer.echo))
-        _print_summary(summary_rows(result))
-        report, agrees = result.report, result.agrees
-    typer.echo(f"\nreport: {report}")
-    if down:
-        infra.down()
-    else:
-        typer.echo(
-            f"servers left running. Look around: `cdc status --config {workdir}/pipeline.yaml`, "
-            "then `cdc infra down`"
-        )
-    if not agrees:
-        raise typer.Exit(1)
-
-
-@app.command("chaos")
-def chaos(
-    events: int = typer.Option(200_000, min=100, help="Change events to generate."),
-    rate: float = typer.Option(500.0, min=1, help="Messages per second offered to Kafka."),
-    keys: int = typer.Option(5_000, min=10, help="Key space per entity."),
-    seed: int = typer.Option(42, help="Same seed, same load, same fault plan."),
-    kills: int = typer.Option(50, min=0, help="Service SIGKILLs (each restarted)."),
-    broker_restarts: int = typer.Option(3, min=0, help="Kafka broker restarts."),
-    es_outages: int = typer.Option(3, min=0, help="Elasticsearch stops (then starts)."),
-    es_slowdowns: int = typer.Option(3, min=0, help="Elasticsearch freezes in bursts."),
-    pause: float = typer.Option(10.0, min=0, help="Mean seconds between two faults."),
-    outage: float = typer.Option(20.0, min=1, help="Seconds an ES outage or slowdown lasts."),
-    workdir: Path = typer.Option(Path("data/chaos"), help="Tables and logs (wiped)."),
-    timeout: float = typer.Option(1800.0, min=10, help="Seconds to wait for the catch-up."),
-    mode: RunMode = typer.Option(
-        RunMode.SERVICES,
-        "--mode",
-        help="services: four processes, each killed alone; application: one "
-        "(`cdc run`), each kill takes every service down.",
-    ),
-) -> None:
-    """Run the pipeline under SIGKILLs, broker restarts and Elasticsearch outages; check it.
-
-    Exits 0 when nothing diverged (offsets, silver, change topics, indexes, quarantine,
-    logs free of secrets) and every service stopped cleanly at the end; 1 otherwise.
-    """
-    from cdc_cli.chaos import ChaosOptions, run_chaos, summary_rows
-
-    options = ChaosOptions(
-        events=events,
-        rate=rate,
-        keys=keys,
-        seed=seed,
-        kills=kills,
-        broker_restarts=broker_restarts,
-        es_outages=es_outages,
-        es_slowdowns=es_slowdowns,
-        pause_s=pause,
-        outage_s=outage,
-        workdir=workdir,
-        catch_up_timeout_s=timeout,
-        mode=mode,
-    )
-    result = _run_or_exit(lambda: run_chaos(options, typer.echo))
-    _print_summary(summary_rows(result))
-    if not result.passed:
-        raise typer.Exit(1)
-
-
-@app.command("generate")
-def generate(
-    config: Path = typer.Option(..., "--config", envvar="CDC_CONFIG", help="Pipeline YAML."),
-    entity: list[str] = typer.Option(None, "--entity", help="Entity to generate (repeatable)."),
-    events: int = typer.Option(10_000, min=0, help="Change events after the snapshots."),
-    keys: int = typer.Option(1_000, min=1, help="Key space per entity."),
-    rate: float = typer.Option(0.0, min=0, help="Messages per second; 0 = as fast as possible."),
-    seed: int = typer.Option(42, help="Same seed, same bytes."),
-    poison_share: float = typer.Option(0.001, min=0, max=1, help="Share of poison records."),
-    redelivery_share: float = typer.Option(0.02, min=0, max=1, help="Share of re-deliveries."),
-    delete_share: float = typer.Option(0.1, min=0, max=1, help="Share of changes that delete."),
-    partitions: int = typer.Option(3, min=1, help="Partitions of topics it creates."),
-) -> None:
-    """Write a realistic, deterministic Debezium-style CDC stream to the source topics."""
-    from cdc_shared.schemas import make_registry
-
-    from cdc_cli.workload import WorkloadGenerator, WorkloadSpec, produce
-
-    try:
-        pipeline = load_config(config)
-        entities = pipeline.select_entities(entity)
-        generator = WorkloadGenerator(
-            entities,
-            make_registry(pipeline),
-            WorkloadSpec(
-                events=events,
-                keys=keys,
-                seed=seed,
-                poison_share=poison_share,
-                redelivery_share=redelivery_share,
-                delete_share=delete_share,
-            ),
-        )
-    except (ConfigError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(2) from None
-    typer.echo(
-        f"generating to {', '.join(e.source_topic for e in entities)} "
-        f"at {pipeline.kafka.bootstrap_servers}"
-    )
-    report = produce(
-        pipeline.kafka,
-        generator.messages(),
-        rate=rate or None,
-        partitions=partitions,
-        progress=lambda n, r: typer.echo(f"  {n:>10,} messages  {r:>10,.0f}/s", err=True),
-    )
-    kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(report.by_kind.items()))
-    typer.echo(
-        f"produced {report.produced:,} messages in {report.seconds:.1f} s "
-        f"({report.rate:,.0f}/s): {kinds}"
-    )
+def _register_installed_commands() -> None:
+    """Add the commands that installed distributions declare in ``cdc.commands``."""
+    for entry in entry_points(group=COMMANDS_GROUP):
+        register: Callable[[typer.Typer], None] = entry.load()
+        register(app)
 
 
 def _register_operator_commands() -> None:
@@ -315,4 +63,5 @@ def _register_operator_commands() -> None:
     register(app)
 
 
+_register_installed_commands()
 _register_operator_commands()

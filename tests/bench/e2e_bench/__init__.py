@@ -4,15 +4,15 @@ Figures, not a test: nothing here asserts a time. Needs nothing running: it star
 local servers (``cdc infra up``, ports from ``CDC_INFRA_*``), then, for each pipeline in
 turn (never both at once, so they do not share the CPU):
 
-- cdc: the four services as separate processes (``cdc_cli.processes``) on fresh topics,
-  tables and indexes (``cdc_cli.local_run.write_pipeline_config``);
+- cdc: the four services as separate processes (``cdc_devkit.processes``) on fresh topics,
+  tables and indexes (``cdc_devkit.local_run.write_pipeline_config``);
 - cdc-app: the same four services as one Spark application (``cdc run``);
 - baseline (``--baseline``, the default): one Spark process with three queries per entity,
   the seed-style way: Spark's Kafka source -> ``from_avro`` with the one writer schema ->
   Delta append; bronze stream -> ``foreachBatch`` newest-per-key + plain MERGE into a
   silver table with Change Data Feed; silver CDF -> ``to_avro`` -> Spark's Kafka sink.
 
-Load: the workload generator (``cdc_cli.workload``) in ``--producers`` worker processes,
+Load: the workload generator (``cdc_devkit.workload``) in ``--producers`` worker processes,
 each on its own share of the key space; in-order inserts, updates and deletes with
 tombstones, no re-deliveries, poison or schema change (so the plain MERGE of the
 baseline is correct on it and the comparison is about speed only). The snapshot goes

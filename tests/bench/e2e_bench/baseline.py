@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cdc_cli.processes import ServiceProcess
+from cdc_devkit.processes import ServiceProcess
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
 from pyspark.sql.streaming.listener import StreamingQueryListener
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cdc_cli import infra
+from cdc_devkit import infra
 
 from .baseline import run_baseline
 from .probes import ROOT

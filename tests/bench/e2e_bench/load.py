@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cdc_cli.oracle import load_fingerprints
-from cdc_cli.workload import GeneratedMessage, WorkloadSpec, produce
+from cdc_devkit.oracle import load_fingerprints
+from cdc_devkit.workload import GeneratedMessage, WorkloadSpec, produce
 from cdc_shared.config import load_config
 from cdc_shared.schemas import make_registry
 

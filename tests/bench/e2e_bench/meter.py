@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from cdc_cli.processes import owns_its_memory, process_snapshot
+from cdc_devkit.processes import owns_its_memory, process_snapshot
 
 _TICK = os.sysconf("SC_CLK_TCK")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import fastavro
-from cdc_cli.workload import WorkloadGenerator, WorkloadSpec
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import make_registry

@@ -10,10 +10,10 @@ import uuid
 from pathlib import Path
 
 import yaml
-from cdc_cli import infra
-from cdc_cli.local_run import Progress, wait_until_healthy, write_pipeline_config
-from cdc_cli.processes import RunMode, ServiceProcess, launch, wait_a_little
-from cdc_cli.workload import WorkloadSpec, ensure_topics
+from cdc_devkit import infra
+from cdc_devkit.local_run import Progress, wait_until_healthy, write_pipeline_config
+from cdc_devkit.processes import RunMode, ServiceProcess, launch, wait_a_little
+from cdc_devkit.workload import WorkloadSpec, ensure_topics
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import PipelineConfig, load_config
 

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from cdc_cli.oracle import load_fingerprints
+from cdc_devkit.oracle import load_fingerprints
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 

@@ -40,9 +40,9 @@ from cdc_shared.clients import make_consumer
 from cdc_shared.config import DecimalHandling, KafkaConfig
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-from cdc_cli.postgres import MARKER, TABLES, Column, Database, Table
+from cdc_devkit.postgres import MARKER, TABLES, Column, Database, Table
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 #: Pinned reader schemas of the JSON entities (the Avro ones come from the registry).
 READER_SCHEMAS = ROOT / "schemas" / "postgres"
 POSTGRES_CONNECTOR = "io.debezium.connector.postgresql.PostgresConnector"

@@ -22,9 +22,9 @@ from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
 from pyspark.sql import SparkSession
 
-from cdc_cli import infra
-from cdc_cli.checks import Difference, change_topic_state, index_rows
-from cdc_cli.local_run import (
+from cdc_devkit import infra
+from cdc_devkit.checks import Difference, change_topic_state, index_rows
+from cdc_devkit.local_run import (
     Echo,
     Progress,
     check_outputs,
@@ -35,15 +35,21 @@ from cdc_cli.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_cli.processes import (
+from cdc_devkit.processes import (
     RunMode,
     ServiceProcess,
     batches_by_service,
     launch,
     wait_a_little,
 )
-from cdc_cli.report import write_report
-from cdc_cli.workload import ProduceReport, WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_devkit.report import write_report
+from cdc_devkit.workload import (
+    ProduceReport,
+    WorkloadGenerator,
+    WorkloadSpec,
+    ensure_topics,
+    produce,
+)
 
 
 @dataclass(frozen=True)

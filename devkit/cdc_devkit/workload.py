@@ -29,7 +29,7 @@ from cdc_shared.schemas import EntitySchemas, entity_schemas
 from confluent_kafka import KafkaError, Message
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
-from cdc_cli.connect_json import JsonEncoder, JsonForm
+from cdc_devkit.connect_json import JsonEncoder, JsonForm
 
 MessageKind = Literal["event", "tombstone", "redelivery", "poison"]
 PoisonKind = Literal["corrupt", "unknown_schema", "null_key", "malformed_json", "wrong_type"]

@@ -27,7 +27,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from cdc_cli import infra
+from cdc_devkit import infra
 
 ColumnKind = Literal["int", "long", "text", "bool", "decimal", "date", "timestamp", "timestamptz"]
 Key = tuple[Any, ...]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cdc_cli.verify import silver_hashes
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
@@ -39,8 +40,8 @@ from cdc_shared.tables import has_commits
 from confluent_kafka import KafkaException, TopicPartition
 from pyspark.sql import SparkSession
 
-from cdc_cli import infra
-from cdc_cli.checks import (
+from cdc_devkit import infra
+from cdc_devkit.checks import (
     Difference,
     PoisonCheck,
     SourceCoverage,
@@ -48,7 +49,7 @@ from cdc_cli.checks import (
     quarantined_poison,
     source_coverage,
 )
-from cdc_cli.local_run import (
+from cdc_devkit.local_run import (
     Echo,
     Progress,
     check_outputs,
@@ -58,7 +59,7 @@ from cdc_cli.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_cli.processes import (
+from cdc_devkit.processes import (
     APPLICATION,
     SERVICES,
     RunMode,
@@ -66,8 +67,7 @@ from cdc_cli.processes import (
     launch,
     wait_a_little,
 )
-from cdc_cli.verify import silver_hashes
-from cdc_cli.workload import (
+from cdc_devkit.workload import (
     GeneratedMessage,
     ProduceReport,
     WorkloadGenerator,

@@ -15,11 +15,11 @@ import yaml
 from cdc_shared.config import EntityConfig, PipelineConfig
 from pyspark.sql import SparkSession
 
-from cdc_cli import infra
-from cdc_cli.checks import Difference, change_topic_state, compare, index_rows, silver_rows
-from cdc_cli.debezium import Capture, entity_settings
-from cdc_cli.local_run import write_pipeline_config
-from cdc_cli.postgres import TABLES, Database, Table
+from cdc_devkit import infra
+from cdc_devkit.checks import Difference, change_topic_state, compare, index_rows, silver_rows
+from cdc_devkit.debezium import Capture, entity_settings
+from cdc_devkit.local_run import write_pipeline_config
+from cdc_devkit.postgres import TABLES, Database, Table
 
 
 def entity_name(capture: Capture, table: Table) -> str:

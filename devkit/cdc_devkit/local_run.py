@@ -25,8 +25,8 @@ from cdc_shared.schemas import make_registry
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
-from cdc_cli import infra
-from cdc_cli.checks import (
+from cdc_devkit import infra
+from cdc_devkit.checks import (
     Difference,
     Key,
     change_topic_state,
@@ -34,10 +34,10 @@ from cdc_cli.checks import (
     index_rows,
     silver_rows,
 )
-from cdc_cli.oracle import EntityOracle, load_fingerprints, read_topic
-from cdc_cli.processes import ServiceProcess, wait_a_little
+from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
+from cdc_devkit.processes import ServiceProcess, wait_a_little
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = ROOT / "deploy" / "local" / "pipeline.yaml"
 Echo = Callable[[str], None]
 

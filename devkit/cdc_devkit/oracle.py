@@ -26,7 +26,7 @@ from cdc_shared.schemas import entity_schemas
 from confluent_kafka import TopicPartition
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 
-from cdc_cli.connect_json import decode_connect_json, expanded
+from cdc_devkit.connect_json import decode_connect_json, expanded
 
 Key = tuple[Any, ...]
 Sequence_ = tuple[Any, ...]

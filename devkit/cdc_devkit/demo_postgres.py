@@ -25,9 +25,9 @@ from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
-from cdc_cli import infra
-from cdc_cli.checks import Difference, index_rows
-from cdc_cli.debezium import (
+from cdc_devkit import infra
+from cdc_devkit.checks import Difference, index_rows
+from cdc_devkit.debezium import (
     Capture,
     ConnectClient,
     start_captures,
@@ -35,12 +35,12 @@ from cdc_cli.debezium import (
     wait_captured,
     wait_snapshot,
 )
-from cdc_cli.demo import DemoOptions
-from cdc_cli.local_run import Echo, Progress, unwind_on_sigterm, wait_until_healthy
-from cdc_cli.postgres import Database, SqlWorkload, Step, local_server
-from cdc_cli.postgres_pipeline import outputs_against_database, write_postgres_pipeline
-from cdc_cli.processes import ServiceProcess, batches_by_service, launch, wait_a_little
-from cdc_cli.report import write_report
+from cdc_devkit.demo import DemoOptions
+from cdc_devkit.local_run import Echo, Progress, unwind_on_sigterm, wait_until_healthy
+from cdc_devkit.postgres import Database, SqlWorkload, Step, local_server
+from cdc_devkit.postgres_pipeline import outputs_against_database, write_postgres_pipeline
+from cdc_devkit.processes import ServiceProcess, batches_by_service, launch, wait_a_little
+from cdc_devkit.report import write_report
 
 
 @dataclass
