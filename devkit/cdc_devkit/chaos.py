@@ -34,6 +34,7 @@ from typing import Literal
 from cdc_cli.verify import silver_hashes
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.layout import publisher_progress_group
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
@@ -195,7 +196,7 @@ class WindowWatch:
         progress = TopicPartition(self.config.publisher_kafka.progress_topic, 0)
         consumer = make_consumer(
             self.config.kafka,
-            f"cdc-publisher-kafka.{topic}",
+            publisher_progress_group(topic),
             **{"isolation.level": "read_committed"},
         )
 
