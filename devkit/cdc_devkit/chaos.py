@@ -185,8 +185,9 @@ class WindowWatch:
         """Block until ``service`` just committed (or is indexing) for the entity."""
         entity = self.config.entity(entity_name)
         if service in ("ingestor", "merger"):
-            layer = "bronze" if service == "ingestor" else "silver"
-            log = Path(self.config.table_path(layer, entity.name)) / "_delta_log"
+            layout = self.config.layout
+            table = layout.bronze if service == "ingestor" else layout.silver
+            log = Path(table(entity.name)) / "_delta_log"
             return _changes(lambda: _latest_commit(log), timeout_s, every_s=0.005)
         if service == "publisher-kafka":
             return self._wait_for_transaction(entity.change_topic_name, timeout_s)
@@ -386,7 +387,7 @@ def silver_fingerprint(spark: SparkSession, config: PipelineConfig) -> str:
     """One SHA-256 over every entity's silver content: same seed, same fingerprint."""
     digest = hashlib.sha256()
     for entity in config.entities:
-        path = config.table_path("silver", entity.name)
+        path = config.layout.silver(entity.name)
         if not has_commits(spark, path):
             continue
         _, hashes = silver_hashes(spark, path, entity)

@@ -106,7 +106,7 @@ def compare(output: str, expected: Rows, got: Rows) -> Difference:
 
 def silver_rows(spark: SparkSession, config: PipelineConfig, entity: EntityConfig) -> Rows:
     """Silver's rows by key (metadata columns left out); empty before the merger made it."""
-    path = config.table_path("silver", entity.name)
+    path = config.layout.silver(entity.name)
     if not has_commits(spark, path):
         return {}
     silver = spark.read.format("delta").load(path)
@@ -261,10 +261,10 @@ def source_coverage(
     """Whether every record of the entity's source topic landed once in bronze or quarantine."""
     topic = entity.source_topic
     on_broker = topic_offsets(config, topic)
-    landed = _coordinates(spark, config.table_path("bronze", entity.name), "true")
+    landed = _coordinates(spark, config.layout.bronze(entity.name), "true")
     landed += _coordinates(
         spark,
-        config.table_path("quarantine", "ingestor"),
+        config.layout.quarantine("ingestor"),
         f"kafka_topic = '{topic}'",
     )
     seen: set[tuple[int, int]] = set()
@@ -315,7 +315,7 @@ def quarantined_poison(
     kinds after the ingestor's error kinds.
     """
     check = PoisonCheck(len(poison))
-    path = config.table_path("quarantine", "ingestor")
+    path = config.layout.quarantine("ingestor")
     rows = []
     if has_commits(spark, path):
         frame = spark.read.format("delta").load(path)

@@ -14,8 +14,10 @@ import datetime as dt
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
@@ -84,11 +86,83 @@ class DemoResult:
     @property
     def agrees(self) -> bool:
         """Every output equals the oracle and every service stopped cleanly."""
-        return (
-            bool(self.differences)
-            and all(d.agrees for d in self.differences)
-            and all(code == 0 for code in self.exit_codes.values())
-        )
+        return outcome_agrees(self)
+
+
+class DemoOutcome(Protocol):
+    """What every demo (this one, ``demo_postgres``) records of its outputs and services."""
+
+    differences: list[Difference]
+    exit_codes: dict[str, int | None]
+    peak_rss: dict[str, int]
+    seconds: float
+    report: Path | None
+
+
+Outcome = TypeVar("Outcome", bound=DemoOutcome)
+
+
+def outcome_agrees(outcome: DemoOutcome) -> bool:
+    """Some output was checked, every check agrees and every service exited with 0."""
+    return (
+        bool(outcome.differences)
+        and all(d.agrees for d in outcome.differences)
+        and all(code == 0 for code in outcome.exit_codes.values())
+    )
+
+
+def check_session(config: PipelineConfig) -> SparkSession:
+    """The quiet Spark session a demo reads the outputs with."""
+    spark = build_spark_session(config.spark, "cdc-demo-check")
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def catch_up(
+    outcome: DemoOutcome,
+    check: Callable[[], list[Difference]],
+    services: list[ServiceProcess],
+    timeout_s: float,
+    echo: Echo,
+) -> None:
+    """Check the outputs into ``outcome`` until all agree, time is up or a service stops."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcome.differences = check()
+        if all(d.agrees for d in outcome.differences) or time.monotonic() > deadline:
+            break
+        if not all(s.alive for s in services):
+            echo("a service stopped early; see its log")
+            break
+        wait_a_little(services, 10)
+
+
+def stop_services(services: list[ServiceProcess], outcome: DemoOutcome) -> None:
+    """Stop every service (SIGTERM, see ``ServiceProcess.stop``); keep exit code and peak RSS."""
+    for service in services:
+        outcome.exit_codes[service.name] = service.stop()
+        outcome.peak_rss[service.name] = service.peak_rss
+
+
+def finish_report(
+    outcome: Outcome,
+    summary: Callable[[Outcome], list[tuple[str, str]]],
+    services: list[ServiceProcess],
+    workdir: Path,
+    started: tuple[dt.datetime, float],
+) -> None:
+    """Record the run's duration, then write ``workdir/report.html`` with its summary.
+
+    ``started`` is the wall-clock and the monotonic time the run began at.
+    """
+    started_wall, started_monotonic = started
+    outcome.seconds = time.monotonic() - started_monotonic
+    outcome.report = write_report(
+        workdir / "report.html",
+        batches_by_service(services),
+        summary(outcome),
+        started_wall,
+    )
 
 
 def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
@@ -128,34 +202,23 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
             "waiting for the pipeline to catch up"
         )
         expected = oracle_rows(config)
-        spark = build_spark_session(config.spark, "cdc-demo-check")
-        spark.sparkContext.setLogLevel("ERROR")
-        deadline = time.monotonic() + options.catch_up_timeout_s
-        while True:
-            result.differences = check_outputs(spark, config, expected)
-            if all(d.agrees for d in result.differences) or time.monotonic() > deadline:
-                break
-            if not all(s.alive for s in services):
-                echo("a service stopped early; see its log")
-                break
-            wait_a_little(services, 10)
+        spark = check_session(config)
+        catch_up(
+            result,
+            lambda: check_outputs(spark, config, expected),
+            services,
+            options.catch_up_timeout_s,
+            echo,
+        )
         result.delays_ms = produce_delays(spark, config)
         _count(spark, config, result)
     finally:
         progress.done.set()
         result.peak_machine_bytes = progress.peak_machine_bytes
-        for service in services:
-            result.exit_codes[service.name] = service.stop()
-            result.peak_rss[service.name] = service.peak_rss
+        stop_services(services, result)
         if spark is not None:
             spark.stop()
-    result.seconds = time.monotonic() - started
-    result.report = write_report(
-        options.workdir / "report.html",
-        batches_by_service(services),
-        summary_rows(result),
-        started_wall,
-    )
+    finish_report(result, summary_rows, services, options.workdir, (started_wall, started))
     return result
 
 
@@ -177,12 +240,12 @@ def _count(spark: SparkSession, config: PipelineConfig, result: DemoResult) -> N
             return 0
 
     for entity in config.entities:
-        result.rows[f"bronze/{entity.name}"] = rows(config.table_path("bronze", entity.name))
-        result.rows[f"silver/{entity.name}"] = rows(config.table_path("silver", entity.name))
+        result.rows[f"bronze/{entity.name}"] = rows(config.layout.bronze(entity.name))
+        result.rows[f"silver/{entity.name}"] = rows(config.layout.silver(entity.name))
         result.change_events[entity.change_topic_name] = change_topic_state(config, entity).events
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
     for service in ("ingestor", "merger", "publisher_es"):
-        result.rows[f"quarantine/{service}"] = rows(config.table_path("quarantine", service))
+        result.rows[f"quarantine/{service}"] = rows(config.layout.quarantine(service))
 
 
 def _percentiles(values: list[float]) -> str:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
@@ -35,12 +34,18 @@ from cdc_devkit.debezium import (
     wait_captured,
     wait_snapshot,
 )
-from cdc_devkit.demo import DemoOptions
+from cdc_devkit.demo import (
+    DemoOptions,
+    catch_up,
+    check_session,
+    finish_report,
+    outcome_agrees,
+    stop_services,
+)
 from cdc_devkit.local_run import Echo, Progress, unwind_on_sigterm, wait_until_healthy
 from cdc_devkit.postgres import Database, SqlWorkload, Step, local_server
 from cdc_devkit.postgres_pipeline import outputs_against_database, write_postgres_pipeline
-from cdc_devkit.processes import ServiceProcess, batches_by_service, launch, wait_a_little
-from cdc_devkit.report import write_report
+from cdc_devkit.processes import ServiceProcess, launch
 
 
 @dataclass
@@ -63,11 +68,7 @@ class PostgresDemoResult:
     @property
     def agrees(self) -> bool:
         """Every output equals PostgreSQL's tables and every service stopped cleanly."""
-        return (
-            bool(self.differences)
-            and all(d.agrees for d in self.differences)
-            and all(code == 0 for code in self.exit_codes.values())
-        )
+        return outcome_agrees(self)
 
 
 def demo_captures(run: str) -> list[Capture]:
@@ -140,18 +141,10 @@ def run_postgres_demo(options: DemoOptions, echo: Echo) -> PostgresDemoResult:
     finally:
         if progress is not None:
             progress.done.set()
-        for service in services:
-            result.exit_codes[service.name] = service.stop()
-            result.peak_rss[service.name] = service.peak_rss
+        stop_services(services, result)
         # The tables stay to look at; the connectors and their slots go (no WAL kept).
         stop_captures(connect, server, run, result.captures, drop_database=False)
-    result.seconds = time.monotonic() - started
-    result.report = write_report(
-        options.workdir / "report.html",
-        batches_by_service(services),
-        summary_rows(result),
-        started_wall,
-    )
+    finish_report(result, summary_rows, services, options.workdir, (started_wall, started))
     return result
 
 
@@ -164,18 +157,15 @@ def _catch_up(
     result: PostgresDemoResult,
 ) -> None:
     """Compare every output with the database until all agree (or time is up); count."""
-    spark = build_spark_session(config.spark, "cdc-demo-check")
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = check_session(config)
     try:
-        deadline = time.monotonic() + options.catch_up_timeout_s
-        while True:
-            result.differences = outputs_against_database(spark, config, database)
-            if all(d.agrees for d in result.differences) or time.monotonic() > deadline:
-                break
-            if not all(s.alive for s in services):
-                echo("a service stopped early; see its log")
-                break
-            wait_a_little(services, 10)
+        catch_up(
+            result,
+            lambda: outputs_against_database(spark, config, database),
+            services,
+            options.catch_up_timeout_s,
+            echo,
+        )
         _count(spark, config, result)
     finally:
         spark.stop()
@@ -197,14 +187,15 @@ def _run_step(
 
 def _count(spark: SparkSession, config: PipelineConfig, result: PostgresDemoResult) -> None:
     for entity in config.entities:
-        for layer in ("bronze", "silver"):
-            path = config.table_path(layer, entity.name)
+        tables = (("bronze", config.layout.bronze), ("silver", config.layout.silver))
+        for layer, table in tables:
+            path = table(entity.name)
             if has_commits(spark, path):
                 result.rows[f"{layer}/{entity.name}"] = (
                     spark.read.format("delta").load(path).count()
                 )
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
-    quarantine = config.table_path("quarantine", "ingestor")
+    quarantine = config.layout.quarantine("ingestor")
     result.rows["quarantine/ingestor"] = (
         spark.read.format("delta").load(quarantine).count() if has_commits(spark, quarantine) else 0
     )

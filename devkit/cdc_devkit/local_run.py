@@ -213,15 +213,15 @@ def produce_delays(spark: SparkSession, config: PipelineConfig) -> dict[str, lis
     to_silver: list[float] = []
     to_topic: list[float] = []
     for entity in config.entities:
-        if not has_commits(spark, config.table_path("silver", entity.name)):
+        if not has_commits(spark, config.layout.silver(entity.name)):
             continue
-        bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
+        bronze = spark.read.format("delta").load(config.layout.bronze(entity.name))
         produced: dict[tuple[Key, tuple[int, ...]], float] = {}
         for r in bronze.select("key", "sequence", "kafka_timestamp").collect():
             mark = (tuple(r["key"][k] for k in entity.key), tuple(r["sequence"]))
             at = r["kafka_timestamp"].replace(tzinfo=dt.UTC).timestamp()
             produced[mark] = min(at, produced.get(mark, at))
-        silver = spark.read.format("delta").load(config.table_path("silver", entity.name))
+        silver = spark.read.format("delta").load(config.layout.silver(entity.name))
         for r in silver.select(*entity.key, "_cdc_seq", "_cdc_commit_ts").collect():
             mark = (tuple(r[k] for k in entity.key), tuple(r["_cdc_seq"]))
             if mark in produced:

@@ -21,7 +21,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-SERVICES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
+from cdc_shared import layout
+
+#: The services' process names, in pipeline order (``publisher-kafka``).
+SERVICES: tuple[str, ...] = tuple(layout.display_name(s) for s in layout.SERVICES)
 APPLICATION = "application"  # the four services in one process (``cdc run``)
 
 

@@ -411,10 +411,6 @@ class PipelineConfig(BaseSettings):
         """Every table and checkpoint path under ``storage_root``."""
         return StorageLayout(self.storage_root)
 
-    def table_path(self, layer: str, name: str) -> str:
-        """``<storage_root>/<layer>/<name>``; prefer the named paths of ``layout``."""
-        return f"{self.storage_root.rstrip('/')}/{layer}/{name}"
-
     def checkpoint_path(self, service: str, entity: str) -> str:
         """``<storage_root>/_checkpoints/<service>/<entity>``."""
         return self.layout.checkpoint(service, entity)

@@ -78,7 +78,8 @@ def baseline(config_path: str) -> None:
         .writeStream.format("delta")
         .option("checkpointLocation", config.checkpoint_path("baseline", entity.name))
         .trigger(availableNow=True)
-        .start(config.table_path("baseline", entity.name))
+        # The bench's own scratch table, not part of the pipeline's StorageLayout.
+        .start(f"{config.storage_root.rstrip('/')}/baseline/{entity.name}")
     )
     query.awaitTermination()
     rows = sum(p["numInputRows"] for p in query.recentProgress)

@@ -107,7 +107,7 @@ def make_silver(config_path: str, changes: int) -> None:
 
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-make-silver")
-    path = config.table_path("silver", "customers")
+    path = config.layout.silver("customers")
     create_silver(spark, path)
     per_commit = changes // COMMITS
     for k in range(COMMITS):
@@ -135,7 +135,7 @@ def baseline(config_path: str, index: str) -> None:
     entity = config.entities[0]
     spark = build_spark_session(config.spark, "bench-baseline")
     es = make_elasticsearch(config.elasticsearch)
-    path = config.table_path("silver", "customers")
+    path = config.layout.silver("customers")
     feed = (
         spark.read.format("delta")
         .option("readChangeFeed", "true")
@@ -271,7 +271,7 @@ def delay(args: argparse.Namespace, work: Path) -> None:
     config_path = write_config(root, args.es_url, index, trigger_interval="250 milliseconds")
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-silver-writer")
-    table = Path(config.table_path("silver", "customers"))
+    table = Path(config.layout.silver("customers"))
     create_silver(spark, str(table))
     process = subprocess.Popen(
         [str(BIN / "cdc-publisher-es"), "--config", str(config_path)],

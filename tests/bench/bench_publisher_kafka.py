@@ -102,7 +102,7 @@ config = load_config(sys.argv[1])
 spark = build_spark_session(config.spark, "baseline")
 entity = config.entities[0]
 feed = (spark.readStream.format("delta").option("readChangeFeed", "true")
-        .option("startingVersion", 0).load(config.table_path("silver", entity.name))
+        .option("startingVersion", 0).load(config.layout.silver(entity.name))
         .where("_change_type != 'update_preimage'"))
 row = F.struct(*[c for c in feed.columns if not c.startswith("_")])
 out = feed.select(
@@ -221,7 +221,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-publisher-kafka-"))
     config_path = write_config(workdir, args.bootstrap, run)
     config = load_config(config_path)
-    silver = config.table_path("silver", "customers")
+    silver = config.layout.silver("customers")
     spark = build_spark_session(config.spark, "bench-setup")
     ensure_table(
         spark,

@@ -75,12 +75,12 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
 
         # Every kind of change reached bronze in every format, nothing was refused.
         for entity in config.entities:
-            bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
+            bronze = spark.read.format("delta").load(config.layout.bronze(entity.name))
             ops = Counter(r["op"] for r in bronze.where("op is not null").collect())
             assert set(ops) == {"r", "c", "u", "d", "t"}, f"{entity.name}: ops {dict(ops)}"
             assert ops["t"] == 1, entity.name
             assert bronze.where("is_tombstone").count() == ops["d"], entity.name
-        quarantine = config.table_path("quarantine", "ingestor")
+        quarantine = config.layout.quarantine("ingestor")
         if has_commits(spark, quarantine):
             refused = spark.read.format("delta").load(quarantine)
             assert refused.count() == 0, refused.select("error_kind", "error_message").take(5)

@@ -117,8 +117,8 @@ def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -
     config = world.pipeline.config
     status = _entity_status(world)
     assert status == {
-        "bronze": _version(spark, config.table_path("bronze", ENTITY)),
-        "silver": _version(spark, config.table_path("silver", ENTITY)),
+        "bronze": _version(spark, config.layout.bronze(ENTITY)),
+        "silver": _version(spark, config.layout.silver(ENTITY)),
         "ingestor": 0,
         "merger": 0,
         "publisher_kafka": 0,
@@ -190,7 +190,7 @@ def test_maintenance_compacts_vacuums_and_expires_tombstones_when_streams_caught
     world: World, spark: SparkSession
 ) -> None:
     config = world.pipeline.config
-    tombstones = config.table_path("silver/_tombstones", ENTITY)
+    tombstones = config.layout.tombstones(ENTITY)
     tombstone_rows = spark.read.format("delta").load(tombstones).count()
     assert tombstone_rows > 0
 
@@ -241,7 +241,7 @@ def test_status_shows_the_backlog_and_maintenance_refuses_what_the_merger_needs(
     refused = cdc("maintenance", *args, "--vacuum-hours", "0", "--no-tombstone-expiry")
     assert refused.exit_code == 1
     # The re-delivered records' commit (bronze's auto compaction may have committed after it).
-    bronze_path = world.pipeline.config.table_path("bronze", ENTITY)
+    bronze_path = world.pipeline.config.layout.bronze(ENTITY)
     history = DeltaTable.forPath(spark, bronze_path).history().where("operation != 'OPTIMIZE'")
     needed = history.agg(F.max("version")).first()[0]
     assert f"bronze/{ENTITY}: merger still needs version {needed}" in refused.output
@@ -278,7 +278,7 @@ def test_replay_twice_injects_each_record_once(world: World, spark: SparkSession
 
     ingest_once(world.pipeline, spark)
     assert _ingested(spark, world) == before + len(world.late_v2)
-    ledger_path = world.pipeline.config.table_path("quarantine", "_replayed")
+    ledger_path = world.pipeline.config.layout.replay_ledger()
     ledger = spark.read.format("delta").load(ledger_path).collect()
     assert {r.state for r in ledger} == {"done"}
     landed = {(r.replayed_partition, r.replayed_offset) for r in ledger}
@@ -314,7 +314,7 @@ def test_replay_after_a_crash_between_produce_and_confirm_produces_nothing_twice
 
 def test_verify_reports_a_row_deleted_from_silver(world: World, spark: SparkSession) -> None:
     victim = sorted(world.documents)[1]
-    silver = DeltaTable.forPath(spark, world.pipeline.config.table_path("silver", ENTITY))
+    silver = DeltaTable.forPath(spark, world.pipeline.config.layout.silver(ENTITY))
     silver.delete(F.col("id") == int(victim))
 
     result = cdc("verify", *world.config_args, "--json")

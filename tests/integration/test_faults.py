@@ -365,7 +365,7 @@ def test_full_disk_stops_clearly_commits_nothing_half_way_and_resumes(
 
     # Nothing half-way: bronze reads, its log has every version, and it holds whole batches
     # in order: a gap-free prefix of each partition.
-    table = pipeline.config.table_path("bronze", "customers")
+    table = pipeline.config.layout.bronze("customers")
     history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").orderBy("version").collect()
     assert [h.version for h in history] == list(range(len(history)))
     appended = sum(

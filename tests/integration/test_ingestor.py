@@ -107,7 +107,7 @@ def test_crash_between_bronze_and_quarantine_commits_loses_nothing(
         kafka_config, iter(generate(pipeline, events=2000, keys=200, poison_share=0.01))
     )
     assert report.poison
-    quarantine_path = pipeline.config.table_path("quarantine", "ingestor")
+    quarantine_path = pipeline.config.layout.quarantine("ingestor")
     append = ingestor_main.idempotent_append
 
     def crash_at_the_quarantine_commit(frame: Any, path: str, *args: Any, **kwargs: Any) -> None:
@@ -139,7 +139,7 @@ def test_new_checkpoint_gets_a_new_app_id_and_writes(
     ingest_once(pipeline, spark)  # starts from the earliest offsets again
     assert bronze(spark, pipeline, "customers").count() == 2 * first
     app_ids = (
-        spark.sql(f"DESCRIBE HISTORY delta.`{pipeline.config.table_path('bronze', 'customers')}`")
+        spark.sql(f"DESCRIBE HISTORY delta.`{pipeline.config.layout.bronze('customers')}`")
         .where("operation = 'WRITE'")
         .count()
     )

@@ -133,4 +133,4 @@ def test_offsets_lost_to_retention_stop_with_topic_and_partition(
 
 
 def bronze_path(pipeline: Pipeline) -> str:
-    return pipeline.config.table_path("bronze", "customers")
+    return pipeline.config.layout.bronze("customers")

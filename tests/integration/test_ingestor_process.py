@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def bronze_commits(pipeline: Pipeline) -> int:
-    log_dir = Path(pipeline.config.table_path("bronze", "customers")) / "_delta_log"
+    log_dir = Path(pipeline.config.layout.bronze("customers")) / "_delta_log"
     return len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0
 
 

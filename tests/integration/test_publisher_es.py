@@ -133,7 +133,7 @@ def test_replay_of_old_versions_leaves_index_unchanged(
     publish_once(with_publisher(config, starting_version=0), spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == before
 
-    quarantine = spark.read.format("delta").load(config.table_path("quarantine", "publisher_es"))
+    quarantine = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     assert quarantine.count() == 0
 
 
@@ -164,7 +164,7 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     assert bad, "no row with a loyalty tier: the test proves nothing"
     assert len(good) > 20, "too few indexable rows: the test proves little"
 
-    quarantine = spark.read.format("delta").load(config.table_path("quarantine", "publisher_es"))
+    quarantine = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     rows = quarantine.collect()
     quarantined = {bytes(r.raw_key).decode() for r in rows}
     assert bad <= quarantined, f"not quarantined: {sorted(bad - quarantined)[:10]}"
@@ -173,7 +173,7 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
         assert r.error_kind == "document_parsing_exception"
         assert "loyalty_tier" in r.error_message
         assert json.loads(bytes(r.raw_value))["loyalty_tier"]
-        assert r.source_table == config.table_path("silver", "customers")
+        assert r.source_table == config.layout.silver("customers")
         assert r.source_version is not None
 
     # The rest of each batch was applied: every other row is in the index as the oracle says.
@@ -193,7 +193,7 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     (commits / str(last)).unlink()  # the batch's offsets stay: Spark reruns it as is
     (commits / f".{last}.crc").unlink(missing_ok=True)
     publish_once(config, spark)
-    again = spark.read.format("delta").load(config.table_path("quarantine", "publisher_es"))
+    again = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     assert again.count() == count
 
 

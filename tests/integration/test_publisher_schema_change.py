@@ -64,8 +64,7 @@ def test_publishers_follow_a_silver_schema_change_without_a_restart(
         ingest_once(pipeline, spark)
         merge_once(pipeline, spark)  # silver gains the column under the running publishers
         assert (
-            NEW_COLUMN
-            in spark.read.format("delta").load(config.table_path("silver", "customers")).columns
+            NEW_COLUMN in spark.read.format("delta").load(config.layout.silver("customers")).columns
         )
 
         def published_the_new_column() -> bool:

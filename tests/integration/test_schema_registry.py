@@ -135,7 +135,7 @@ def test_confluent_framing_through_a_real_registry_end_to_end(
             spark.read.format("delta")
             .option("readChangeFeed", "true")
             .option("startingVersion", 0)
-            .load(pipeline.config.table_path("silver", entity.name))
+            .load(pipeline.config.layout.silver(entity.name))
             .where("_change_type != 'update_preimage'")
             .collect()
         )

@@ -85,7 +85,7 @@ def test_a_failure_it_does_not_recognise_stops_the_service(
 def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches(
     spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from cdc_shared.streaming import BatchStats, _ProgressDispatch
+    from cdc_shared.streaming.progress import BatchStats, _ProgressDispatch
 
     source = str(tmp_path / "source")
     spark.range(20).write.format("delta").save(source)

@@ -59,11 +59,11 @@ def ingest_once(pipeline: Pipeline, spark: SparkSession) -> None:
 
 
 def bronze(spark: SparkSession, pipeline: Pipeline, entity: str) -> DataFrame:
-    return spark.read.format("delta").load(pipeline.config.table_path("bronze", entity))
+    return spark.read.format("delta").load(pipeline.config.layout.bronze(entity))
 
 
 def quarantine(spark: SparkSession, pipeline: Pipeline) -> DataFrame:
-    return spark.read.format("delta").load(pipeline.config.table_path("quarantine", "ingestor"))
+    return spark.read.format("delta").load(pipeline.config.layout.quarantine("ingestor"))
 
 
 def topic_offsets(kafka: KafkaConfig, topic: str) -> set[tuple[int, int]]:

@@ -66,7 +66,7 @@ def silver_documents(
 ) -> dict[str, dict[str, Any]]:
     """Silver's rows as ES documents: id (the key joined by ``|``) -> full row."""
     key = config.entity(entity).key
-    rows = spark.read.format("delta").load(config.table_path("silver", entity)).collect()
+    rows = spark.read.format("delta").load(config.layout.silver(entity)).collect()
     documents = {}
     for row in rows:
         source = _json_value(row.asDict(recursive=True))

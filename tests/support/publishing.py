@@ -45,7 +45,7 @@ def assert_change_topics_exactly_once(
             spark.read.format("delta")
             .option("readChangeFeed", "true")
             .option("startingVersion", 0)
-            .load(config.table_path("silver", entity.name))
+            .load(config.layout.silver(entity.name))
             .where("_change_type != 'update_preimage'")
         )
         columns = [c for c in feed.columns if not c.startswith("_")]

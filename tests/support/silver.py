@@ -88,7 +88,7 @@ def merge_in_slices(pipeline: Pipeline, spark: SparkSession, entity: str, slices
 
     config = pipeline.config
     layout = silver_layout(config, config.entity(entity))
-    events = spark.read.format("delta").load(config.table_path("bronze", entity))
+    events = spark.read.format("delta").load(config.layout.bronze(entity))
     ensure_tables(spark, events.schema, layout)
     last = events.agg(F.max("kafka_offset")).first()[0] + 1
     sliced = events.withColumn("slice", (F.col("kafka_offset") * slices / last).cast("int"))

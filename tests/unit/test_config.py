@@ -58,7 +58,7 @@ def test_good_file_loads_with_defaults(good_file: Path) -> None:
     assert orders.sequence_by == ["kafka.partition", "kafka.offset"]
     assert orders.change_topic_name == "cdc.orders"
     assert orders.es_index_name == "orders"
-    assert config.table_path("bronze", "orders") == "/tmp/cdc-data/bronze/orders"
+    assert config.layout.bronze("orders") == "/tmp/cdc-data/bronze/orders"
     assert config.checkpoint_path("merger", "orders") == "/tmp/cdc-data/_checkpoints/merger/orders"
 
 

@@ -93,8 +93,8 @@ def baseline_queries(spark: Any, config: PipelineConfig, entity: EntityConfig) -
     assert entity.key_schema is not None and entity.value_schema is not None
     key_schema = Path(entity.key_schema).read_text()
     value_schema = Path(entity.value_schema).read_text()
-    bronze_path = config.table_path("bronze", entity.name)
-    silver_path = config.table_path("silver", entity.name)
+    bronze_path = config.layout.bronze(entity.name)
+    silver_path = config.layout.silver(entity.name)
     trigger = config.ingestor.trigger_interval
     raw = (
         spark.readStream.format("kafka")

@@ -79,7 +79,7 @@ def _silver_times(
         for entity in config.entities:
             first = entity.key[0]
             firsts = sorted({k[0] for name, k in probes if name == entity.name})
-            bronze = spark.read.format("delta").load(config.table_path("bronze", entity.name))
+            bronze = spark.read.format("delta").load(config.layout.bronze(entity.name))
             rows = (
                 bronze.where(F.col(f"key.{first}").isin(firsts))
                 .groupBy("key", "sequence")
@@ -95,7 +95,7 @@ def _silver_times(
                 spark.read.format("delta")
                 .option("readChangeFeed", "true")
                 .option("startingVersion", 0)
-                .load(config.table_path("silver", entity.name))
+                .load(config.layout.silver(entity.name))
                 .where(F.col("_change_type").isin("insert", "update_postimage"))
                 .where(F.col(first).isin(firsts))
                 .select(*entity.key, "_cdc_seq", "_commit_version", "_commit_timestamp")
