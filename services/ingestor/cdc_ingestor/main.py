@@ -6,21 +6,23 @@ checks (transform) -> one foreachBatch writing bronze and quarantine idempotentl
 
 from __future__ import annotations
 
+import functools
 import sys
+from dataclasses import dataclass
 
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.schemas import make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
-    QueryIdentity,
+    EntityStreamBase,
     StreamRunner,
-    foreach_batch_writer,
-    start_streams,
+    StreamService,
+    start_service,
 )
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
@@ -30,7 +32,6 @@ from cdc_shared.tables import (
     idempotent_append,
 )
 from pyspark.sql import DataFrame, Observation, SparkSession
-from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_ingestor.decode import (
     BRONZE_PROPERTIES,
@@ -56,29 +57,23 @@ from cdc_ingestor.schema_learning import SchemaTracker
 SERVICE = INGESTOR
 
 
-class EntityIngestion:
+@dataclass(eq=False)
+class EntityIngestion(EntityStreamBase):
     """One entity's stream: its source topic into ``bronze/<entity>``."""
 
-    def __init__(
-        self,
-        spark: SparkSession,
-        config: PipelineConfig,
-        entity: EntityConfig,
-        registry: SchemaRegistry,
-        runner: StreamRunner,
-    ) -> None:
-        self.spark = spark
-        self.config = config
-        self.entity = entity
-        self.runner = runner
-        self.identity = QueryIdentity()
-        self.schemas = SchemaTracker(spark, entity, registry)
-        self.bronze_path = config.layout.bronze(entity.name)
-        self.quarantine_path = config.layout.quarantine(SERVICE)
-        check_sequence_paths(spark, entity, self.schemas.plan)
+    registry: SchemaRegistry  # one for every entity of the service
 
-    def create_tables(self) -> None:
-        """Bronze and quarantine, with explicit schemas, unless they exist."""
+    def __post_init__(self) -> None:
+        self.schemas = SchemaTracker(self.spark, self.entity, self.registry)
+        self.bronze_path = self.config.layout.bronze(self.entity.name)
+        self.quarantine_path = self.config.layout.quarantine(SERVICE)
+        check_sequence_paths(self.spark, self.entity, self.schemas.plan)
+
+    def prepare(self, wait_s: float) -> None:
+        """Bronze and quarantine, with explicit schemas, unless they exist.
+
+        Nothing to wait for (``wait_s``): the source is Kafka, not a table.
+        """
         empty = self.spark.createDataFrame([], KAFKA_SCHEMA)
         bronze_schema = bronze_rows(
             decode(self.spark, empty, self.schemas.plan, self.entity.sequence_by)
@@ -151,8 +146,7 @@ class EntityIngestion:
             )
             idempotent_append(quarantined, self.quarantine_path, app, batch_id)
             lap("quarantine")
-        self.runner.report(
-            self.entity.name,
+        self.report(
             batch_id,
             BatchStats(
                 counts={
@@ -164,16 +158,6 @@ class EntityIngestion:
             ),
         )
 
-    def writer(self, once: bool) -> DataStreamWriter:
-        """source -> foreachBatch(decode, write bronze + quarantine)."""
-        return foreach_batch_writer(
-            self.source(),
-            self.process_batch,
-            self.config.checkpoint_path(SERVICE, self.entity.name),
-            once,
-            self.config.ingestor.trigger_interval,
-        )
-
 
 def start(
     config: PipelineConfig,
@@ -182,25 +166,14 @@ def start(
     spark: SparkSession | None = None,
 ) -> StreamRunner:
     """Create the tables and start one stream per entity; ``run()`` the result."""
-    registry = make_registry(config)
-
-    def open_stream(
-        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
-    ) -> tuple[DataStreamWriter, QueryIdentity]:
-        ingestion = EntityIngestion(spark, config, entity, registry, runner)
-        ingestion.create_tables()
-        return ingestion.writer(once), ingestion.identity
-
-    runner = start_streams(
+    ingestor = StreamService(
         SERVICE,
-        config,
         config.ingestor,
-        entity_names,
-        spark,
-        "maxOffsetsBehindLatest",
-        open_stream,
-        kafka_failures(config),
+        functools.partial(EntityIngestion, registry=make_registry(config)),
+        lag="maxOffsetsBehindLatest",
+        on_failure=kafka_failures(config),
     )
+    runner = start_service(ingestor, config, entity_names, once, spark)
     KafkaWatch(config.kafka, list(runner.queries), runner).start()
     return runner
 

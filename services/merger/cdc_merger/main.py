@@ -17,11 +17,11 @@ from cdc_shared.service import service_main
 from cdc_shared.spark import counting_jobs
 from cdc_shared.streaming import (
     BatchStats,
-    QueryIdentity,
+    EntityStreamBase,
     StreamRunner,
-    foreach_batch_writer,
+    StreamService,
     rebuilding_on_schema_change,
-    start_streams,
+    start_service,
 )
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
@@ -33,7 +33,6 @@ from cdc_shared.tables import (
 )
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_merger.apply import (
     ERROR_KIND,
@@ -84,28 +83,17 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
     )
 
 
-class EntityMerge:
+class EntityMerge(EntityStreamBase):
     """One entity's stream: ``bronze/<entity>`` into ``silver/<entity>``."""
 
-    def __init__(
-        self,
-        spark: SparkSession,
-        config: PipelineConfig,
-        entity: EntityConfig,
-        runner: StreamRunner,
-    ) -> None:
-        self.spark = spark
-        self.config = config
-        self.entity = entity
-        self.runner = runner
-        self.identity = QueryIdentity()
-        self.bronze_path = config.layout.bronze(entity.name)
-        self.layout = silver_layout(config, entity)
-        self.state = MergeState(spark, self.layout)
-        self.quarantine_path = config.layout.quarantine(SERVICE)
+    def __post_init__(self) -> None:
+        self.bronze_path = self.config.layout.bronze(self.entity.name)
+        self.layout = silver_layout(self.config, self.entity)
+        self.state = MergeState(self.spark, self.layout)
+        self.quarantine_path = self.config.layout.quarantine(SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
-    def create_tables(self, wait_s: float) -> None:
+    def prepare(self, wait_s: float) -> None:
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
         hint = f"start the ingestor for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
@@ -123,16 +111,6 @@ class EntityMerge:
         if settings.max_bytes_per_trigger:
             reader = reader.option("maxBytesPerTrigger", settings.max_bytes_per_trigger)
         return reader.load(self.bronze_path)
-
-    def writer(self, once: bool) -> DataStreamWriter:
-        """source -> foreachBatch(apply to silver)."""
-        return foreach_batch_writer(
-            self.source(),
-            self.process_batch,
-            self.config.checkpoint_path(SERVICE, self.entity.name),
-            once,
-            self.config.merger.trigger_interval,
-        )
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Apply the batch; replaying it changes nothing (every step compares sequences).
@@ -159,8 +137,7 @@ class EntityMerge:
         }
         if expired is not None:
             counts["tombstones_expired"] = expired
-        self.runner.report(
-            self.entity.name,
+        self.report(
             batch_id,
             BatchStats(
                 counts=counts,
@@ -196,25 +173,14 @@ def start(
     spark: SparkSession | None = None,
 ) -> StreamRunner:
     """Create the tables and start one stream per entity; ``run()`` the result."""
-
-    def open_stream(
-        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
-    ) -> tuple[DataStreamWriter, QueryIdentity]:
-        merge = EntityMerge(spark, config, entity, runner)
-        merge.create_tables(wait_s=0 if once else 3600)
-        return merge.writer(once), merge.identity
-
-    # Lag: bronze files not yet merged.
-    return start_streams(
+    merger = StreamService(
         SERVICE,
-        config,
         config.merger,
-        entity_names,
-        spark,
-        "numFilesOutstanding",
-        open_stream,
+        EntityMerge,
+        lag="numFilesOutstanding",  # bronze files not yet merged
         on_failure=rebuilding_on_schema_change("bronze"),
     )
+    return start_service(merger, config, entity_names, once, spark)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,11 +28,11 @@ from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
-    QueryIdentity,
+    EntityStreamBase,
     StreamRunner,
-    foreach_batch_writer,
+    StreamService,
     rebuilding_on_schema_change,
-    start_streams,
+    start_service,
 )
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
@@ -47,7 +47,6 @@ from elasticsearch import ApiError
 from prometheus_client import Histogram
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
-from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_publisher_es.bulk import BulkWriter, Failure, Scrubber
 from cdc_publisher_es.documents import Action, arrow_actions, document_frame
@@ -90,38 +89,23 @@ def version_source(entity: EntityConfig) -> str:
     return "silver commit version (the sequence has several columns)"
 
 
-class EntityPublisher:
+class EntityPublisher(EntityStreamBase):
     """One entity's stream: ``silver/<entity>`` CDF into its Elasticsearch alias."""
 
-    def __init__(
-        self,
-        spark: SparkSession,
-        config: PipelineConfig,
-        entity: EntityConfig,
-        runner: StreamRunner,
-    ) -> None:
-        self.spark = spark
-        self.config = config
-        self.settings = config.publisher_es
-        self.entity = entity
-        self.runner = runner
-        self.identity = QueryIdentity()
-        self.alias = entity.es_index_name
-        self.silver_path = config.layout.silver(entity.name)
-        self.quarantine_path = config.layout.quarantine(SERVICE)
-        es_config = config.elasticsearch
+    def __post_init__(self) -> None:
+        self.settings = self.config.publisher_es
+        self.alias = self.entity.es_index_name
+        self.silver_path = self.config.layout.silver(self.entity.name)
+        self.quarantine_path = self.config.layout.quarantine(SERVICE)
+        es_config = self.config.elasticsearch
         self.scrub = Scrubber(
             s.get_secret_value() for s in (es_config.api_key, es_config.password) if s is not None
         )
         self.es = make_elasticsearch(es_config)
         self.mapped: set[str] = set()
-        self.latest_version = LatestVersion(spark, self.silver_path)
+        self.latest_version = LatestVersion(self.spark, self.silver_path)
         self.bulk = BulkWriter(
-            self.es,
-            self.alias,
-            self.settings,
-            on_problem=lambda problem: runner.set_problem(entity.name, problem),
-            scrub=self.scrub,
+            self.es, self.alias, self.settings, on_problem=self.set_problem, scrub=self.scrub
         )
 
     # --- start-up ------------------------------------------------------------------
@@ -174,7 +158,7 @@ class EntityPublisher:
         def report(_error: BaseException, problem: str) -> None:
             nonlocal retried
             retried = True
-            self.runner.set_problem(self.entity.name, problem)
+            self.set_problem(problem)
 
         policy = retrying(
             _worth_waiting,
@@ -201,7 +185,7 @@ class EntityPublisher:
                 self.scrub(f"Elasticsearch refused to set up {self.alias!r}: {exc}{hint}")
             ) from None
         if retried:
-            self.runner.set_problem(self.entity.name, None)
+            self.set_problem(None)
 
     # --- the stream ----------------------------------------------------------------
 
@@ -217,16 +201,6 @@ class EntityPublisher:
                 update={"max_bytes_per_trigger": DEFAULT_MAX_BYTES_PER_TRIGGER}
             )
         return change_feed(self.spark, self.silver_path, settings)
-
-    def writer(self, once: bool) -> DataStreamWriter:
-        """source -> foreachBatch(index into Elasticsearch)."""
-        return foreach_batch_writer(
-            self.source(),
-            self.process_batch,
-            self.config.checkpoint_path(SERVICE, self.entity.name),
-            once,
-            self.settings.trigger_interval,
-        )
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Index the batch; return only when each document is applied or quarantined."""
@@ -252,8 +226,7 @@ class EntityPublisher:
         if outcome.newest_commit_version is not None:
             # The Delta source reports no latest offset: lag = silver versions not yet read.
             extra["lag"] = max(0, latest_version - outcome.newest_commit_version)
-        self.runner.report(
-            self.entity.name,
+        self.report(
             batch_id,
             BatchStats(
                 counts={
@@ -334,25 +307,14 @@ def start(
     spark: SparkSession | None = None,
 ) -> StreamRunner:
     """Create the indexes and quarantine, start one stream per entity; ``run()`` the result."""
-
-    def open_stream(
-        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
-    ) -> tuple[DataStreamWriter, QueryIdentity]:
-        publisher = EntityPublisher(spark, config, entity, runner)
-        publisher.prepare(wait_s=0 if once else 3600)
-        return publisher.writer(once), publisher.identity
-
-    # Lag: silver versions not yet published.
-    return start_streams(
+    publisher_es = StreamService(
         SERVICE,
-        config,
         config.publisher_es,
-        entity_names,
-        spark,
-        None,
-        open_stream,
+        EntityPublisher,
+        lag=None,  # silver versions not yet published: each batch reports it
         on_failure=rebuilding_on_schema_change("silver"),
     )
+    return start_service(publisher_es, config, entity_names, once, spark)
 
 
 def main(argv: list[str] | None = None) -> int:

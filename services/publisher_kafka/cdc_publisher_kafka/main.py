@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from cdc_shared.avro import SchemaRegistry
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
@@ -21,16 +23,15 @@ from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
-    QueryIdentity,
+    EntityStreamBase,
     StreamRunner,
-    foreach_batch_writer,
+    StreamService,
     rebuilding_on_schema_change,
-    start_streams,
+    start_service,
 )
 from cdc_shared.tables import wait_for_table
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_publisher_kafka.contract import ChangeTopicContract, encode_changes, register_contract
 from cdc_publisher_kafka.transactions import (
@@ -44,61 +45,67 @@ SERVICE = PUBLISHER_KAFKA
 log = logging.getLogger("cdc_publisher_kafka")
 
 
-class EntityPublication:
-    """One entity's stream: ``silver/<entity>`` changes into its change topic."""
+@dataclass(eq=False)
+class EntityPublication(EntityStreamBase):
+    """One entity's stream: ``silver/<entity>`` changes into its change topic.
 
-    def __init__(
-        self,
-        spark: SparkSession,
-        config: PipelineConfig,
-        entity: EntityConfig,
-        runner: StreamRunner,
-        contract: ChangeTopicContract,
-    ) -> None:
-        self.spark = spark
-        self.config = config
-        self.settings = config.publisher_kafka
-        self.entity = entity
-        self.runner = runner
-        self.contract = contract
-        self.identity = QueryIdentity()
-        self.silver_path = config.layout.silver(entity.name)
-        self.latest_version = LatestVersion(spark, self.silver_path)
-        self.publisher = TransactionalPublisher(
-            config.kafka,
-            self.settings,
-            contract.topic,
-            on_problem=lambda problem: runner.set_problem(entity.name, problem),
-        )
+    Kept when the runner rebuilds its query (see ``start``), so that its one
+    transactional producer, made by the first ``prepare``, lives as long as the service.
+    """
+
+    registry: SchemaRegistry  # one for every entity of the service
+
+    def __post_init__(self) -> None:
+        self.settings = self.config.publisher_kafka
+        self.silver_path = self.config.layout.silver(self.entity.name)
+        self.latest_version = LatestVersion(self.spark, self.silver_path)
+        self.contract: ChangeTopicContract | None = None  # registered by prepare()
+        self.publisher: TransactionalPublisher | None = None  # made by the first prepare()
+
+    def prepare(self, wait_s: float) -> None:
+        """Wait for silver, register the topic's schemas, make and start the producer once.
+
+        Registered on every (re)build: after silver's schema changed, the rebuilt stream
+        publishes with the newest schemas.
+        """
+        hint = f"start the merger for entity {self.entity.name!r} first"
+        wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
+        self.registry.refresh()
+        schemas = entity_schemas(self.entity, self.registry)
+        self.contract = register_contract(self.entity, schemas, self.registry)
+        if self.publisher is None:
+            self.publisher = TransactionalPublisher(
+                self.config.kafka,
+                self.settings,
+                self.contract.topic,
+                on_problem=self.set_problem,
+            )
+            self.publisher.start()
+
+    def close(self) -> None:
+        """Release the producer, if ``prepare`` made one (when the runner closes)."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def source(self) -> DataFrame:
         """Silver's change feed from the configured start."""
         return change_feed(self.spark, self.silver_path, self.settings)
 
-    def writer(self, once: bool) -> DataStreamWriter:
-        """source -> foreachBatch(publish in one transaction)."""
-        return foreach_batch_writer(
-            self.source(),
-            self.process_batch,
-            self.config.checkpoint_path(SERVICE, self.entity.name),
-            once,
-            self.settings.trigger_interval,
-        )
-
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Publish the batch's changes not published yet, with the progress, atomically."""
         started = time.monotonic()
+        contract, publisher = self._prepared()
         query_id = self.identity.get()
-        published = self.publisher.progress
+        published = publisher.progress
         if published is not None and published.covers(query_id, batch_id):
             log.info(
                 "batch already published: skipped",
                 extra={"service": SERVICE, "entity": self.entity.name, "batch_id": batch_id},
             )
-            self.runner.report(self.entity.name, batch_id, BatchStats(counts={"skipped": 1}))
+            self.report(batch_id, BatchStats(counts={"skipped": 1}))
             return
         changes = shape_changes(batch, self.entity.key, self.settings.include_before)
-        encoded = encode_changes(self.spark, changes, self.contract).toArrow()
+        encoded = encode_changes(self.spark, changes, contract).toArrow()
         if published is not None:
             # Here, not in Spark: a literal that changes every batch would make Spark
             # compile the encoding query again every batch.
@@ -108,11 +115,10 @@ class EntityPublication:
         extra: dict[str, object] = {}
         if messages:
             last_version = int(encoded.column("commit_version")[-1].as_py())
-            self.publisher.publish(messages, Progress(last_version, query_id, batch_id))
+            publisher.publish(messages, Progress(last_version, query_id, batch_id))
             # The Delta source reports no latest offset: lag = silver versions not yet read.
             extra["lag"] = max(0, self.latest_version.get() - last_version)
-        self.runner.report(
-            self.entity.name,
+        self.report(
             batch_id,
             BatchStats(
                 counts={"input_rows": encoded.num_rows, "published": len(messages), **counts},
@@ -120,11 +126,17 @@ class EntityPublication:
                     **extra,
                     "publish_ms": int((time.monotonic() - started) * 1000),
                     "published_up_to_version": (
-                        self.publisher.progress.version if self.publisher.progress else None
+                        publisher.progress.version if publisher.progress else None
                     ),
                 },
             ),
         )
+
+    def _prepared(self) -> tuple[ChangeTopicContract, TransactionalPublisher]:
+        """The contract and producer of ``prepare`` (which runs before any batch)."""
+        if self.contract is None or self.publisher is None:
+            raise RuntimeError(f"the stream of {self.entity.name!r} was not prepared")
+        return self.contract, self.publisher
 
     def _messages(self, encoded: pa.Table) -> tuple[list[Message], dict[str, int]]:
         keys = encoded.column("key").to_pylist()
@@ -172,36 +184,24 @@ def start(
     )
     publications: dict[str, EntityPublication] = {}
 
-    def open_stream(
-        spark: SparkSession, entity: EntityConfig, runner: StreamRunner
-    ) -> tuple[DataStreamWriter, QueryIdentity]:
-        silver_path = config.layout.silver(entity.name)
-        hint = f"start the merger for entity {entity.name!r} first"
-        wait_for_table(spark, silver_path, 0 if once else 3600, hint, log)
-        # Registered on every (re)build: after silver's schema changed, the rebuilt stream
-        # publishes with the newest schemas.
-        registry.refresh()
-        contract = register_contract(entity, entity_schemas(entity, registry), registry)
-        publication = publications.get(entity.name)
-        if publication is None:
-            publication = EntityPublication(spark, config, entity, runner, contract)
-            publication.publisher.start()
-            publications[entity.name] = publication
-        publication.contract = contract
-        return publication.writer(once), publication.identity
+    def kept_publication(
+        spark: SparkSession, pipeline: PipelineConfig, entity: EntityConfig, runner: StreamRunner
+    ) -> EntityPublication:
+        """The entity's publication: made once, reused when its query is rebuilt."""
+        if entity.name not in publications:
+            publications[entity.name] = EntityPublication(spark, pipeline, entity, runner, registry)
+        return publications[entity.name]
 
-    runner = start_streams(
+    publisher_kafka = StreamService(
         SERVICE,
-        config,
         settings,
-        entity_names,
-        spark,
-        None,
-        open_stream,
+        kept_publication,
+        lag=None,  # silver versions not yet published: each batch reports it
         on_failure=rebuilding_on_schema_change("silver"),
     )
+    runner = start_service(publisher_kafka, config, entity_names, once, spark)
     for publication in publications.values():
-        runner.on_close(publication.publisher.close)
+        runner.on_close(publication.close)
     return runner
 
 

@@ -1,125 +1,37 @@
-"""Running Structured Streaming queries as a service: triggers, graceful stop, progress.
+"""The runner: owns a service's queries from start to stop.
 
-A service builds one query per entity and hands them to :class:`StreamRunner`, which
-serves health and metrics, logs one JSON line per micro-batch from the query listener,
-stops after the batch in flight on SIGTERM (exit 0), and surfaces a failed query as
-an error naming the entity, or restarts it from its checkpoint when the service's
-``on_failure`` calls the error transient (e.g. its source is unreachable).
+:class:`StreamRunner` starts each entity's query, serves ``/health`` and ``/metrics``,
+stops after the batch in flight on SIGTERM (exit 0), and surfaces a failed query as an
+error naming the entity, or restarts it from its checkpoint (built anew if need be) when
+the service's ``on_failure`` calls the error transient.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import re
 import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any
 
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql.streaming.listener import StreamingQueryListener
+from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_shared.config import (
-    ConfigError,
-    EntityConfig,
-    PipelineConfig,
-    StreamingServiceConfig,
-)
-from cdc_shared.layout import command_name
-from cdc_shared.observability import BATCH_SECONDS, BATCHES, HEALTHY, LAG, ROWS, HealthServer
+from cdc_shared.observability import HEALTHY, HealthServer
 from cdc_shared.retry import backoff_s, log_retry
-from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming.failures import OnFailure, StreamFailedError
+from cdc_shared.streaming.progress import (
+    BatchStats,
+    LagReader,
+    _ProgressDispatch,
+    _ProgressLogger,
+)
 
-log = logging.getLogger(__name__)
-
-
-class StreamFailedError(RuntimeError):
-    """A stream stopped with an error; the message names the service and entity."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A service's reading of a failed query's error (see ``StreamRunner(on_failure=)``).
-
-    ``transient``: restart the query from its checkpoint after a backoff (forever, while
-    the error stays transient); else stop the service with ``message``. ``rebuild``: build
-    the query again before restarting it (its source's schema changed, and a query keeps
-    the schema it was built with). ``entity_only``: stop this entity's stream but keep the
-    others running (``/health`` says so; the service exits 1 when it stops).
-    """
-
-    message: str
-    transient: bool = False
-    rebuild: bool = False
-    entity_only: bool = False
-
-
-#: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
-OnFailure = Callable[[str, str], Failure | None]
-
-#: How the JVM and the OS say a write failed for want of space (ENOSPC, EDQUOT).
-NO_SPACE = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded")
-
-
-def no_space_message(storage_root: str, error: str = "") -> str:
-    """What to tell the operator when a write under ``storage_root`` found the disk full.
-
-    Names the path being written when the JVM's ``error`` shows it.
-    """
-    written = re.search(rf"{re.escape(storage_root.rstrip('/'))}[^\s'\",;]*", error)
-    return (
-        f"stopped: no space left on device under the storage root {storage_root}"
-        + (f" (writing {written.group(0).rstrip('.')})" if written else "")
-        + ". Delta commits and the stream's checkpoint are atomic, so the failed micro-batch "
-        "committed nothing (at most unreferenced files remain); free space or grow the "
-        "volume, then restart: the stream resumes from its checkpoint and writes nothing twice"
-    )
-
-
-def recognising_full_storage(storage_root: str, on_failure: OnFailure | None) -> OnFailure:
-    """``on_failure``, after recognising a full disk.
-
-    A full disk stops the service with a one-line message naming the storage root, not
-    the JVM's stack trace.
-    """
-
-    def read(entity: str, error: str) -> Failure | None:
-        if NO_SPACE.search(error):
-            return Failure(no_space_message(storage_root, error))
-        return on_failure(entity, error) if on_failure else None
-
-    return read
-
-
-def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
-    """``--once``: process what is available then stop; else a processing-time trigger."""
-    return writer.trigger(availableNow=True) if once else writer.trigger(processingTime=interval)
-
-
-def foreach_batch_writer(
-    source: DataFrame,
-    process: Callable[[DataFrame, int], None],
-    checkpoint: str,
-    once: bool,
-    interval: str,
-) -> DataStreamWriter:
-    """source -> foreachBatch(process), checkpointed, with the service's trigger."""
-    writer = source.writeStream.foreachBatch(process).option("checkpointLocation", checkpoint)
-    return with_trigger(writer, once, interval)
-
-
-@dataclass
-class BatchStats:
-    """What a micro-batch did, reported by the service's foreachBatch function."""
-
-    counts: dict[str, int] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+# One logger for the whole package: the name the logs show stays "cdc_shared.streaming".
+log = logging.getLogger("cdc_shared.streaming")
 
 
 class QueryIdentity:
@@ -145,109 +57,8 @@ class QueryIdentity:
         return self._id
 
 
-class _ProgressDispatch(StreamingQueryListener):
-    """The one Python listener of a Spark session; each event goes to its query's runner.
-
-    Spark calls every Python listener for every event of every query, and each call
-    crosses into Python: with ``cdc run``'s four runners, one listener per runner cost
-    about 12% of the JVM's CPU (a JFR profile of the application at 1,000 events/s).
-    """
-
-    _by_session: ClassVar[dict[int, _ProgressDispatch]] = {}
-    _sessions_lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def __init__(self) -> None:
-        self._loggers: list[_ProgressLogger] = []
-
-    @classmethod
-    def attach(cls, spark: SparkSession, logger: _ProgressLogger) -> None:
-        """Send ``logger``'s queries' events to it (the session's listener made on first use)."""
-        with cls._sessions_lock:
-            dispatch = cls._by_session.get(id(spark))
-            if dispatch is None:
-                dispatch = cls._by_session[id(spark)] = cls()
-                spark.streams.addListener(dispatch)
-            dispatch._loggers = [*dispatch._loggers, logger]
-
-    @classmethod
-    def detach(cls, spark: SparkSession, logger: _ProgressLogger) -> None:
-        """Stop sending events to ``logger``; the last one out removes the listener."""
-        with cls._sessions_lock:
-            dispatch = cls._by_session.get(id(spark))
-            if dispatch is None:
-                return
-            dispatch._loggers = [x for x in dispatch._loggers if x is not logger]
-            if not dispatch._loggers:
-                spark.streams.removeListener(dispatch)
-                del cls._by_session[id(spark)]
-
-    def _owner(self, query_id: str) -> _ProgressLogger | None:
-        return next((x for x in self._loggers if query_id in x.runner.entity_of), None)
-
-    def onQueryStarted(self, event: Any) -> None:
-        """Nothing to do: the runners log starts."""
-
-    def onQueryProgress(self, event: Any) -> None:
-        """Hand the progress to the runner of its query."""
-        owner = self._owner(str(event.progress.id))
-        if owner is not None:
-            owner.progress(event.progress)
-
-    def onQueryIdle(self, event: Any) -> None:
-        """Hand the idle trigger to the runner of its query."""
-        owner = self._owner(str(event.id))
-        if owner is not None:
-            owner.runner.saw_idle(str(event.id))
-
-    def onQueryTerminated(self, event: Any) -> None:
-        """The runners report terminations."""
-
-
-class _ProgressLogger:
-    """Logs a runner's batches, with the counts its foreachBatch reported."""
-
-    def __init__(self, runner: StreamRunner) -> None:
-        self.runner = runner
-
-    def progress(self, progress: Any) -> None:
-        """Log the batch with the counts its foreachBatch reported."""
-        try:
-            self._log(progress)
-        finally:
-            self.runner.saw_progress(str(progress.id), progress.batchId)
-
-    def _log(self, progress: Any) -> None:
-        entity = self.runner.entity_of.get(str(progress.id))
-        if entity is None or (progress.numInputRows == 0 and progress.batchId > 0):
-            return
-        stats = self.runner.take_stats(entity, progress.batchId)
-        lag = stats.extra.pop("lag", None)  # a foreachBatch may know better than the source
-        if lag is None:
-            lag = self.runner.lag_of(progress)
-        duration_ms = int(progress.batchDuration)
-        # Spark counts every read of the source; a foreachBatch reading its batch twice
-        # reports the true count itself.
-        input_rows = stats.counts.pop("input_rows", progress.numInputRows)
-        BATCH_SECONDS.labels(self.runner.service, entity).observe(duration_ms / 1000)
-        BATCHES.labels(self.runner.service, entity).inc()
-        if lag is not None:
-            LAG.labels(self.runner.service, entity).set(lag)
-        for outcome, count in stats.counts.items():
-            ROWS.labels(self.runner.service, entity, outcome).inc(count)
-        log.info(
-            "batch",
-            extra={
-                "service": self.runner.service,
-                "entity": entity,
-                "batch_id": progress.batchId,
-                "input_rows": input_rows,
-                **stats.counts,
-                **stats.extra,
-                "duration_ms": duration_ms,
-                "input_rows_per_s": round(input_rows / max(duration_ms, 1) * 1000, 1),
-                "lag": lag,
-            },
-        )
+#: Builds an entity's query (again): its writer and the identity ``start()`` fills in.
+BuildQuery = Callable[[], tuple[DataStreamWriter, QueryIdentity]]
 
 
 class StreamRunner:
@@ -259,7 +70,7 @@ class StreamRunner:
         service: str,
         metrics_host: str = "0.0.0.0",
         metrics_port: int = 0,
-        lag: Callable[[Any], float | None] | None = None,
+        lag: LagReader | None = None,
         on_failure: OnFailure | None = None,
         max_restart_backoff_s: float = 60.0,
     ) -> None:
@@ -277,7 +88,7 @@ class StreamRunner:
         self._on_failure = on_failure
         self._max_restart_backoff_s = max_restart_backoff_s
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
-        self._rebuilders: dict[str, Callable[[], tuple[DataStreamWriter, QueryIdentity]]] = {}
+        self._rebuilders: dict[str, BuildQuery] = {}
         self._to_rebuild: set[str] = set()
         # entity -> (failures since its last progress, restart time or None once restarted, why)
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
@@ -297,7 +108,7 @@ class StreamRunner:
         entity: str,
         writer: DataStreamWriter,
         identity: QueryIdentity,
-        rebuild: Callable[[], tuple[DataStreamWriter, QueryIdentity]] | None = None,
+        rebuild: BuildQuery | None = None,
     ) -> None:
         """Start one entity's query; ``rebuild`` builds it anew (see ``Failure.rebuild``)."""
         writer = writer.queryName(f"{self.service}-{entity}")
@@ -534,79 +345,3 @@ class StreamRunner:
         if self._listener is not None:
             _ProgressDispatch.detach(self.spark, self._listener)
             self._listener = None
-
-
-def source_metric(name: str) -> Callable[[Any], float | None]:
-    """A lag reader: the named metric of the query's source (e.g. Kafka offsets behind)."""
-
-    def read(progress: Any) -> float | None:
-        for source in progress.sources:
-            value = (source.metrics or {}).get(name)
-            if value is not None:
-                return float(value)
-        return None
-
-    return read
-
-
-OpenStream = Callable[
-    [SparkSession, EntityConfig, StreamRunner], tuple[DataStreamWriter, QueryIdentity]
-]
-
-
-def start_streams(
-    service: str,
-    config: PipelineConfig,
-    settings: StreamingServiceConfig,
-    entity_names: list[str] | None,
-    spark: SparkSession | None,
-    lag: str | Callable[[Any], float | None] | None,
-    open_stream: OpenStream,
-    on_failure: OnFailure | None = None,
-) -> StreamRunner:
-    """Start one stream per selected entity (``open_stream`` builds each); ``run()`` the result.
-
-    ``on_failure`` reads a failed query's error (transient: restarted; see StreamRunner);
-    a full disk is recognised for every service.
-    """
-    entities = config.select_entities(entity_names)
-    if not entities:
-        raise ConfigError(f"the configuration defines no entities for the {service}")
-    spark = spark or build_spark_session(config.spark, command_name(service))
-    runner = StreamRunner(
-        spark,
-        service,
-        settings.metrics_host,
-        settings.metrics_port,
-        source_metric(lag) if isinstance(lag, str) else lag,  # None: foreachBatch reports it
-        recognising_full_storage(config.storage_root, on_failure),
-    )
-    try:
-        for entity in entities:
-            writer, identity = open_stream(spark, entity, runner)
-            rebuild = functools.partial(open_stream, spark, entity, runner)
-            runner.start(entity.name, writer, identity, rebuild)
-    except BaseException:
-        runner.stop_now()
-        raise
-    return runner
-
-
-def rebuilding_on_schema_change(layer: str) -> OnFailure:
-    """Reads a Delta source's schema change as "build the stream again".
-
-    Delta ends a stream whose source table gained a column (``DELTA_SCHEMA_CHANGED*``,
-    "try restarting the query"), and a query keeps the schema it was built with; rebuilt,
-    it reads the new schema. ``layer`` names the source in the log (bronze, silver).
-    """
-
-    def read(entity: str, error: str) -> Failure | None:
-        if "DELTA_SCHEMA_CHANGED" in error:
-            return Failure(
-                f"{layer}/{entity} changed its schema; rebuilding the stream to read it",
-                transient=True,
-                rebuild=True,
-            )
-        return None
-
-    return read

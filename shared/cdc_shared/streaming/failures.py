@@ -1,0 +1,91 @@
+"""Failure policy: how a service reads a failed query's error.
+
+A service's ``on_failure`` turns Spark's error text into a :class:`Failure` (restart the
+query, rebuild it, stop only its entity, or stop the service); the readers here are the
+ones several services share: a full disk (every service) and a Delta source whose schema
+changed (the services reading bronze or silver).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class StreamFailedError(RuntimeError):
+    """A stream stopped with an error; the message names the service and entity."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A service's reading of a failed query's error (see ``StreamRunner(on_failure=)``).
+
+    ``transient``: restart the query from its checkpoint after a backoff (forever, while
+    the error stays transient); else stop the service with ``message``. ``rebuild``: build
+    the query again before restarting it (its source's schema changed, and a query keeps
+    the schema it was built with). ``entity_only``: stop this entity's stream but keep the
+    others running (``/health`` says so; the service exits 1 when it stops).
+    """
+
+    message: str
+    transient: bool = False
+    rebuild: bool = False
+    entity_only: bool = False
+
+
+#: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
+OnFailure = Callable[[str, str], Failure | None]
+
+#: How the JVM and the OS say a write failed for want of space (ENOSPC, EDQUOT).
+NO_SPACE = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded")
+
+
+def no_space_message(storage_root: str, error: str = "") -> str:
+    """What to tell the operator when a write under ``storage_root`` found the disk full.
+
+    Names the path being written when the JVM's ``error`` shows it.
+    """
+    written = re.search(rf"{re.escape(storage_root.rstrip('/'))}[^\s'\",;]*", error)
+    return (
+        f"stopped: no space left on device under the storage root {storage_root}"
+        + (f" (writing {written.group(0).rstrip('.')})" if written else "")
+        + ". Delta commits and the stream's checkpoint are atomic, so the failed micro-batch "
+        "committed nothing (at most unreferenced files remain); free space or grow the "
+        "volume, then restart: the stream resumes from its checkpoint and writes nothing twice"
+    )
+
+
+def recognising_full_storage(storage_root: str, on_failure: OnFailure | None) -> OnFailure:
+    """``on_failure``, after recognising a full disk.
+
+    A full disk stops the service with a one-line message naming the storage root, not
+    the JVM's stack trace.
+    """
+
+    def read(entity: str, error: str) -> Failure | None:
+        if NO_SPACE.search(error):
+            return Failure(no_space_message(storage_root, error))
+        return on_failure(entity, error) if on_failure else None
+
+    return read
+
+
+def rebuilding_on_schema_change(layer: str) -> OnFailure:
+    """Reads a Delta source's schema change as "build the stream again".
+
+    Delta ends a stream whose source table gained a column (``DELTA_SCHEMA_CHANGED*``,
+    "try restarting the query"), and a query keeps the schema it was built with; rebuilt,
+    it reads the new schema. ``layer`` names the source in the log (bronze, silver).
+    """
+
+    def read(entity: str, error: str) -> Failure | None:
+        if "DELTA_SCHEMA_CHANGED" in error:
+            return Failure(
+                f"{layer}/{entity} changed its schema; rebuilding the stream to read it",
+                transient=True,
+                rebuild=True,
+            )
+        return None
+
+    return read

@@ -1,0 +1,159 @@
+"""The one stream runtime: a service is a set of entity streams, opened the same way.
+
+A service says what is its own (:class:`StreamService`: its name, settings, how to open
+an entity's :class:`EntityStream`, how to read its lag, which failures it knows) and
+keeps only its source -> transform -> sink in its streams (usually subclasses of
+:class:`EntityStreamBase`). :func:`start_service` does the rest for every service alike:
+one checkpointed foreachBatch query per entity, with the service's trigger, run by a
+:class:`StreamRunner` that can open a stream again to rebuild its query.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
+from cdc_shared.layout import command_name
+from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming.failures import OnFailure, recognising_full_storage
+from cdc_shared.streaming.progress import BatchStats, LagReader, source_metric
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+
+#: How long a continuous service waits for its source table (the upstream service
+#: creates it); ``--once`` waits for nothing.
+SOURCE_WAIT_S = 3600.0
+
+
+class EntityStream(Protocol):
+    """One entity's stream of a service: source -> transform -> sink, per micro-batch."""
+
+    identity: QueryIdentity  # its query's id, for idempotent writes (set at start)
+
+    def prepare(self, wait_s: float) -> None:
+        """Create the tables (or indexes) it writes; wait up to ``wait_s`` for its source."""
+
+    def source(self) -> DataFrame:
+        """The streaming DataFrame it reads."""
+
+    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """Transform and write one micro-batch (foreachBatch), idempotently."""
+
+
+#: Builds an entity's stream: (spark, config, entity, the service's runner) -> stream.
+OpenEntity = Callable[[SparkSession, PipelineConfig, EntityConfig, StreamRunner], EntityStream]
+
+
+@dataclass(eq=False)
+class EntityStreamBase:
+    """What every entity stream holds; a service's stream adds its own in ``__post_init__``.
+
+    Its fields are the arguments of ``OpenEntity``, so a subclass adding none is its own
+    factory. ``identity`` is filled in when the runner starts the query.
+    """
+
+    spark: SparkSession
+    config: PipelineConfig
+    entity: EntityConfig
+    runner: StreamRunner
+    identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
+
+    def __post_init__(self) -> None:
+        """A service's stream sets up its own state here (the generated ``__init__`` calls it)."""
+
+    def report(self, batch_id: int, stats: BatchStats) -> None:
+        """Hand what a batch did to the runner, for the batch's progress log."""
+        self.runner.report(self.entity.name, batch_id, stats)
+
+    def set_problem(self, problem: str | None) -> None:
+        """Report (None: clear) what keeps the entity from progressing, for ``/health``."""
+        self.runner.set_problem(self.entity.name, problem)
+
+
+@dataclass(frozen=True)
+class StreamService:
+    """What makes one streaming service differ from the others.
+
+    ``settings``: its section of the configuration (trigger, metrics endpoint).
+    ``open_entity``: builds an entity's stream (called again to rebuild its query).
+    ``lag``: the name of a source metric (e.g. Kafka offsets behind), a reader of the
+    progress event, or None when each batch reports it (``BatchStats.extra["lag"]``).
+    ``on_failure``: the failures the service knows (a full disk is known to all).
+    """
+
+    name: str
+    settings: StreamingServiceConfig
+    open_entity: OpenEntity
+    lag: str | LagReader | None = None
+    on_failure: OnFailure | None = None
+
+
+def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
+    """``--once``: process what is available then stop; else a processing-time trigger."""
+    return writer.trigger(availableNow=True) if once else writer.trigger(processingTime=interval)
+
+
+def foreach_batch_writer(
+    source: DataFrame,
+    process: Callable[[DataFrame, int], None],
+    checkpoint: str,
+    once: bool,
+    interval: str,
+) -> DataStreamWriter:
+    """source -> foreachBatch(process), checkpointed, with the service's trigger."""
+    writer = source.writeStream.foreachBatch(process).option("checkpointLocation", checkpoint)
+    return with_trigger(writer, once, interval)
+
+
+def start_service(
+    service: StreamService,
+    config: PipelineConfig,
+    entity_names: list[str] | None,
+    once: bool,
+    spark: SparkSession | None,
+) -> StreamRunner:
+    """Open one stream per selected entity and start it; ``run()`` the result.
+
+    Each entity's stream is opened, prepared, and written with ``foreachBatch`` to its
+    checkpoint (``config.checkpoint_path``); the runner opens it again to rebuild the
+    query. If any entity fails to start, the ones started are stopped.
+    """
+    entities = config.select_entities(entity_names)
+    if not entities:
+        raise ConfigError(f"the configuration defines no entities for the {service.name}")
+    session = spark or build_spark_session(config.spark, command_name(service.name))
+    lag = service.lag
+    runner = StreamRunner(
+        session,
+        service.name,
+        service.settings.metrics_host,
+        service.settings.metrics_port,
+        source_metric(lag) if isinstance(lag, str) else lag,
+        recognising_full_storage(config.storage_root, service.on_failure),
+    )
+
+    def open_query(entity: EntityConfig) -> tuple[DataStreamWriter, QueryIdentity]:
+        stream = service.open_entity(session, config, entity, runner)
+        stream.prepare(0 if once else SOURCE_WAIT_S)
+        writer = foreach_batch_writer(
+            stream.source(),
+            stream.process_batch,
+            config.checkpoint_path(service.name, entity.name),
+            once,
+            service.settings.trigger_interval,
+        )
+        return writer, stream.identity
+
+    try:
+        for entity in entities:
+            writer, identity = open_query(entity)
+            runner.start(entity.name, writer, identity, functools.partial(open_query, entity))
+    except BaseException:
+        runner.stop_now()
+        raise
+    return runner
