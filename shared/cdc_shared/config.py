@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     field_validator,
@@ -35,7 +36,17 @@ KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
 
 _REFERENCE = re.compile(r"^\$\{(env|file):([^}]+)\}$")
 _IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
-_SECRET_WORDS = ("password", "secret", "api_key", "apikey", "token", "credential", "user.info")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SECRET_WORDS = (
+    "password",
+    "secret",
+    "api_key",
+    "apikey",
+    "token",
+    "credential",
+    "user.info",
+    "access.key",
+)
 
 
 #: How a source topic's values or keys are written (see EntityConfig).
@@ -78,11 +89,89 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: The scheme of object-storage roots this configuration maps to Hadoop's S3A settings.
+S3A_SCHEME = "s3a"
+#: S3A's provider for a fixed access key and secret key (``fs.s3a.access.key`` / ``secret.key``).
+S3A_STATIC_CREDENTIALS = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
+
+
+class ObjectStorageConfig(_Section):
+    """S3-compatible object storage for an ``s3a://bucket/prefix`` storage root.
+
+    Mapped to Hadoop's S3A settings for the root's bucket only
+    (``fs.s3a.bucket.<bucket>.*``, see :meth:`hadoop_options`), so other buckets keep
+    their own. Without keys, S3A's default credential chain applies (environment,
+    instance or pod role). The keys are secrets: ``${env:NAME}`` or ``${file:PATH}``,
+    never printed.
+    """
+
+    endpoint: str | None = None  # e.g. https://minio.internal:9000; null: AWS S3
+    region: str | None = None  # e.g. eu-west-1; most S3-compatible stores accept any
+    path_style_access: bool = False  # bucket in the path, not the host name (MinIO, Ceph)
+    access_key: SecretStr | None = None
+    secret_key: SecretStr | None = None
+
+    @field_validator("access_key", "secret_key", mode="before")
+    @classmethod
+    def _resolve_secret(cls, value: object) -> object:
+        return _resolve_reference(value) if isinstance(value, str) else value
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_url(cls, endpoint: str | None) -> str | None:
+        if endpoint is not None and not re.match(r"^https?://[^/\s]+/?$", endpoint):
+            raise ValueError(f"must be http(s)://host[:port], got {endpoint!r}")
+        return endpoint
+
+    @model_validator(mode="after")
+    def _both_keys(self) -> Self:
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ValueError("set both access_key and secret_key, or neither")
+        return self
+
+    def hadoop_options(self, bucket: str) -> dict[str, str]:
+        """The Hadoop settings (without ``spark.hadoop.``) for ``bucket``; holds secrets."""
+        options: dict[str, str] = {"path.style.access": str(self.path_style_access).lower()}
+        if self.endpoint is not None:
+            options["endpoint"] = self.endpoint.rstrip("/")
+            options["connection.ssl.enabled"] = str(self.endpoint.startswith("https")).lower()
+        if self.region is not None:
+            options["endpoint.region"] = self.region
+        if self.access_key is not None and self.secret_key is not None:
+            options["aws.credentials.provider"] = S3A_STATIC_CREDENTIALS
+            options["access.key"] = self.access_key.get_secret_value()
+            options["secret.key"] = self.secret_key.get_secret_value()
+        return {f"fs.s3a.bucket.{bucket}.{name}": value for name, value in options.items()}
+
+
+def s3a_bucket(root: str) -> str | None:
+    """The bucket of an ``s3a://bucket/...`` root; None for any other root."""
+    scheme, _, rest = root.partition("://")
+    if scheme.lower() != S3A_SCHEME:
+        return None
+    return rest.split("/", 1)[0]
+
+
 class SparkConfig(_Section):
-    """Where Spark runs and any Spark configuration to pass through."""
+    """Where Spark runs and any Spark configuration to pass through.
+
+    The pipeline adds the storage root's Hadoop settings (``object_storage``) when it is
+    validated: they hold secrets, so they live in a private attribute, out of reprs.
+    """
 
     master: str = "local[*]"
     conf: dict[str, str] = Field(default_factory=dict)
+    _hadoop: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def hadoop_options(self) -> dict[str, str]:
+        """Hadoop settings for the storage root (``fs.s3a.bucket.*``; may hold secrets)."""
+        return dict(self._hadoop)
+
+    def with_hadoop_options(self, options: dict[str, str]) -> SparkConfig:
+        """A copy that also carries ``options`` (Hadoop keys, without ``spark.hadoop.``)."""
+        copy = self.model_copy()
+        copy._hadoop = {**self._hadoop, **options}
+        return copy
 
 
 class KafkaConfig(_Section):
@@ -344,6 +433,7 @@ class PipelineConfig(BaseSettings):
     )
 
     storage_root: str = "./data"
+    object_storage: ObjectStorageConfig = Field(default_factory=ObjectStorageConfig)
     spark: SparkConfig = Field(default_factory=SparkConfig)
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     schema_registry: SchemaRegistryConfig = Field(default_factory=SchemaRegistryConfig)
@@ -372,8 +462,27 @@ class PipelineConfig(BaseSettings):
     def _absolute_local_root(cls, root: str) -> str:
         # Delta reads a relative location as a table name; services may run elsewhere.
         if "://" in root:
-            return root
+            scheme = root.split("://", 1)[0]
+            if scheme.lower() in ("s3", "s3n"):
+                raise ValueError(
+                    f"use s3a://... ({scheme}:// has no file system in Hadoop 3), got {root!r}"
+                )
+            bucket = s3a_bucket(root)
+            if bucket is not None and not _BUCKET.match(bucket):
+                raise ValueError(
+                    "an s3a root is s3a://<bucket>[/<prefix>] with a bucket name of 3-63 "
+                    f"lower-case letters, digits, '.' and '-', got {root!r}"
+                )
+            return root.rstrip("/")
         return str(Path(root).expanduser().resolve())
+
+    @model_validator(mode="after")
+    def _storage_settings_to_spark(self) -> Self:
+        # Every SparkSession is built from ``spark``: it carries the root's S3A settings.
+        options = self.s3a_options
+        if options:
+            self.spark._hadoop = {**self.spark._hadoop, **options}
+        return self
 
     @model_validator(mode="after")
     def _entities_distinct(self) -> Self:
@@ -405,6 +514,15 @@ class PipelineConfig(BaseSettings):
         if not names:
             return list(self.entities)
         return [self.entity(n) for n in names]
+
+    @property
+    def s3a_options(self) -> dict[str, str]:
+        """Hadoop's S3A settings for an ``s3a://`` root's bucket (empty for other roots).
+
+        Holds the secret key: pass it to Spark, never to a log (``redact`` masks it).
+        """
+        bucket = s3a_bucket(self.storage_root)
+        return {} if bucket is None else self.object_storage.hadoop_options(bucket)
 
     @property
     def layout(self) -> StorageLayout:

@@ -14,6 +14,9 @@ SCALA_BINARY = "2.13"
 KAFKA_VERSION = "4.4.0"
 ELASTICSEARCH_VERSION = "9.2.4"
 APICURIO_VERSION = "3.3.3"
+# hadoop-aws (deploy/jvm/spark) must match pyspark's hadoop-client jars.
+HADOOP_VERSION = "3.5.0"
+S3PROXY_VERSION = "2.6.0"
 # Kafka Connect and its plugins (deploy/jvm/connect). Connect stays on 4.3.0: 4.4.0
 # breaks Debezium 3.6.1. Apicurio's converter is the 2.x line (3.x is not on Maven Central).
 CONNECT_VERSION = "4.3.0"
@@ -49,7 +52,10 @@ def jvm_cache_dir() -> Path:
 
 
 def spark_jars() -> list[Path]:
-    """The jars every SparkSession loads (Delta, Kafka connector, Avro); empty if unfetched."""
+    """The jars every SparkSession loads; empty if unfetched.
+
+    Delta, the Kafka connector, Avro, and hadoop-aws with the AWS SDK modules S3A needs.
+    """
     folder = jvm_cache_dir() / "spark"
     return sorted(folder.glob("*.jar")) if folder.is_dir() else []
 
@@ -68,3 +74,8 @@ def registry_home() -> Path:
 def elasticsearch_home() -> Path:
     """The unpacked Elasticsearch distribution (may not exist yet)."""
     return jvm_cache_dir() / "elasticsearch" / f"elasticsearch-{ELASTICSEARCH_VERSION}"
+
+
+def s3proxy_jar() -> Path:
+    """S3Proxy's runnable jar, the dev kit's S3-compatible server (may not exist yet)."""
+    return jvm_cache_dir() / "s3proxy" / f"s3proxy-{S3PROXY_VERSION}.jar"

@@ -29,6 +29,13 @@ def hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
     return hadoop.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hadoop
 
 
+def set_hadoop_options(spark: SparkSession, options: dict[str, str]) -> None:
+    """Set ``options`` on the session's Hadoop configuration (what file systems read)."""
+    configuration = spark.sparkContext._jsc.hadoopConfiguration()
+    for key, value in options.items():
+        configuration.set(key, value)
+
+
 def read_text(spark: SparkSession, path: str) -> str:
     """The content of the file ``path`` (any Hadoop file system) as UTF-8 text."""
     fs, file = hadoop_path(spark, path)

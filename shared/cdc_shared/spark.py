@@ -25,6 +25,9 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
 
     Jars come from the JVM cache (``make jvm``); when it is empty, the same artifacts are
     named in ``spark.jars.packages`` for Spark to download, which needs Maven Central.
+    The storage root's Hadoop settings (``object_storage``: S3A endpoint, credentials)
+    become ``spark.hadoop.*`` entries, which executors receive too; Spark's own
+    ``spark.redaction.regex`` hides the secret ones in its UI and event logs.
     """
     local = config.master.startswith("local")
     conf: dict[str, str] = {
@@ -69,6 +72,7 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
             ", ".join(jvm.SPARK_PACKAGES),
         )
         conf["spark.jars.packages"] = ",".join(jvm.SPARK_PACKAGES)
+    conf.update({f"spark.hadoop.{k}": v for k, v in config.hadoop_options().items()})
     conf.update(config.conf)
     return conf
 
@@ -80,6 +84,10 @@ def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
+    # A session that was already running (tests, `cdc run`) ignores new spark.hadoop.*
+    # entries: set the root's settings on its Hadoop configuration (per bucket, so
+    # settings of other roots in the same session stay as they are).
+    jvm_bridge.set_hadoop_options(session, config.hadoop_options())
     return session
 
 

@@ -280,7 +280,7 @@ def test_jvm_module_the_image_builds_fills_the_folder_the_services_read(
     assert "spark" in [m.text for m in parent.findall("m:modules/m:module", ns)]
     spark_pom = ET.parse(ROOT / "deploy" / "jvm" / "spark" / "pom.xml").getroot()
     outputs = [e.text for e in spark_pom.iter(f"{{{ns['m']}}}outputDirectory")]
-    assert outputs == ["${jvm.cache}/spark"]
+    assert outputs and set(outputs) == {"${jvm.cache}/spark"}  # Delta etc., hadoop-aws
     # ... which is where cdc_shared.jvm looks under $CDC_JVM_CACHE.
     (tmp_path / "spark").mkdir()
     (tmp_path / "spark" / "delta-spark_2.13-x.jar").touch()
