@@ -42,6 +42,17 @@ def _keep_infra() -> bool:
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint(local_servers: infra.Endpoints) -> Iterator[str]:
+    """An S3-compatible server (S3Proxy, in memory) with the bucket ``infra.S3_BUCKET``,
+    started on first use; its endpoint (path-style, fixed local credentials)."""
+    already = infra.running(TEST_INFRA)["s3"]
+    url = infra.start_s3(TEST_INFRA)
+    yield url
+    if not already and not _keep_infra():
+        infra.stop(TEST_INFRA, "s3")
+
+
+@pytest.fixture(scope="session")
 def postgres_server() -> Iterator[Database]:
     """PostgreSQL (``wal_level=logical``, loopback), started on first use; its superuser."""
     already = infra.running(TEST_INFRA)["postgres"]

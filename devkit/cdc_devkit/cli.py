@@ -28,7 +28,8 @@ class DemoSource(StrEnum):
 
 
 infra_app = typer.Typer(
-    help="Local Kafka, Elasticsearch and a schema registry on loopback (no Docker).",
+    help="Local Kafka, Elasticsearch, and on demand a schema registry, an S3 server, "
+    "PostgreSQL and Kafka Connect, on loopback (no Docker).",
     no_args_is_help=True,
 )
 
@@ -46,11 +47,19 @@ def infra_up(
         help="Also start PostgreSQL (wal_level=logical) and Kafka Connect with Debezium's "
         "PostgreSQL connector (standalone; add connectors over its REST API).",
     ),
+    with_s3: bool = typer.Option(
+        False,
+        "--with-s3",
+        help="Also start an S3-compatible server (S3Proxy, in memory) with the bucket "
+        f"{infra.S3_BUCKET!r}, for storage_root: s3a://{infra.S3_BUCKET}/<prefix>.",
+    ),
 ) -> None:
     """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
     try:
         settings = infra.InfraSettings()
-        served = infra.up(settings, with_registry=with_registry, with_postgres=with_postgres)
+        served = infra.up(
+            settings, with_registry=with_registry, with_postgres=with_postgres, with_s3=with_s3
+        )
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -65,6 +74,12 @@ def infra_up(
         )
     if served.connect_url:
         typer.echo(f"kafka connect url:       {served.connect_url}")
+    if served.s3_endpoint:
+        typer.echo(
+            f"s3 endpoint:             {served.s3_endpoint} (bucket {infra.S3_BUCKET}, "
+            f"path-style, region {infra.S3_REGION}; fixed local credentials: access key "
+            f"{infra.S3_ACCESS_KEY}, secret key {infra.S3_SECRET_KEY})"
+        )
 
 
 @infra_app.command("down")

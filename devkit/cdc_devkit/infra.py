@@ -1,10 +1,11 @@
 """Local infrastructure without Docker: a real Kafka broker and Elasticsearch on loopback.
 
 Both run from the JVM cache that deploy/jvm/pom.xml fills (``make jvm``); so do the
-optional schema registry and Kafka Connect. The optional PostgreSQL (a Debezium source)
-runs from Debian's ``postgresql-15`` package. Each server's configuration, data, log and
-PID live in one state folder, so ``up`` is idempotent (a server already answering is left
-alone) and ``down`` stops exactly what ``up`` started, with its whole process group.
+optional schema registry, Kafka Connect and S3 server (S3Proxy). The optional PostgreSQL
+(a Debezium source) runs from Debian's ``postgresql-15`` package. Each server's
+configuration, data, log and PID live in one state folder, so ``up`` is idempotent (a
+server already answering is left alone) and ``down`` stops exactly what ``up`` started,
+with its whole process group.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
+from typing import Any
 
 import httpx
 from cdc_shared import jvm
@@ -42,8 +44,13 @@ REGISTRY_CORE_API = "/apis/registry/v2"
 POSTGRES_MAJOR = 15  # Debian's postgresql-15
 #: The database superuser ``up`` creates (its password: ``postgres_password``).
 POSTGRES_SUPERUSER = "cdc"
+#: The local S3 server's fixed credentials and bucket: loopback only, for tests and demos.
+S3_ACCESS_KEY = "cdc-local"
+S3_SECRET_KEY = "cdc-local-secret"  # public: a local-only server
+S3_BUCKET = "cdc"
+S3_REGION = "us-east-1"
 #: Every server ``up`` can start, in start order (``down`` stops them in reverse).
-SERVERS = ("kafka", "elasticsearch", "registry", "postgres", "connect")
+SERVERS = ("kafka", "elasticsearch", "registry", "s3", "postgres", "connect")
 #: The signal that asks a server to stop, when it is not SIGTERM. PostgreSQL's SIGTERM
 #: is a "smart" shutdown that waits for every client (Debezium's replication connection
 #: among them); SIGINT is its "fast" shutdown.
@@ -77,6 +84,8 @@ class InfraSettings(BaseSettings):
     postgres_bin: Path = Path(f"/usr/lib/postgresql/{POSTGRES_MAJOR}/bin")
     connect_port: int = Field(default=8083, gt=0, lt=65536)
     connect_heap: str = "512m"
+    s3_port: int = Field(default=9000, gt=0, lt=65536)
+    s3_heap: str = "512m"  # S3Proxy keeps the objects in memory: the heap bounds them
     start_timeout_s: float = 120.0
 
 
@@ -89,10 +98,14 @@ class Endpoints:
     registry_url: str | None = None  # the Confluent-compatible API, when it was started
     postgres: str | None = None  # host:port of PostgreSQL, when it was started
     connect_url: str | None = None  # Kafka Connect's REST API, when it was started
+    s3_endpoint: str | None = None  # the S3-compatible server, when it was started
 
 
 def endpoints(
-    settings: InfraSettings, with_registry: bool = False, with_postgres: bool = False
+    settings: InfraSettings,
+    with_registry: bool = False,
+    with_postgres: bool = False,
+    with_s3: bool = False,
 ) -> Endpoints:
     """The addresses ``up`` serves with these settings."""
     return Endpoints(
@@ -101,7 +114,13 @@ def endpoints(
         registry_url=registry_url(settings) if with_registry else None,
         postgres=f"127.0.0.1:{settings.postgres_port}" if with_postgres else None,
         connect_url=connect_url(settings) if with_postgres else None,
+        s3_endpoint=s3_endpoint(settings) if with_s3 else None,
     )
+
+
+def s3_endpoint(settings: InfraSettings) -> str:
+    """The local S3 server's endpoint (``object_storage.endpoint``, path-style access)."""
+    return f"http://127.0.0.1:{settings.s3_port}"
 
 
 def registry_url(settings: InfraSettings) -> str:
@@ -499,6 +518,95 @@ def start_registry(settings: InfraSettings) -> str:
     return url
 
 
+# --- S3 (S3Proxy) -------------------------------------------------------------------
+
+
+def s3_client(settings: InfraSettings) -> Any:
+    """A boto3 S3 client for the local server, with its fixed credentials (path-style)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint(settings),
+        aws_access_key_id=S3_ACCESS_KEY,
+        aws_secret_access_key=S3_SECRET_KEY,
+        region_name=S3_REGION,
+        config=Config(
+            s3={"addressing_style": "path"},
+            connect_timeout=5,
+            read_timeout=5,
+            retries={"max_attempts": 1},
+        ),
+    )
+
+
+def _s3_ready(settings: InfraSettings) -> bool:
+    """Whether the server answers a signed ListBuckets (so the credentials work too)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        s3_client(settings).list_buckets()
+    except (BotoCoreError, ClientError):
+        return False
+    return True
+
+
+def start_s3(settings: InfraSettings) -> str:
+    """Start S3Proxy unless it runs; wait for it and make the bucket ``S3_BUCKET``.
+
+    Storage is S3Proxy's in-memory backend (``transient``): its file-system backends
+    mishandle the empty directory markers Hadoop's S3A writes (Spark's checkpoint
+    folders then vanish or turn into files). Objects live as long as the process, like
+    the registry's schemas. Credentials are the fixed ``S3_ACCESS_KEY`` /
+    ``S3_SECRET_KEY``, on loopback only. Returns the endpoint.
+    """
+    url = s3_endpoint(settings)
+    if (pid := _read_pid(settings, "s3")) is None:
+        jar = jvm.s3proxy_jar()
+        if not jar.is_file():
+            raise InfraError("S3Proxy is not in the JVM cache; run `make jvm` first")
+        _check_ports_free("the S3 server", {"s3_port": settings.s3_port})
+        java = _find_java_home(17, "CDC_S3_JAVA_HOME") / "bin" / "java"
+        folder = settings.state_dir / "s3"
+        folder.mkdir(parents=True, exist_ok=True)
+        properties = folder / "s3proxy.conf"
+        properties.write_text(
+            "\n".join(
+                [
+                    "# Written by `cdc infra up --with-s3`: loopback, fixed local credentials.",
+                    f"s3proxy.endpoint={url}",
+                    "s3proxy.authorization=aws-v2-or-v4",
+                    f"s3proxy.identity={S3_ACCESS_KEY}",
+                    f"s3proxy.credential={S3_SECRET_KEY}",
+                    "jclouds.provider=transient",
+                    "",
+                ]
+            )
+        )
+        properties.chmod(0o600)
+        heap = settings.s3_heap
+        pid = _start(
+            settings,
+            "s3",
+            [
+                str(java),
+                f"-Xms{heap}",
+                f"-Xmx{heap}",
+                "-XX:+UseSerialGC",
+                "-jar",
+                str(jar),
+                "--properties",
+                str(properties),
+            ],
+        )
+    _wait_ready(settings, "s3", pid, lambda: _s3_ready(settings))
+    client = s3_client(settings)
+    if S3_BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=S3_BUCKET)
+    return url
+
+
 # --- PostgreSQL ---------------------------------------------------------------------
 
 
@@ -744,8 +852,9 @@ def up(
     settings: InfraSettings | None = None,
     with_registry: bool = False,
     with_postgres: bool = False,
+    with_s3: bool = False,
 ) -> Endpoints:
-    """Start Kafka and Elasticsearch; the registry, PostgreSQL and Connect if asked.
+    """Start Kafka and Elasticsearch; the registry, S3, PostgreSQL and Connect if asked.
 
     Idempotent. Servers started before are reported whether asked for or not.
     """
@@ -755,6 +864,8 @@ def up(
     start_elasticsearch(settings)
     if with_registry:
         start_registry(settings)
+    if with_s3:
+        start_s3(settings)
     if with_postgres:
         start_postgres(settings)
         start_connect(settings)
@@ -763,6 +874,7 @@ def up(
         settings,
         with_registry or now["registry"],
         with_postgres or (now["postgres"] and now["connect"]),
+        with_s3 or now["s3"],
     )
     (settings.state_dir / "endpoints.json").write_text(json.dumps(served.__dict__, indent=2))
     return served

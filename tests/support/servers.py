@@ -1,5 +1,5 @@
 """Where the test session's own servers run (Kafka, Elasticsearch, and on demand the
-registry, PostgreSQL and Kafka Connect)."""
+registry, the S3 server, PostgreSQL and Kafka Connect)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ TEST_INFRA = infra.InfraSettings(
     registry_port=int(os.environ.get("CDC_TEST_REGISTRY_PORT", "28081")),
     postgres_port=int(os.environ.get("CDC_TEST_POSTGRES_PORT", "25432")),
     connect_port=int(os.environ.get("CDC_TEST_CONNECT_PORT", "28083")),
+    s3_port=int(os.environ.get("CDC_TEST_S3_PORT", "29000")),
 )
 
 
@@ -37,4 +38,5 @@ def infra_env() -> dict[str, str]:
         "CDC_INFRA_REGISTRY_PORT": str(TEST_INFRA.registry_port),
         "CDC_INFRA_POSTGRES_PORT": str(TEST_INFRA.postgres_port),
         "CDC_INFRA_CONNECT_PORT": str(TEST_INFRA.connect_port),
+        "CDC_INFRA_S3_PORT": str(TEST_INFRA.s3_port),
     }

@@ -205,6 +205,12 @@ def maintenance_command(
         help="A service that is not deployed (publisher_es, publisher_kafka, merger): its "
         "checkpoint, or its absence, does not hold VACUUM back. Repeatable.",
     ),
+    writers_stopped: bool = typer.Option(
+        False,
+        "--writers-stopped",
+        help="The ingestor and merger are stopped: needed on object storage (s3a://), "
+        "where maintenance's commits must not race theirs.",
+    ),
     as_json: bool = AsJson,
 ) -> None:
     """OPTIMIZE bronze and silver, VACUUM them safely, expire old tombstones.
@@ -224,7 +230,7 @@ def maintenance_command(
     unknown = [s for s in ignored if s not in ("merger", *maintenance.SILVER_READERS)]
     if unknown:
         _fail(f"--ignore-service: unknown services {unknown}", 2)
-    with _problems(maintenance.RetentionTooShortError):
+    with _problems(maintenance.RetentionTooShortError, maintenance.WritersMayRunError):
         report = maintenance.run_maintenance(
             pipeline,
             entity or None,
@@ -232,6 +238,7 @@ def maintenance_command(
             vacuum_hours=None if no_vacuum else vacuum_hours,
             tombstone_retention_hours=None if no_tombstones else tombstone_retention_hours,
             ignore_services=ignored,
+            writers_stopped=writers_stopped,
         )
     _emit(as_json, report.to_dict, lambda: maintenance.render(report))
 

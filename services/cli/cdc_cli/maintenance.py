@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cdc_merger.apply import expire_tombstones
-from cdc_shared.config import ChangeFeedConfig, EntityConfig, PipelineConfig
+from cdc_shared.config import ChangeFeedConfig, EntityConfig, PipelineConfig, s3a_bucket
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
@@ -55,6 +55,10 @@ _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 
 class RetentionTooShortError(RuntimeError):
     """A requested retention would delete files (or tombstones) a stream still needs."""
+
+
+class WritersMayRunError(RuntimeError):
+    """Maintenance would commit to object-storage tables another process may write."""
 
 
 @dataclass(frozen=True)
@@ -274,17 +278,27 @@ def run_maintenance(
     vacuum_hours: float | None = DEFAULT_RETENTION_HOURS,
     tombstone_retention_hours: float | None = DEFAULT_RETENTION_HOURS,
     ignore_services: tuple[str, ...] = (),
+    writers_stopped: bool = False,
     spark: SparkSession | None = None,
 ) -> MaintenanceReport:
     """Check every retention against the streams first, then OPTIMIZE, VACUUM, expire.
 
     ``None`` for a retention skips that step. Raises RetentionTooShortError, before
     changing anything, when a retention would break a stream; the check is repeated right
-    before each VACUUM (OPTIMIZE may have taken long).
+    before each VACUUM (OPTIMIZE may have taken long). On an ``s3a://`` root it needs
+    ``writers_stopped`` (else WritersMayRunError, before anything runs).
     """
     from cdc_shared.spark import build_spark_session
 
     entities = config.select_entities(entity_names)
+    if s3a_bucket(config.storage_root) is not None and not writers_stopped:
+        # Delta's S3 log store orders commits within one JVM only (docs/operations.md): a
+        # commit of ours (OPTIMIZE, VACUUM's log entries, tombstone expiry) racing the
+        # ingestor's or merger's could overwrite theirs.
+        raise WritersMayRunError(
+            "the storage root is on object storage, where maintenance must not commit "
+            "beside the ingestor and merger: stop them, then pass --writers-stopped"
+        )
     spark = spark or build_spark_session(config.spark, "cdc-maintenance")
     needs = {e.name: stream_needs(config, e, spark, ignore_services) for e in entities}
     all_needs = [n for per_entity in needs.values() for n in per_entity]
