@@ -165,7 +165,7 @@ def start(
     once: bool = False,
     spark: SparkSession | None = None,
 ) -> StreamRunner:
-    """Create the tables and start one stream per entity; ``run()`` the result."""
+    """Start one Kafka -> bronze stream per entity, and the broker watch; ``run()`` it."""
     ingestor = StreamService(
         SERVICE,
         config.ingestor,

@@ -172,7 +172,7 @@ def start(
     once: bool = False,
     spark: SparkSession | None = None,
 ) -> StreamRunner:
-    """Create the tables and start one stream per entity; ``run()`` the result."""
+    """Start one bronze -> silver stream per entity (each waits for its bronze); ``run()`` it."""
     merger = StreamService(
         SERVICE,
         config.merger,
