@@ -167,12 +167,6 @@ class SparkConfig(_Section):
         """Hadoop settings for the storage root (``fs.s3a.bucket.*``; may hold secrets)."""
         return dict(self._hadoop)
 
-    def with_hadoop_options(self, options: dict[str, str]) -> SparkConfig:
-        """A copy that also carries ``options`` (Hadoop keys, without ``spark.hadoop.``)."""
-        copy = self.model_copy()
-        copy._hadoop = {**self._hadoop, **options}
-        return copy
-
 
 class KafkaConfig(_Section):
     """Kafka connection; ``options`` pass through to every client (security.*, sasl.*)."""
