@@ -53,6 +53,18 @@ def s3_endpoint(local_servers: infra.Endpoints) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def spark_master(local_servers: infra.Endpoints) -> Iterator[str]:
+    """A Spark standalone cluster (a master, ``TEST_INFRA.spark_workers`` workers) on
+    loopback, started on first use; the master's ``spark://`` URL."""
+    already = infra.running(TEST_INFRA)["spark-master"]
+    url = infra.start_spark_cluster(TEST_INFRA)
+    yield url
+    if not already and not _keep_infra():
+        infra.stop(TEST_INFRA, infra.SPARK_WORKERS)
+        infra.stop(TEST_INFRA, "spark-master")
+
+
+@pytest.fixture(scope="session")
 def postgres_server() -> Iterator[Database]:
     """PostgreSQL (``wal_level=logical``, loopback), started on first use; its superuser."""
     already = infra.running(TEST_INFRA)["postgres"]

@@ -29,7 +29,7 @@ class DemoSource(StrEnum):
 
 infra_app = typer.Typer(
     help="Local Kafka, Elasticsearch, and on demand a schema registry, an S3 server, "
-    "PostgreSQL and Kafka Connect, on loopback (no Docker).",
+    "PostgreSQL, Kafka Connect and a Spark standalone cluster, on loopback (no Docker).",
     no_args_is_help=True,
 )
 
@@ -53,12 +53,22 @@ def infra_up(
         help="Also start an S3-compatible server (S3Proxy, in memory) with the bucket "
         f"{infra.S3_BUCKET!r}, for storage_root: s3a://{infra.S3_BUCKET}/<prefix>.",
     ),
+    with_spark_cluster: bool = typer.Option(
+        False,
+        "--with-spark-cluster",
+        help="Also start a Spark standalone cluster (a master and CDC_INFRA_SPARK_WORKERS "
+        "workers, default 1), for spark.master: spark://127.0.0.1:<port>.",
+    ),
 ) -> None:
     """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
     try:
         settings = infra.InfraSettings()
         served = infra.up(
-            settings, with_registry=with_registry, with_postgres=with_postgres, with_s3=with_s3
+            settings,
+            with_registry=with_registry,
+            with_postgres=with_postgres,
+            with_s3=with_s3,
+            with_spark_cluster=with_spark_cluster,
         )
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
@@ -80,6 +90,12 @@ def infra_up(
             f"path-style, region {infra.S3_REGION}; fixed local credentials: access key "
             f"{infra.S3_ACCESS_KEY}, secret key {infra.S3_SECRET_KEY})"
         )
+    if served.spark_master:
+        typer.echo(
+            f"spark master:            {served.spark_master} (web UI "
+            f"http://127.0.0.1:{settings.spark_master_webui_port}, "
+            f"{settings.spark_workers} worker(s))"
+        )
 
 
 @infra_app.command("down")
@@ -96,8 +112,17 @@ def infra_down() -> None:
 @infra_app.command("status")
 def infra_status() -> None:
     """Say which local servers are running."""
-    for name, is_running in infra.running().items():
+    settings = infra.InfraSettings()
+    for name, is_running in infra.running(settings).items():
         typer.echo(f"{name}: {'running' if is_running else 'stopped'}")
+    state = infra.spark_master_state(settings)
+    if state is not None:
+        workers = [w for w in state.get("workers", []) if w.get("state") == "ALIVE"]
+        typer.echo(
+            f"spark cluster: {infra.spark_master_url(settings)} {state.get('status')}, "
+            f"{len(workers)} ALIVE worker(s), {len(state.get('activeapps', []))} active and "
+            f"{len(state.get('completedapps', []))} completed application(s)"
+        )
 
 
 def _run_or_exit(run: Callable[[], T]) -> T:

@@ -2,10 +2,11 @@
 
 Both run from the JVM cache that deploy/jvm/pom.xml fills (``make jvm``); so do the
 optional schema registry, Kafka Connect and S3 server (S3Proxy). The optional PostgreSQL
-(a Debezium source) runs from Debian's ``postgresql-15`` package. Each server's
-configuration, data, log and PID live in one state folder, so ``up`` is idempotent (a
-server already answering is left alone) and ``down`` stops exactly what ``up`` started,
-with its whole process group.
+(a Debezium source) runs from Debian's ``postgresql-15`` package. The optional Spark
+standalone cluster (a master and its workers) runs from the installed pyspark's
+``spark-class``. Each server's configuration, data, log and PID live in one state folder,
+so ``up`` is idempotent (a server already answering is left alone) and ``down`` stops
+exactly what ``up`` started, with its whole process group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from base64 import urlsafe_b64encode
@@ -50,7 +52,18 @@ S3_SECRET_KEY = "cdc-local-secret"  # public: a local-only server
 S3_BUCKET = "cdc"
 S3_REGION = "us-east-1"
 #: Every server ``up`` can start, in start order (``down`` stops them in reverse).
-SERVERS = ("kafka", "elasticsearch", "registry", "s3", "postgres", "connect")
+#: ``spark-worker`` stands for all of the cluster's workers (``spark-worker-<n>.pid``).
+SERVERS = (
+    "kafka",
+    "elasticsearch",
+    "registry",
+    "s3",
+    "postgres",
+    "connect",
+    "spark-master",
+    "spark-worker",
+)
+SPARK_WORKERS = "spark-worker"
 #: The signal that asks a server to stop, when it is not SIGTERM. PostgreSQL's SIGTERM
 #: is a "smart" shutdown that waits for every client (Debezium's replication connection
 #: among them); SIGINT is its "fast" shutdown.
@@ -86,6 +99,14 @@ class InfraSettings(BaseSettings):
     connect_heap: str = "512m"
     s3_port: int = Field(default=9000, gt=0, lt=65536)
     s3_heap: str = "512m"  # S3Proxy keeps the objects in memory: the heap bounds them
+    spark_master_port: int = Field(default=7077, gt=0, lt=65536)
+    spark_master_webui_port: int = Field(default=8080, gt=0, lt=65536)
+    #: Worker ``n`` (from 0) serves its web UI on this port + n.
+    spark_worker_webui_port: int = Field(default=8091, gt=0, lt=65536)
+    spark_workers: int = Field(default=1, gt=0, le=16)
+    spark_worker_cores: int = Field(default=2, gt=0)
+    spark_worker_memory: str = "2g"  # what executors of all applications may take, per worker
+    spark_daemon_heap: str = "512m"  # the master's and each worker's own JVM
     start_timeout_s: float = 120.0
 
 
@@ -99,6 +120,7 @@ class Endpoints:
     postgres: str | None = None  # host:port of PostgreSQL, when it was started
     connect_url: str | None = None  # Kafka Connect's REST API, when it was started
     s3_endpoint: str | None = None  # the S3-compatible server, when it was started
+    spark_master: str | None = None  # spark://host:port of the standalone cluster, if started
 
 
 def endpoints(
@@ -106,6 +128,7 @@ def endpoints(
     with_registry: bool = False,
     with_postgres: bool = False,
     with_s3: bool = False,
+    with_spark_cluster: bool = False,
 ) -> Endpoints:
     """The addresses ``up`` serves with these settings."""
     return Endpoints(
@@ -115,12 +138,23 @@ def endpoints(
         postgres=f"127.0.0.1:{settings.postgres_port}" if with_postgres else None,
         connect_url=connect_url(settings) if with_postgres else None,
         s3_endpoint=s3_endpoint(settings) if with_s3 else None,
+        spark_master=spark_master_url(settings) if with_spark_cluster else None,
     )
 
 
 def s3_endpoint(settings: InfraSettings) -> str:
     """The local S3 server's endpoint (``object_storage.endpoint``, path-style access)."""
     return f"http://127.0.0.1:{settings.s3_port}"
+
+
+def spark_master_url(settings: InfraSettings) -> str:
+    """The standalone Spark master (``spark.master`` of a pipeline run on the cluster)."""
+    return f"spark://127.0.0.1:{settings.spark_master_port}"
+
+
+def spark_master_json_url(settings: InfraSettings) -> str:
+    """The master web UI's JSON summary: workers, active and completed applications."""
+    return f"http://127.0.0.1:{settings.spark_master_webui_port}/json/"
 
 
 def registry_url(settings: InfraSettings) -> str:
@@ -838,6 +872,165 @@ def start_connect(settings: InfraSettings) -> str:
     return url
 
 
+# --- Spark standalone cluster ------------------------------------------------------
+
+
+def _spark_class() -> Path:
+    """The installed pyspark's ``bin/spark-class`` (its wheel carries no ``sbin`` scripts)."""
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent / "bin" / "spark-class"
+
+
+def spark_master_state(settings: InfraSettings) -> dict[str, Any] | None:
+    """The master's JSON summary (status, workers, applications); None if it does not answer."""
+    try:
+        response = httpx.get(spark_master_json_url(settings), timeout=2.0)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    state: dict[str, Any] = response.json()
+    return state
+
+
+def _alive_workers(settings: InfraSettings) -> int:
+    state = spark_master_state(settings)
+    if state is None or state.get("status") != "ALIVE":
+        return -1
+    return sum(1 for w in state.get("workers", []) if w.get("state") == "ALIVE")
+
+
+def _spark_env(settings: InfraSettings, folder: Path) -> dict[str, str]:
+    """The environment of the master and workers: loopback, their own conf and log folders.
+
+    Workers pass it on to their executors, so ``PYSPARK_PYTHON`` (this interpreter) and
+    ``PYTHONPATH`` reach the Python workers that executors start.
+    """
+    java_home = _find_java_home(17, "CDC_SPARK_JAVA_HOME")
+    conf_dir = folder / "conf"
+    conf_dir.mkdir(parents=True, exist_ok=True)
+    return {
+        "JAVA_HOME": str(java_home),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "SPARK_CONF_DIR": str(conf_dir),  # empty: no spark-defaults.conf is picked up
+        "SPARK_LOG_DIR": str(folder / "logs"),
+        "SPARK_DAEMON_MEMORY": settings.spark_daemon_heap,
+        "PYSPARK_PYTHON": sys.executable,
+    }
+
+
+def _worker_pid_names(settings: InfraSettings) -> list[str]:
+    """The PID-file names of the workers started here (``spark-worker-<n>``)."""
+    return sorted(p.stem for p in settings.state_dir.glob(f"{SPARK_WORKERS}-*.pid"))
+
+
+def start_spark_cluster(settings: InfraSettings) -> str:
+    """Start a standalone Spark master and ``spark_workers`` workers unless they run.
+
+    All on loopback; each worker offers ``spark_worker_cores`` cores and
+    ``spark_worker_memory`` to executors, with its work folder (executor logs, fetched
+    jars) under the state folder, and runs executors' Python with this interpreter.
+    Waits until the master lists that many ALIVE workers; returns the master's URL.
+    """
+    url = spark_master_url(settings)
+    spark_class = _spark_class()
+    if not spark_class.is_file():
+        raise InfraError(f"pyspark's spark-class is missing ({spark_class}); reinstall pyspark")
+    folder = settings.state_dir / "spark"
+    env = _spark_env(settings, folder)
+    if (pid := _read_pid(settings, "spark-master")) is None:
+        _check_ports_free(
+            "the Spark master",
+            {
+                "spark_master_port": settings.spark_master_port,
+                "spark_master_webui_port": settings.spark_master_webui_port,
+            },
+        )
+        pid = _start(
+            settings,
+            "spark-master",
+            [
+                str(spark_class),
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(settings.spark_master_port),
+                "--webui-port",
+                str(settings.spark_master_webui_port),
+            ],
+            env,
+        )
+    _wait_ready(settings, "spark-master", pid, lambda: _alive_workers(settings) >= 0)
+    for n in range(settings.spark_workers):
+        name = f"{SPARK_WORKERS}-{n}"
+        if _read_pid(settings, name) is not None:
+            continue
+        webui_port = settings.spark_worker_webui_port + n
+        _check_ports_free("a Spark worker", {"spark_worker_webui_port": webui_port})
+        work_dir = folder / f"worker-{n}"
+        work_dir.mkdir(parents=True, exist_ok=True)
+        worker_env = {
+            **env,
+            # Executors' scratch space (shuffle, spills) under the state folder too.
+            "SPARK_LOCAL_DIRS": str(work_dir / "local"),
+            # Finished applications' folders (fetched jars, executor logs) go after a day.
+            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=true "
+            "-Dspark.worker.cleanup.appDataTtl=86400",
+        }
+        _start(
+            settings,
+            name,
+            [
+                str(spark_class),
+                "org.apache.spark.deploy.worker.Worker",
+                url,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                str(settings.spark_worker_cores),
+                "--memory",
+                settings.spark_worker_memory,
+                "--webui-port",
+                str(webui_port),
+                "--work-dir",
+                str(work_dir),
+            ],
+            worker_env,
+        )
+    # The master must list every worker as ALIVE; a worker that dies meanwhile fails it.
+    _wait_ready(
+        settings,
+        "spark-master",
+        pid,
+        lambda: _workers_ready(settings),
+    )
+    return url
+
+
+def _workers_ready(settings: InfraSettings) -> bool:
+    for name in _worker_pid_names(settings):
+        if _read_pid(settings, name) is None:
+            raise InfraError(
+                f"{name} exited during start; last lines of its log:\n{_log_tail(settings, name)}"
+            )
+    return _alive_workers(settings) >= settings.spark_workers
+
+
+def _stop_server(settings: InfraSettings, name: str) -> bool:
+    """Stop one entry of ``SERVERS``; ``spark-worker`` stops every worker."""
+    if name == SPARK_WORKERS:
+        return any([_stop(settings, w) for w in _worker_pid_names(settings)])
+    return _stop(settings, name)
+
+
+def _server_running(settings: InfraSettings, name: str) -> bool:
+    if name == SPARK_WORKERS:
+        return any(_read_pid(settings, w) is not None for w in _worker_pid_names(settings))
+    return _read_pid(settings, name) is not None
+
+
 # --- the whole ----------------------------------------------------------------------
 
 
@@ -853,10 +1046,12 @@ def up(
     with_registry: bool = False,
     with_postgres: bool = False,
     with_s3: bool = False,
+    with_spark_cluster: bool = False,
 ) -> Endpoints:
-    """Start Kafka and Elasticsearch; the registry, S3, PostgreSQL and Connect if asked.
+    """Start Kafka and Elasticsearch; the registry, S3, PostgreSQL, Connect, Spark if asked.
 
-    Idempotent. Servers started before are reported whether asked for or not.
+    The Spark standalone cluster is a master and its workers. Idempotent. Servers
+    started before are reported whether asked for or not.
     """
     settings = settings or InfraSettings()
     settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -869,12 +1064,15 @@ def up(
     if with_postgres:
         start_postgres(settings)
         start_connect(settings)
+    if with_spark_cluster:
+        start_spark_cluster(settings)
     now = running(settings)
     served = endpoints(
         settings,
         with_registry or now["registry"],
         with_postgres or (now["postgres"] and now["connect"]),
         with_s3 or now["s3"],
+        with_spark_cluster or (now["spark-master"] and now[SPARK_WORKERS]),
     )
     (settings.state_dir / "endpoints.json").write_text(json.dumps(served.__dict__, indent=2))
     return served
@@ -883,13 +1081,13 @@ def up(
 def down(settings: InfraSettings | None = None) -> list[str]:
     """Stop what ``up`` started; returns the names of the servers that were running."""
     settings = settings or InfraSettings()
-    return [name for name in reversed(SERVERS) if _stop(settings, name)]
+    return [name for name in reversed(SERVERS) if _stop_server(settings, name)]
 
 
 def running(settings: InfraSettings | None = None) -> dict[str, bool]:
     """Which local servers are running (by their PID files)."""
     settings = settings or InfraSettings()
-    return {name: _read_pid(settings, name) is not None for name in SERVERS}
+    return {name: _server_running(settings, name) for name in SERVERS}
 
 
 def stop(settings: InfraSettings, name: str) -> bool:
@@ -900,7 +1098,7 @@ def stop(settings: InfraSettings, name: str) -> bool:
     """
     if name not in SERVERS:
         raise InfraError(f"unknown server {name!r}: one of {', '.join(SERVERS)}")
-    return _stop(settings, name)
+    return _stop_server(settings, name)
 
 
 def pause(settings: InfraSettings, name: str) -> bool:

@@ -28,6 +28,12 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     The storage root's Hadoop settings (``object_storage``: S3A endpoint, credentials)
     become ``spark.hadoop.*`` entries, which executors receive too; Spark's own
     ``spark.redaction.regex`` hides the secret ones in its UI and event logs.
+
+    On a cluster (any master but ``local...``) the driver serves ``spark.jars`` to its
+    executors, so workers need no copy of the cache; the executors' size
+    (``spark.executor.memory``, ``spark.executor.cores``, ``spark.cores.max``) comes from
+    ``conf``. Without ``spark.cores.max`` a standalone master gives an application every
+    free core, and the next service's application waits: a warning says so.
     """
     local = config.master.startswith("local")
     conf: dict[str, str] = {
@@ -74,6 +80,13 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         conf["spark.jars.packages"] = ",".join(jvm.SPARK_PACKAGES)
     conf.update({f"spark.hadoop.{k}": v for k, v in config.hadoop_options().items()})
     conf.update(config.conf)
+    if config.master.startswith("spark://") and "spark.cores.max" not in conf:
+        log.warning(
+            "%s takes every free core of the standalone cluster %s; set spark.cores.max in "
+            "spark.conf so that the other services' applications get cores too",
+            app_name,
+            config.master,
+        )
     return conf
 
 

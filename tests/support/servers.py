@@ -1,5 +1,5 @@
 """Where the test session's own servers run (Kafka, Elasticsearch, and on demand the
-registry, the S3 server, PostgreSQL and Kafka Connect)."""
+registry, the S3 server, PostgreSQL, Kafka Connect and a Spark standalone cluster)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ TEST_INFRA = infra.InfraSettings(
     postgres_port=int(os.environ.get("CDC_TEST_POSTGRES_PORT", "25432")),
     connect_port=int(os.environ.get("CDC_TEST_CONNECT_PORT", "28083")),
     s3_port=int(os.environ.get("CDC_TEST_S3_PORT", "29000")),
+    spark_master_port=int(os.environ.get("CDC_TEST_SPARK_MASTER_PORT", "27077")),
+    spark_master_webui_port=int(os.environ.get("CDC_TEST_SPARK_MASTER_WEBUI_PORT", "28180")),
+    spark_worker_webui_port=int(os.environ.get("CDC_TEST_SPARK_WORKER_WEBUI_PORT", "28191")),
 )
 
 
@@ -39,4 +42,7 @@ def infra_env() -> dict[str, str]:
         "CDC_INFRA_POSTGRES_PORT": str(TEST_INFRA.postgres_port),
         "CDC_INFRA_CONNECT_PORT": str(TEST_INFRA.connect_port),
         "CDC_INFRA_S3_PORT": str(TEST_INFRA.s3_port),
+        "CDC_INFRA_SPARK_MASTER_PORT": str(TEST_INFRA.spark_master_port),
+        "CDC_INFRA_SPARK_MASTER_WEBUI_PORT": str(TEST_INFRA.spark_master_webui_port),
+        "CDC_INFRA_SPARK_WORKER_WEBUI_PORT": str(TEST_INFRA.spark_worker_webui_port),
     }
