@@ -277,16 +277,26 @@ def generate(
     partitions: int = typer.Option(3, min=1, help="Partitions of topics it creates."),
 ) -> None:
     """Write a realistic, deterministic Debezium-style CDC stream to the source topics."""
+    from cdc_shared.avro import ConfluentSchemaRegistry
     from cdc_shared.schemas import make_registry
 
-    from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
+    from cdc_devkit.workload import (
+        WorkloadGenerator,
+        WorkloadSpec,
+        produce,
+        register_source_schemas,
+    )
 
     try:
         pipeline = load_config(config)
         entities = pipeline.select_entities(entity)
+        registry = make_registry(pipeline)
+        if isinstance(registry, ConfluentSchemaRegistry):
+            for subject in register_source_schemas(entities, registry, registry.files):
+                typer.echo(f"registered {subject} from its schema files")
         generator = WorkloadGenerator(
             entities,
-            make_registry(pipeline),
+            registry,
             WorkloadSpec(
                 events=events,
                 keys=keys,

@@ -92,6 +92,7 @@ class InfraSettings(BaseSettings):
     es_transport_port: int = Field(default=9300, gt=0, lt=65536)
     es_heap: str = "512m"
     registry_port: int = Field(default=8081, gt=0, lt=65536)
+    registry_management_port: int = Field(default=8082, gt=0, lt=65536)  # Quarkus' health
     registry_heap: str = "256m"
     postgres_port: int = Field(default=5432, gt=0, lt=65536)
     postgres_bin: Path = Path(f"/usr/lib/postgresql/{POSTGRES_MAJOR}/bin")
@@ -529,7 +530,13 @@ def start_registry(settings: InfraSettings) -> str:
     home = jvm.registry_home()
     if not (home / "quarkus-run.jar").exists():
         raise InfraError("Apicurio Registry is not in the JVM cache; run `make jvm` first")
-    _check_ports_free("the schema registry", {"registry_port": settings.registry_port})
+    _check_ports_free(
+        "the schema registry",
+        {
+            "registry_port": settings.registry_port,
+            "registry_management_port": settings.registry_management_port,
+        },
+    )
     java = _find_java_home(MIN_REGISTRY_JAVA, "CDC_REGISTRY_JAVA_HOME") / "bin" / "java"
     heap = settings.registry_heap
     pid = _start(
@@ -544,6 +551,10 @@ def start_registry(settings: InfraSettings) -> str:
             f"-Dquarkus.http.port={settings.registry_port}",
             "-Dquarkus.log.level=WARN",
             "-Dquarkus.http.access-log.enabled=false",
+            # Quarkus' management interface (health, metrics) listens on every address
+            # at port 9000 unless told otherwise: the S3 server's default port.
+            "-Dquarkus.management.host=127.0.0.1",
+            f"-Dquarkus.management.port={settings.registry_management_port}",
             "-jar",
             str(home / "quarkus-run.jar"),
         ],

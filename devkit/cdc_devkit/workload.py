@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal, Protocol
 
-from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry
+from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry, subject_name
 from cdc_shared.clients import make_admin, make_producer
 from cdc_shared.config import EntityConfig, KafkaConfig
 from cdc_shared.schemas import EntitySchemas, entity_schemas
@@ -521,3 +521,25 @@ def produce(
         )
     report.poison.sort()
     return report
+
+
+def register_source_schemas(
+    entities: Sequence[EntityConfig], registry: SchemaRegistry, files: SchemaRegistry
+) -> list[str]:
+    """Register the source topics' schema files under subjects the registry lacks.
+
+    What a Debezium producer's Avro converter does on its first record, so that a
+    generated load can go through an HTTP registry; subjects the registry already
+    knows are left as they are. Returns the subjects registered.
+    """
+    registered = []
+    for entity in entities:
+        for is_key in (True, False):
+            subject = subject_name(entity.source_topic, is_key)
+            if registry.versions(subject):
+                continue
+            for known in files.versions(subject):
+                registry.register(subject, known.definition)
+            if files.versions(subject):
+                registered.append(subject)
+    return registered

@@ -5,11 +5,17 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
-from cdc_devkit.workload import ProduceReport, WorkloadGenerator, WorkloadSpec
+from cdc_devkit.workload import (
+    ProduceReport,
+    WorkloadGenerator,
+    WorkloadSpec,
+    register_source_schemas,
+)
 from cdc_shared.avro import (
     AvroDecoder,
     AvroEncoder,
@@ -17,6 +23,7 @@ from cdc_shared.avro import (
     FileSchemaRegistry,
     NullKeyError,
     UnknownSchemaError,
+    subject_name,
 )
 from cdc_shared.schemas import entity_schemas
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS
@@ -274,3 +281,21 @@ def test_produce_reports_of_slices_add_up() -> None:
     assert whole.produced == 5 and whole.seconds == 3.0
     assert whole.by_kind == {"event": 3, "poison": 1, "tombstone": 1}
     assert whole.poison == [("t", 0, 4, "null_key"), ("t", 1, 9, "corrupt")]
+
+
+def test_source_schemas_are_registered_where_missing_only(tmp_path: Path) -> None:
+    """What Debezium's converter does before its first record: register the files."""
+    files = FileSchemaRegistry([SCHEMAS])
+    target = FileSchemaRegistry([], write_dir=tmp_path)
+    subjects = register_source_schemas([CUSTOMERS, ORDERS], target, files)
+    expected = [
+        subject_name(e.source_topic, is_key)
+        for e in (CUSTOMERS, ORDERS)
+        for is_key in (True, False)
+    ]
+    assert subjects == expected
+    for subject in expected:
+        assert [v.fingerprint for v in target.versions(subject)] == [
+            v.fingerprint for v in files.versions(subject)
+        ]
+    assert register_source_schemas([CUSTOMERS, ORDERS], target, files) == []

@@ -245,6 +245,11 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         self._files = files or FileSchemaRegistry()
         self._by_id: dict[int, KnownSchema] = {}
 
+    @property
+    def files(self) -> FileSchemaRegistry:
+        """The schema files beside the registry (``schema_registry.dirs``, pinned files)."""
+        return self._files
+
     def refresh(self) -> None:
         """Look again for schema files (single-object framing resolves through them)."""
         self._files.refresh()
