@@ -69,13 +69,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO") -> None:
-    """JSON lines on stderr for the whole process; py4j's chatter kept quiet."""
+    """JSON lines on stderr for the whole process; libraries' chatter kept quiet.
+
+    py4j logs every gateway call, the HTTP clients (the schema registry's, and
+    Elasticsearch's transport) every request at INFO: only their warnings are kept.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    logging.getLogger("py4j").setLevel(logging.WARNING)
+    for chatty in ("py4j", "httpx", "httpx2", "httpcore", "elastic_transport"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 class HealthServer:
