@@ -153,3 +153,20 @@ def test_env_overrides_reach_the_mapping(s3_file: Path, monkeypatch: pytest.Monk
     assert config.spark.hadoop_options()["fs.s3a.bucket.lake-bucket.endpoint.region"] == (
         "us-east-2"
     )
+
+
+def test_the_local_production_example_is_cluster_s3_and_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """deploy/local/pipeline-cluster-s3.yaml, the README's production walk-through."""
+    monkeypatch.setenv("CDC_S3_ACCESS_KEY", "cdc-local")
+    monkeypatch.setenv("CDC_S3_SECRET_KEY", "cdc-local-secret")
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "deploy" / "local" / "pipeline-cluster-s3.yaml")
+    conf = spark_conf(config.spark, "cdc-merger")
+    assert config.storage_root == "s3a://cdc/inventory"
+    assert conf["spark.master"] == "spark://127.0.0.1:7077"
+    assert conf["spark.cores.max"] == "1"
+    assert conf["spark.hadoop.fs.s3a.bucket.cdc.secret.key"] == "cdc-local-secret"
+    assert config.schema_registry.url is not None
+    assert "cdc-local-secret" not in repr(config)
