@@ -1,112 +1,344 @@
-"""The ingestor and the merger on a Spark standalone cluster (``spark.master: spark://...``).
+"""The pipeline in its production shape: Spark applications of a standalone cluster,
+tables and checkpoints on S3-compatible object storage.
 
-``cdc infra``'s cluster (a master and a worker on loopback) runs the real services: a
-generated workload goes through ``cdc-ingestor --once`` and ``cdc-merger --once``, each a
-subprocess whose SparkSession is an application of the cluster (the test session's own
-SparkSession is local, and a process holds one SparkContext). Silver must equal the
-oracle, the master must list both applications as finished, and the worker's executor
-logs must show tasks run there (with the jars the driver shipped: Delta, Kafka, Avro).
+``cdc infra``'s cluster (a master and one worker on loopback) and S3 server (S3Proxy) run
+the real services: each service command is a subprocess whose SparkSession is an
+application of the cluster (the test session's own SparkSession is local: it only reads
+the results), with ``storage_root: s3a://cdc/<fresh prefix>``. The change topics' schemas
+are put in the schema folder: publisher-kafka writes ``<root>/_schemas`` only on a local
+root.
+
+- ``test_pipeline_on_a_cluster_with_tables_on_s3``: the four services ``--once``; silver,
+  the change topics and the indexes equal the oracle, and executors ran no Python.
+- ``test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing`` (slow): SIGKILL of
+  the merger's driver and of the worker, each mid-batch, then recovery; nothing is lost or
+  repeated in bronze, quarantine, silver, the change topics or the indexes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-import yaml
+from cdc_cli.status import collect_status
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
-from cdc_shared.config import KafkaConfig
+from cdc_shared import jvm_bridge
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 from pyspark.sql import SparkSession
-from support.ingestion import generate
-from support.pipelines import Pipeline, PipelineFactory
+from support.cluster import (
+    NO_PYTHON,
+    SERVICES,
+    Bucket,
+    active_apps,
+    alive,
+    alive_workers,
+    assert_change_topics_exactly_once,
+    batch_logs,
+    cluster_s3_pipeline,
+    completed_apps,
+    executor_backends,
+    executor_logs,
+    launch_service,
+    run_once,
+    sigkill_group,
+    wait_ok,
+    wait_until,
+    with_cores,
+    worker_pid,
+    write_change_schemas,
+)
+from support.es import assert_index_equals_oracle
+from support.ingestion import assert_bronze_exactly_once, assert_quarantine_exactly_once, generate
+from support.pipelines import Pipeline
 from support.servers import TEST_INFRA
-from support.silver import assert_silver_equals_oracle
+from support.silver import assert_change_feed_has_no_repeats, assert_silver_equals_oracle
 
-pytestmark = [pytest.mark.integration, pytest.mark.cluster]
+pytestmark = [pytest.mark.integration, pytest.mark.cluster, pytest.mark.s3]
 
-SERVICES = ("cdc-ingestor", "cdc-merger")
-
-
-def _cluster_pipeline(make_pipeline: PipelineFactory, master: str) -> Pipeline:
-    """The usual test pipeline, its Spark applications sized for the one small worker."""
-    pipeline = make_pipeline(ingestor={"metrics_port": 0}, merger={"metrics_port": 0})
-    document = yaml.safe_load(pipeline.path.read_text())
-    document["spark"] = {
-        "master": master,
-        "conf": {
-            "spark.ui.enabled": "false",
-            # The driver stays on loopback, like the cluster.
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
-            "spark.driver.memory": "1g",
-            "spark.executor.memory": "1g",
-            "spark.cores.max": str(TEST_INFRA.spark_worker_cores),
-            "spark.sql.shuffle.partitions": "2",
-            "spark.default.parallelism": "2",
-            "spark.databricks.delta.snapshotPartitions": "2",
-        },
-    }
-    pipeline.path.write_text(yaml.safe_dump(document))
-    return pipeline
+PUBLISHERS = ("cdc-publisher-kafka", "cdc-publisher-es")
 
 
-def _run_service(command: str, pipeline: Pipeline, log: Path) -> None:
-    """``command --config ... --once`` in its own process; fails with its log's tail."""
-    with log.open("wb") as out:
-        done = subprocess.run(
-            [
-                str(Path(sys.executable).with_name(command)),
-                *("--config", str(pipeline.path), "--once"),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYSPARK_PYTHON": sys.executable},
-            timeout=600,
-            check=False,
-        )
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{tail}"
+def _read_bucket(spark: SparkSession, pipeline: Pipeline) -> None:
+    """Let the test session's SparkSession read the pipeline's root (the S3A settings are
+    per bucket, on its Hadoop configuration: the rest of the session is unaffected)."""
+    jvm_bridge.set_hadoop_options(spark, pipeline.config.spark.hadoop_options())
 
 
-def _completed_apps() -> dict[str, str]:
-    """Application id to name, of the applications the master lists as completed."""
-    state = infra.spark_master_state(TEST_INFRA)
-    assert state is not None, "the Spark master does not answer"
-    return {app["id"]: app["name"] for app in state.get("completedapps", [])}
+def _assert_outputs_equal_oracle(
+    spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig
+) -> None:
+    """Silver, each change topic (every event exactly once) and each index: the oracle."""
+    assert_silver_equals_oracle(spark, pipeline, kafka)
+    assert_change_feed_has_no_repeats(spark, pipeline)
+    assert_change_topics_exactly_once(spark, pipeline, kafka)
+    assert_index_equals_oracle(pipeline, kafka)
 
 
-def _executor_logs(app_id: str) -> str:
-    """Every executor's stderr of ``app_id`` on this cluster's workers."""
-    logs = (TEST_INFRA.state_dir / "spark").glob(f"worker-*/{app_id}/*/stderr")
-    return "".join(p.read_text(errors="replace") for p in logs)
-
-
-def test_ingestor_and_merger_run_on_a_standalone_cluster(
+def test_pipeline_on_a_cluster_with_tables_on_s3(
     spark: SparkSession,
     spark_master: str,
+    s3_endpoint: str,
     kafka_config: KafkaConfig,
-    make_pipeline: PipelineFactory,
+    es_config: ElasticsearchConfig,
     tmp_path: Path,
 ) -> None:
+    """Generated load -> ingestor, merger, then both publishers at once, each ``--once``
+    as an application of the cluster, on tables in S3.
+
+    The master lists the four applications as completed and their executors' logs show
+    tasks run with the Delta jar their driver shipped. The services run with
+    ``PYSPARK_PYTHON`` naming no program: an executor asked to run Python (a UDF, or a
+    DataFrame made from a Python list) fails its tasks, so the run proves that their
+    Spark work is JVM-only. The load has no poison record: the ingestor's quarantine
+    write makes its DataFrame from a Python list, which does run pyspark's Python worker
+    on an executor (the kill test below covers quarantine, with Python on the workers).
+    """
     assert spark_master == infra.spark_master_url(TEST_INFRA)
-    pipeline = _cluster_pipeline(make_pipeline, spark_master)
+    cores = TEST_INFRA.spark_worker_cores
+    pipeline = cluster_s3_pipeline(
+        tmp_path, kafka_config, es_config, s3_endpoint, spark_master, cores_max=cores
+    )
+    write_change_schemas(pipeline)
+    _read_bucket(spark, pipeline)
     produce(
         kafka_config,
-        iter(generate(pipeline, events=600, keys=100, delete_share=0.15, redelivery_share=0.02)),
+        iter(
+            generate(
+                pipeline,
+                events=600,
+                keys=100,
+                delete_share=0.15,
+                redelivery_share=0.02,
+                poison_share=0,
+            )
+        ),
     )
-    before = _completed_apps()
+    before = completed_apps()
 
-    for command in SERVICES:
-        _run_service(command, pipeline, tmp_path / f"{command}.log")
+    run_once(pipeline, tmp_path, "cdc-ingestor")  # alone on the worker: every core
+    run_once(pipeline, tmp_path, "cdc-merger")
+    run_once(with_cores(pipeline, 1), tmp_path, *PUBLISHERS)  # two at once: one core each
 
-    ran = {app_id: name for app_id, name in _completed_apps().items() if app_id not in before}
+    ran = {app_id: name for app_id, name in completed_apps().items() if app_id not in before}
     assert sorted(ran.values()) == sorted(SERVICES), f"applications on the cluster: {ran}"
     for app_id, name in ran.items():
-        executor_log = _executor_logs(app_id)
+        executor_log = executor_logs(app_id)
         assert "Finished task" in executor_log, f"{name} ({app_id}) ran no task on a worker"
         assert "delta-spark" in executor_log, f"{name}: the executors fetched no Delta jar"
-    assert_silver_equals_oracle(spark, pipeline, kafka_config)
+        assert NO_PYTHON not in executor_log, f"{name}: an executor tried to run Python"
+    _assert_outputs_equal_oracle(spark, pipeline, kafka_config)
+
+
+@pytest.mark.slow
+def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
+    spark: SparkSession,
+    spark_master: str,
+    s3_endpoint: str,
+    kafka_config: KafkaConfig,
+    es_config: ElasticsearchConfig,
+    tmp_path: Path,
+) -> None:
+    """The ingestor and the merger run (not ``--once``) on the cluster, one core each, over
+    customers' load in small batches (``orders`` is left out to keep the test short); then:
+
+    1. the merger's driver (its Python process and JVM) gets SIGKILL while a batch is in
+       flight (its offsets logged, its commit not), at the moment that batch's silver
+       commit is seen when it is; a new merger finishes the batch;
+    2. with a second part of the load produced, the worker JVM gets SIGKILL halfway
+       through a merger batch, with an ingestor batch in flight too: its executors exit
+       with it, as on a lost machine (any that does not is killed). No worker is left: the
+       merger's batch must stand still (else the kill is repeated on a new worker, at most
+       three times). A new worker joins, the master gives both applications executors
+       again and both batches commit. A merger batch that had made its MERGE source (a
+       local checkpoint, held by the lost executor) fails: the merger exits 1 and is
+       started again, as a supervisor would; otherwise, and for the ingestor, the lost
+       tasks are just run again;
+    3. both catch up (``cdc status``: lag 0) and stop on SIGTERM (exit 0); the publishers
+       then run ``--once`` (they are SIGKILLed mid-batch in their own process tests).
+
+    Bronze and quarantine hold each Kafka record once; silver, the change topic (every
+    event exactly once) and the index equal the oracle; silver's change feed has no change
+    twice. Executors may run Python here (``PYSPARK_PYTHON``: this interpreter): the load
+    has poison records, and quarantining them runs pyspark's Python worker.
+    """
+    pipeline = cluster_s3_pipeline(
+        tmp_path,
+        kafka_config,
+        es_config,
+        s3_endpoint,
+        spark_master,
+        cores_max=1,  # two applications at once on the worker's two cores
+        entities=("customers",),
+        ingestor={"max_offsets_per_trigger": 250, "trigger_interval": "1 second"},
+        merger={"max_files_per_trigger": 6, "trigger_interval": "1 second"},
+    )
+    write_change_schemas(pipeline)
+    _read_bucket(spark, pipeline)
+    config = pipeline.config
+    messages = generate(
+        pipeline, events=1000, keys=150, delete_share=0.15, redelivery_share=0.03, poison_share=0.01
+    )
+    first = len(messages) * 2 // 5  # the rest once the merger has recovered
+    report = produce(kafka_config, iter(messages[:first]))
+    bucket = Bucket()
+    ingestor = config.checkpoint_path("ingestor", "customers")
+    merger = config.checkpoint_path("merger", "customers")
+    logs = {command: tmp_path / f"{command}.log" for command in SERVICES}
+    python = sys.executable
+    log_start: dict[str, int] = {}  # where each service's current run begins in its log
+
+    def launch(command: str) -> subprocess.Popen[bytes]:
+        log_start[command] = logs[command].stat().st_size if logs[command].exists() else 0
+        return launch_service(command, pipeline, logs[command], python=python)
+
+    running = {command: launch(command) for command in ("cdc-ingestor", "cdc-merger")}
+    try:
+        # 1. The merger's driver, mid-batch.
+        silver = config.layout.silver("customers")
+        killed = _kill_merger_driver_mid_batch(bucket, merger, silver, running["cdc-merger"])
+        wait_until(lambda: "cdc-merger" not in active_apps(), 60, "its application lives on")
+        running["cdc-merger"] = launch("cdc-merger")
+        wait_until(
+            lambda: bucket.committed(merger) >= killed, 300, "the killed batch never committed", 1
+        )
+
+        # 2. The worker, mid-batch.
+        report.add(produce(kafka_config, iter(messages[first:])))
+        in_flight = _kill_worker_mid_batch(bucket, ingestor, merger, logs["cdc-merger"])
+
+        def recovered() -> bool:
+            for command, process in running.items():
+                if process.poll() is not None:
+                    run = logs[command].read_bytes()[log_start[command] :].decode(errors="replace")
+                    assert command == "cdc-merger" and process.returncode == 1, run[-3000:]
+                    assert "CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND" in run, run[-3000:]
+                    running[command] = launch(command)  # what a supervisor does
+            return (
+                bucket.committed(ingestor) >= in_flight[ingestor]
+                and bucket.committed(merger) >= in_flight[merger]
+            )
+
+        wait_until(recovered, 400, "the batches in flight at the worker's loss never committed", 1)
+        apps = active_apps()
+        assert all(apps[c]["cores"] >= 1 for c in running), f"applications without cores: {apps}"
+
+        # 3. Catch up, stop.
+        _wait_for_no_lag(spark, pipeline, ("ingestor", "merger"))
+        for process in running.values():
+            process.send_signal(signal.SIGTERM)
+        for command, process in running.items():
+            wait_ok(command, process, logs[command], timeout_s=300)
+    finally:
+        for process in running.values():
+            if process.poll() is None:
+                sigkill_group(process)
+
+    run_once(pipeline, tmp_path, *PUBLISHERS, python=python)
+    assert report.poison, "no poison record: quarantine was not exercised"
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+    assert_quarantine_exactly_once(spark, pipeline, report)
+    _assert_outputs_equal_oracle(spark, pipeline, kafka_config)
+
+
+def _kill_merger_driver_mid_batch(
+    bucket: Bucket,
+    checkpoint: str,
+    silver: str,
+    merger: subprocess.Popen[bytes],
+    search_s: float = 120,
+) -> int:
+    """SIGKILL the merger's process group while a batch is in flight (offsets logged, not
+    committed), at the moment that batch's silver commit is seen; after ``search_s``
+    without seeing one, at once. Returns the batch id."""
+    give_up = time.monotonic() + search_s
+    while True:
+        batch = int(
+            wait_until(lambda: bucket.in_flight(checkpoint), 300, "no merger batch in flight", 0.05)
+        )
+        version = bucket.delta_version(silver)
+        while bucket.committed(checkpoint) < batch:
+            if bucket.delta_version(silver) > version or time.monotonic() > give_up:
+                sigkill_group(merger)
+                assert bucket.committed(checkpoint) < batch, "killed just after the commit"
+                return batch
+            time.sleep(0.05)
+        assert merger.poll() is None, f"the merger exited {merger.returncode}"
+
+
+def _kill_worker_mid_batch(
+    bucket: Bucket, ingestor: str, merger: str, merger_log: Path, attempts: int = 3
+) -> dict[str, int]:
+    """SIGKILL the worker JVM halfway through a merger batch (half as long after it began
+    as the merger's last batch took) while the ingestor has a batch in flight too, then
+    any of its executors that outlives it; wait until the master sees no worker.
+
+    The merger's batch must then stand still, or the worker is started again and the kill
+    repeated (the batch had done its executors' work already). Starts a new worker and
+    returns the batch ids in flight at the kill, by checkpoint.
+    """
+    last = batch_logs(merger_log)
+    halfway = last[-1]["duration_ms"] / 2000 if last else 3.0
+    began: dict[int, float] = {}  # merger batch -> when it was first seen in flight
+
+    def halfway_through() -> dict[str, int] | None:
+        batch = bucket.in_flight(merger)
+        if batch is None:
+            return None
+        began.setdefault(batch, time.monotonic())
+        other = bucket.in_flight(ingestor)
+        if other is None or time.monotonic() - began[batch] < halfway:
+            return None
+        return {ingestor: other, merger: batch}
+
+    for _ in range(attempts):
+        in_flight = wait_until(halfway_through, 300, "no batches in flight together", 0.05)
+        worker = worker_pid()
+        executors = list(executor_backends())
+        assert executors, "no executor on the worker"
+        os.kill(worker, signal.SIGKILL)
+        for pid in _wait_for_exit(executors, timeout_s=15):
+            with contextlib.suppress(ProcessLookupError):  # a lost machine takes them along
+                os.kill(pid, signal.SIGKILL)
+        assert not alive(worker)
+        wait_until(lambda: not alive_workers(), 60, "the master still lists a live worker")
+        time.sleep(3)  # no executor anywhere: a batch with tasks left cannot go on
+        stuck = bucket.committed(merger) < in_flight[merger]
+        infra.start_spark_cluster(TEST_INFRA)  # a new worker joins
+        if stuck:
+            return in_flight
+    raise AssertionError("the worker was never killed with executor work in flight")
+
+
+def _wait_for_exit(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait for ``pids`` to exit; those still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def _wait_for_no_lag(
+    spark: SparkSession, pipeline: Pipeline, services: tuple[str, ...], timeout_s: float = 400
+) -> None:
+    """Until ``cdc status`` shows lag 0 for ``services`` twice in a row (the two reads of
+    one status are not atomic)."""
+    config = pipeline.config
+    deadline = time.monotonic() + timeout_s
+    zero_in_a_row = 0
+    while zero_in_a_row < 2:
+        assert time.monotonic() < deadline, f"still lagging: {collect_status(config, spark=spark)}"
+        lags = [
+            s.lag
+            for entity in collect_status(config, spark=spark).entities
+            for s in entity.streams
+            if s.service in services
+        ]
+        zero_in_a_row = zero_in_a_row + 1 if all(lag == 0 for lag in lags) else 0
+        time.sleep(2)
