@@ -25,12 +25,11 @@ from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start as start_publisher_es
 from cdc_shared import jvm_bridge
-from cdc_shared.avro import FileSchemaRegistry, subject_name
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig
-from cdc_shared.schemas import change_event_schemas, entity_schemas
 from pyspark.sql import SparkSession
 from support.change_topics import read_change_topic
+from support.cluster import write_change_schemas
 from support.es import assert_index_equals_oracle, oracle_of
 from support.ingestion import generate, ingest_once
 from support.ops import cdc
@@ -39,22 +38,6 @@ from support.publishing import publish_once
 from support.silver import _normal, assert_silver_equals_oracle, merge_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.s3]
-
-
-def _write_change_schemas(pipeline: Pipeline) -> None:
-    """Put the change topics' schemas among the pipeline's schema files.
-
-    On object storage publisher-kafka does not write its derived schemas under
-    ``<root>/_schemas`` (that folder is local-only): a consumer without a registry, and
-    ``cdc verify``, find them in ``schema_registry.dirs`` instead.
-    """
-    config = pipeline.config
-    registry = FileSchemaRegistry([pipeline.schema_dir])
-    for entity in config.entities:
-        key, value = change_event_schemas(entity, entity_schemas(entity, registry))
-        for is_key, definition in ((True, key), (False, value)):
-            name = f"{subject_name(entity.change_topic_name, is_key)}.avsc"
-            (pipeline.schema_dir / name).write_text(json.dumps(definition, indent=2))
 
 
 def _s3_pipeline(
@@ -117,7 +100,7 @@ def test_pipeline_and_operator_commands_on_object_storage(
 ) -> None:
     caplog.set_level(logging.INFO)
     pipeline = _s3_pipeline(tmp_path, kafka_config, es_config, s3_endpoint)
-    _write_change_schemas(pipeline)
+    write_change_schemas(pipeline)
     config: PipelineConfig = pipeline.config
     assert config.storage_root.startswith(f"s3a://{infra.S3_BUCKET}/")
     assert infra.S3_SECRET_KEY not in repr(config)

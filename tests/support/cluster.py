@@ -116,7 +116,7 @@ def write_change_schemas(pipeline: Pipeline) -> None:
 
     On object storage publisher-kafka does not write its derived schemas under
     ``<root>/_schemas`` (that folder is local-only): a consumer without a registry finds
-    them in ``schema_registry.dirs`` instead (as in test_object_storage.py).
+    them in ``schema_registry.dirs`` instead.
     """
     registry = FileSchemaRegistry([pipeline.schema_dir])
     for entity in pipeline.config.entities:
