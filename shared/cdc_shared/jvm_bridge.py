@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from py4j.protocol import Py4JJavaError
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
@@ -44,6 +45,20 @@ def read_text(spark: SparkSession, path: str) -> str:
         return str(jvm(spark).org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
     finally:
         stream.close()
+
+
+def read_text_if_exists(spark: SparkSession, path: str) -> str | None:
+    """The content of the file ``path`` as UTF-8 text; None when there is no such file.
+
+    One open, no separate existence check (a round trip more on object storage).
+    """
+    try:
+        return read_text(spark, path)
+    except Py4JJavaError as exc:
+        missing = jvm(spark).java.lang.Class.forName("java.io.FileNotFoundException")
+        if missing.isInstance(exc.java_exception):
+            return None
+        raise
 
 
 def jobs_with_tag(spark: SparkSession, tag: str) -> int:

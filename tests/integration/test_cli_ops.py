@@ -12,10 +12,16 @@ import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from cdc_cli import quarantine
+from cdc_cli.checkpoints import last_committed_batch
+from cdc_cli.maintenance import stream_needs
+from cdc_cli.status import collect_status
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
+from cdc_merger.apply import SILVER_PROPERTIES
+from cdc_shared.changefeed import change_feed
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 from delta.tables import DeltaTable
@@ -130,6 +136,60 @@ def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -
     text = cdc("status", *world.config_args)
     assert text.exit_code == 0, text.output
     assert "publisher_es" in text.stdout and "not started" in text.stdout
+
+
+def test_a_publisher_caught_up_on_a_version_with_cdc_files_shows_no_lag(
+    tmp_path: Path, spark: SparkSession, kafka_config: KafkaConfig, es_config: ElasticsearchConfig
+) -> None:
+    """Delta leaves such a stream's offset on the version, at the index of its last cdc
+    file, rather than on the next version; that version was read all the same.
+
+    A table and checkpoint of its own, not the module's pipeline.
+    """
+    config = build_pipeline(tmp_path, kafka_config, es_config).config
+    silver = config.layout.silver(ENTITY)
+    properties = ", ".join(f"'{k}' = '{v}'" for k, v in SILVER_PROPERTIES.items())
+    updates = spark.createDataFrame([(1, "b"), (4, "n")], "id BIGINT, name STRING")
+    with without_auto_compaction(spark):  # the MERGE stays the last version
+        spark.sql(
+            f"CREATE TABLE delta.`{silver}` USING delta TBLPROPERTIES ({properties}) "
+            "AS SELECT id, 'a' AS name FROM range(3)"
+        )
+        (
+            DeltaTable.forPath(spark, silver)
+            .alias("s")
+            .merge(updates.alias("u"), "s.id = u.id")
+            .whenMatchedUpdateAll()
+            .whenNotMatchedInsertAll()
+            .execute()
+        )  # an update: the version has cdc files
+    merged = _version(spark, silver)
+
+    checkpoint = config.checkpoint_path("publisher_es", ENTITY)
+    feed = change_feed(spark, silver, config.publisher_es)  # as the publishers read silver
+    query = (
+        feed.writeStream.format("noop")
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    batch = last_committed_batch(spark, checkpoint)
+    assert batch is not None
+    (offset,) = batch.sources
+    assert (offset["reservoirVersion"], offset["isStartingVersion"]) == (merged, False), offset
+    assert offset["index"] >= 0, offset  # on the MERGE's last cdc file, not the next version
+
+    def publisher_es_lag() -> int | None:
+        (status,) = collect_status(config, [ENTITY], spark).entities
+        return status.stream("publisher_es").lag
+
+    assert publisher_es_lag() == 0
+    ignored = ("merger", "publisher_kafka")
+    assert stream_needs(config, config.entity(ENTITY), spark, ignored) == []  # VACUUM at will
+
+    DeltaTable.forPath(spark, silver).delete("id = 2")  # a version not read yet
+    assert publisher_es_lag() == 1
 
 
 def test_quarantine_list_and_show_match_the_generated_poison(world: World) -> None:

@@ -22,6 +22,8 @@ def test_hadoop_file_system_lists_and_reads_what_is_on_disk(
     fs, folder = jvm_bridge.hadoop_path(spark, str(tmp_path / "offsets"))
     assert [str(s.getPath().getName()) for s in fs.listStatus(folder)] == ["0"]
     assert jvm_bridge.read_text(spark, str(tmp_path / "offsets" / "0")) == "v1\n{}\n"
+    assert jvm_bridge.read_text_if_exists(spark, str(tmp_path / "offsets" / "0")) == "v1\n{}\n"
+    assert jvm_bridge.read_text_if_exists(spark, str(tmp_path / "offsets" / "1")) is None
 
 
 def test_avro_types_read_as_from_avro_reads_them(spark: SparkSession) -> None:

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import yaml
-from cdc_cli.checkpoints import Commit, data_commits_from, delta_position
+from cdc_cli.checkpoints import (
+    Commit,
+    DeltaPosition,
+    data_commits_from,
+    delta_position,
+    indexed_file_count,
+)
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
     RetentionTooShortError,
@@ -37,6 +44,80 @@ def test_delta_position_reads_the_next_version_to_read() -> None:
     assert delta_position({"reservoirVersion": 7, "index": (1 << 63) - 101}).next_version == 8
     with pytest.raises(ValueError, match="not a Delta source offset"):
         delta_position({"topic": {"0": 1}})
+
+
+# Silver's log as Delta 4.4 writes it (trimmed): a MERGE that updated two rows and inserted
+# one (deletion vectors on), a DELETE through a deletion vector, an OPTIMIZE.
+MERGE_COMMIT = "\n".join(
+    json.dumps(action)
+    for action in [
+        {"commitInfo": {"operation": "MERGE", "readVersion": 1}},
+        {"add": {"path": "part-00000-a.parquet", "size": 1130, "dataChange": True}},
+        {"add": {"path": "part-00001-b.parquet", "size": 1137, "dataChange": True}},
+        {"cdc": {"path": "_change_data/cdc-00000-c.parquet", "size": 1260, "dataChange": False}},
+        {"cdc": {"path": "_change_data/cdc-00001-d.parquet", "size": 1269, "dataChange": False}},
+        {"add": {"path": "part-00001-e.parquet", "dataChange": True, "deletionVector": {}}},
+        {"remove": {"path": "part-00001-e.parquet", "dataChange": True}},
+    ]
+)
+DELETE_COMMIT = "\n".join(
+    json.dumps(action)
+    for action in [
+        {"commitInfo": {"operation": "DELETE", "readVersion": 2}},
+        {"add": {"path": "part-00001-e.parquet", "dataChange": True, "deletionVector": {}}},
+        {"remove": {"path": "part-00001-e.parquet", "dataChange": True, "deletionVector": {}}},
+    ]
+)
+OPTIMIZE_COMMIT = "\n".join(
+    json.dumps(action)
+    for action in [
+        {"commitInfo": {"operation": "OPTIMIZE"}},
+        {"add": {"path": "part-00000-f.parquet", "dataChange": False}},
+        {"remove": {"path": "part-00000-a.parquet", "dataChange": False}},
+    ]
+)
+
+
+def test_a_stream_indexes_cdc_files_when_a_commit_has_them_else_files_that_change_data() -> None:
+    assert indexed_file_count(MERGE_COMMIT, change_feed=True) == 2  # the cdc actions
+    assert indexed_file_count(MERGE_COMMIT, change_feed=False) == 3  # the adds
+    assert indexed_file_count(DELETE_COMMIT, change_feed=True) == 2  # add + remove
+    assert indexed_file_count(DELETE_COMMIT, change_feed=False) == 1
+    assert indexed_file_count(OPTIMIZE_COMMIT, change_feed=True) == 0
+
+
+def test_a_change_feed_stream_at_the_last_cdc_file_of_a_version_has_read_it() -> None:
+    # The offset a publisher's checkpoint holds once it read silver's version 2 (the MERGE
+    # above, 2 cdc files) and caught up: Delta stays at version 2, index of the last file.
+    offset = {
+        "sourceVersion": 1,
+        "reservoirId": "a10fcfe3-8f51-428b-a8d4-36ef357a64a5",
+        "reservoirVersion": 2,
+        "index": 1,
+        "isStartingVersion": False,
+    }
+    commits = {2: MERGE_COMMIT, 3: DELETE_COMMIT}
+
+    def files_in_version(version: int) -> int | None:
+        return indexed_file_count(commits[version], change_feed=True)
+
+    assert delta_position(offset, files_in_version) == DeltaPosition(3, False)
+    # Without the commit (or when it is gone), the version counts as not read completely.
+    assert delta_position(offset).next_version == 2
+    assert delta_position(offset, lambda version: None).next_version == 2
+    # Half-way through a version's files (a batch limit split its add and remove): needed.
+    half_way = {**offset, "reservoirVersion": 3, "index": 0}
+    assert delta_position(half_way, files_in_version).next_version == 3
+    # Before any file of it (-1), or a snapshot being read: the commit is not asked for.
+    asked: list[int] = []
+
+    def counting(version: int) -> int | None:
+        asked.append(version)
+        return 1
+
+    assert delta_position({**offset, "index": -1}, counting).next_version == 2
+    assert delta_position({**offset, "index": 0, "isStartingVersion": True}, counting).snapshot
+    assert asked == []
 
 
 def test_optimize_and_vacuum_commits_are_not_data() -> None:

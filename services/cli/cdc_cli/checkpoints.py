@@ -3,22 +3,25 @@
 Both ``cdc status`` and ``cdc maintenance`` need to know how far each stream got. A
 Structured Streaming checkpoint records, per micro-batch ``n``, the end offsets of its
 sources in ``offsets/<n>`` and marks the batch done with ``commits/<n>``; the offsets of the
-last committed batch are where the stream resumes. Files are read through Spark's Hadoop
-FileSystem, so the same code serves a local storage root and object storage.
+last committed batch are where the stream resumes; telling whether a Delta source read
+the version its offset names to the end can take one commit file of the table's log
+(:func:`delta_position`). Files are read through Spark's Hadoop FileSystem, so the same
+code serves a local storage root and object storage.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_shared.jvm_bridge import hadoop_path, read_text
+from cdc_shared.jvm_bridge import hadoop_path, read_text, read_text_if_exists
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 
-# Delta marks "every file of this version was read" with an index at or near Long.MaxValue.
+# Delta's END_INDEX (Long.MaxValue - 100) marks "every file of this version was read".
 _END_INDEX_THRESHOLD = 1 << 62
 
 
@@ -68,12 +71,24 @@ class DeltaPosition:
     snapshot: bool
 
 
-def delta_position(offset: Any) -> DeltaPosition:
+def delta_position(
+    offset: Any, files_in_version: Callable[[int], int | None] | None = None
+) -> DeltaPosition:
     """The position of a Delta source from its checkpointed offset.
 
-    ``reservoirVersion`` is the version in progress: with ``index`` -1 none of its files
-    were read, with a file index some were (so the version is still needed); an end index
-    means the version was read to its end.
+    ``reservoirVersion`` is the version in progress and ``index`` the last of its file
+    actions read, counted from 0 in log order over the actions the stream reads (see
+    :func:`indexed_file_count`); a negative index means none of them yet. A batch that
+    reads a version to its end usually leaves the next version with index -1, but a Change
+    Data Feed stream that read a version's ``cdc`` actions stays at that version with the
+    index of the last one. So an index at the version's last file action also means the
+    version was read to its end: ``files_in_version(version)``, asked only for an index
+    that points at a file, tells how many file actions the stream indexes in the version
+    (None when unknown). Without it, or when unknown, the version counts as not read
+    completely, the cautious answer. An index at Delta's END_INDEX means read to the end.
+
+    While the stream reads the table's snapshot (``isStartingVersion``) the index counts
+    the snapshot's files, which are not counted here: the version counts as being read.
     """
     if not isinstance(offset, dict) or "reservoirVersion" not in offset:
         raise ValueError(f"not a Delta source offset: {offset!r}")
@@ -82,7 +97,47 @@ def delta_position(offset: Any) -> DeltaPosition:
     snapshot = bool(offset.get("isStartingVersion", False))
     if index >= _END_INDEX_THRESHOLD:
         return DeltaPosition(version + 1, False)
+    if not snapshot and index >= 0 and files_in_version is not None:
+        files = files_in_version(version)
+        if files is not None and 0 < files <= index + 1:
+            return DeltaPosition(version + 1, False)
     return DeltaPosition(version, snapshot)
+
+
+def indexed_file_count(commit: str, change_feed: bool) -> int:
+    """How many file actions a Delta stream indexes in one commit (its log JSON).
+
+    A stream of the Change Data Feed (``readChangeFeed``) reads a commit's ``cdc`` actions
+    when it has any, else its ``add`` and ``remove`` actions that change data; a plain
+    stream reads its ``add`` actions that change data.
+    """
+    actions = [json.loads(line) for line in commit.splitlines() if line.strip()]
+    if change_feed:
+        cdc = sum(1 for action in actions if "cdc" in action)
+        if cdc:
+            return cdc
+    kinds = ("add", "remove") if change_feed else ("add",)
+    return sum(
+        1
+        for action in actions
+        for kind in kinds
+        if kind in action and action[kind].get("dataChange", True)
+    )
+
+
+def commit_file_counter(
+    spark: SparkSession, path: str, change_feed: bool
+) -> Callable[[int], int | None]:
+    """``files_in_version`` for :func:`delta_position` on the Delta table at ``path``.
+
+    Each call reads one commit file of the table's log; None when that file is gone.
+    """
+
+    def files_in_version(version: int) -> int | None:
+        commit = read_text_if_exists(spark, f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+        return None if commit is None else indexed_file_count(commit, change_feed)
+
+    return files_in_version
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 
 from cdc_cli.checkpoints import (
+    commit_file_counter,
     data_commits_from,
     delta_position,
     is_delta_table,
@@ -106,18 +107,24 @@ class MaintenanceReport:
 
 
 def _need_from_checkpoint(
-    spark: SparkSession, service: str, table: str, path: str, checkpoint: str
+    spark: SparkSession,
+    service: str,
+    table: str,
+    path: str,
+    checkpoint: str,
+    change_feed: bool,
 ) -> tuple[bool, StreamNeed | None]:
     """(whether the stream started, what it needs: None when it is caught up).
 
     Versions that add no data (OPTIMIZE, VACUUM) are skipped by a stream reading changes,
     so the need starts at the first data-changing version it has not read; a stream still
-    reading a snapshot needs that snapshot's version whatever it was.
+    reading a snapshot needs that snapshot's version whatever it was. ``change_feed``: the
+    stream reads the table's Change Data Feed (the publishers) rather than its added files.
     """
     batch = last_committed_batch(spark, checkpoint)
     if batch is None or not batch.sources:
         return False, None
-    position = delta_position(batch.sources[0])
+    position = delta_position(batch.sources[0], commit_file_counter(spark, path, change_feed))
     history = table_history(spark, path)
     note = f"checkpoint batch {batch.batch_id}"
     if position.snapshot and position.next_version in history:
@@ -169,6 +176,7 @@ def stream_needs(
             f"bronze/{entity.name}",
             bronze,
             config.checkpoint_path("merger", entity.name),
+            change_feed=False,
         )
         # A merger that has not started reads bronze's latest snapshot when it does.
         if need is not None:
@@ -184,7 +192,12 @@ def stream_needs(
                 continue
             table = f"silver/{entity.name}"
             started, need = _need_from_checkpoint(
-                spark, service, table, silver, config.checkpoint_path(service, entity.name)
+                spark,
+                service,
+                table,
+                silver,
+                config.checkpoint_path(service, entity.name),
+                change_feed=True,
             )
             if not started:
                 need = _unstarted_publisher_need(spark, service, table, silver, settings[service])

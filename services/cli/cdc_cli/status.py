@@ -30,6 +30,7 @@ from pyspark.sql import SparkSession
 
 from cdc_cli.checkpoints import (
     Commit,
+    commit_file_counter,
     data_commits_from,
     delta_position,
     is_delta_table,
@@ -95,14 +96,19 @@ def _delta_stream_lag(
     checkpoint: str,
     history: dict[int, Commit] | None,
     table: str,
+    path: str,
+    change_feed: bool,
 ) -> StreamLag:
-    """Lag of a Delta-source stream: data-changing versions of ``table`` not read yet."""
+    """Lag of a Delta-source stream: data-changing versions of ``table`` not read completely.
+
+    ``path`` is the table's; ``change_feed``: the stream reads its Change Data Feed.
+    """
     batch = last_committed_batch(spark, checkpoint)
     if batch is None or not batch.sources:
         return StreamLag(service, None, "versions", NOT_STARTED)
-    position = delta_position(batch.sources[0])
     if history is None:
         return StreamLag(service, None, "versions", f"{table} table is missing")
+    position = delta_position(batch.sources[0], commit_file_counter(spark, path, change_feed))
     lag = len(data_commits_from(history, position.next_version))
     note = f"batch {batch.batch_id}, next {table} version {position.next_version}"
     return StreamLag(service, lag, "versions", note)
@@ -168,7 +174,13 @@ def publisher_kafka_lag(
     """Silver versions after the furthest of the published progress and the checkpoint."""
     service = "publisher_kafka"
     checkpointed = _delta_stream_lag(
-        spark, service, config.checkpoint_path(service, entity.name), silver, "silver"
+        spark,
+        service,
+        config.checkpoint_path(service, entity.name),
+        silver,
+        "silver",
+        config.layout.silver(entity.name),
+        change_feed=True,
     )
     try:
         published = published_version(config, entity)
@@ -212,12 +224,20 @@ def collect_status(
     spark = spark or build_spark_session(config.spark, "cdc-status")
     statuses = []
     for entity in entities:
-        bronze = _history(spark, config.layout.bronze(entity.name))
-        silver = _history(spark, config.layout.silver(entity.name))
+        bronze_path = config.layout.bronze(entity.name)
+        silver_path = config.layout.silver(entity.name)
+        bronze = _history(spark, bronze_path)
+        silver = _history(spark, silver_path)
         streams = (
             ingestor_lag(config, entity, spark),
             _delta_stream_lag(
-                spark, "merger", config.checkpoint_path("merger", entity.name), bronze, "bronze"
+                spark,
+                "merger",
+                config.checkpoint_path("merger", entity.name),
+                bronze,
+                "bronze",
+                bronze_path,
+                change_feed=False,
             ),
             publisher_kafka_lag(config, entity, spark, silver),
             _delta_stream_lag(
@@ -226,6 +246,8 @@ def collect_status(
                 config.checkpoint_path("publisher_es", entity.name),
                 silver,
                 "silver",
+                silver_path,
+                change_feed=True,
             ),
         )
         statuses.append(EntityStatus(entity.name, _latest(bronze), _latest(silver), streams))
