@@ -1,11 +1,14 @@
 """The Kubernetes manifests in deploy/k8s are valid and agree with the code (offline).
 
-Every manifest is checked against the Kubernetes OpenAPI schemas (kubernetes-validate,
-strict: unknown fields fail), then against the project: one single-replica Deployment
-per service script (or one for all four, deploy/k8s/all-in-one) that runs the image's
-entrypoint with the mounted pipeline file, probes /health on the port its configuration
-serves, gets the Secret keys its pipeline file references, has resources above its JVM
-heap, and runs as the image's user.
+Two shapes share deploy/k8s/common (namespace, pipeline file, credentials, volume):
+deploy/k8s adds one Deployment per service, deploy/k8s/all-in-one one for all four. Each
+manifest is listed by exactly one kustomization, and kustomize renders the files as they
+are (when kubectl is installed, checked by rendering). Every manifest is checked against
+the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail), then
+against the project: one single-replica Deployment per service script (or one for all
+four) that runs the image's entrypoint with the mounted pipeline file, probes /health on
+the port its configuration serves, gets the Secret keys its pipeline file references, has
+resources above its JVM heap, and runs as the image's user.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 import tomllib
+from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -31,7 +37,9 @@ SCRIPTS = sorted(name for name in PYPROJECT["project"]["scripts"] if name != "cd
 # What a Deployment runs: each service's script, or `cdc run` (deploy/k8s/all-in-one).
 APPLICATION = "cdc run"
 DEPLOYABLES = [*SCRIPTS, APPLICATION]
+COMMON = K8S / "common"
 ALL_IN_ONE = K8S / "all-in-one"
+SPARK_ON_K8S = K8S / "spark-on-k8s"
 # The oldest Kubernetes the manifests are meant for (1.30, or the oldest schema this
 # kubernetes-validate still ships), and the newest it knows.
 _KNOWN = sorted(
@@ -57,25 +65,40 @@ def metrics_port(config: PipelineConfig, script: str) -> int:
     return int(getattr(config, service_of(script).replace("-", "_")).metrics_port)
 
 
-def load_manifests() -> dict[str, list[dict[str, Any]]]:
-    """File name -> its documents, for every manifest but the kustomization."""
-    found = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        if path.name != "kustomization.yaml":
-            docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
-            found[path.name] = docs
-    return found
+def read_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
 
 
-MANIFESTS = load_manifests()
-DOCS = [doc for docs in MANIFESTS.values() for doc in docs]
-KUSTOMIZATION = yaml.safe_load((K8S / "kustomization.yaml").read_text(encoding="utf-8"))
-ALL_IN_ONE_KUSTOMIZATION = yaml.safe_load(
-    (ALL_IN_ONE / "kustomization.yaml").read_text(encoding="utf-8")
-)
-APPLICATION_DOCS = [
-    d for d in yaml.safe_load_all((ALL_IN_ONE / "application.yaml").read_text("utf-8")) if d
-]
+# Folder -> its kustomization, for every kustomization under deploy/k8s.
+KUSTOMIZATIONS: dict[Path, dict[str, Any]] = {
+    path.parent: yaml.safe_load(path.read_text(encoding="utf-8"))
+    for path in sorted(K8S.rglob("kustomization.yaml"))
+}
+
+
+def listed_files(folder: Path) -> list[Path]:
+    """The manifest files a kustomization lists, directly or through the folders it lists."""
+    files = []
+    for resource in KUSTOMIZATIONS[folder]["resources"]:
+        path = (folder / resource).resolve()
+        files += listed_files(path) if path.is_dir() else [path]
+    return files
+
+
+def listed_docs(folder: Path) -> list[dict[str, Any]]:
+    return [doc for path in listed_files(folder) for doc in read_docs(path)]
+
+
+def by_kind_and_name(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
+KUSTOMIZATION = KUSTOMIZATIONS[K8S]
+NAMESPACE = KUSTOMIZATION["namespace"]
+ALL_IN_ONE_KUSTOMIZATION = KUSTOMIZATIONS[ALL_IN_ONE]
+DOCS = listed_docs(K8S)  # common's and the four Deployments
+COMMON_DOCS = listed_docs(COMMON)
+APPLICATION_DOCS = read_docs(ALL_IN_ONE / "application.yaml")
 
 
 def of_kind(kind: str) -> dict[str, dict[str, Any]]:
@@ -157,15 +180,44 @@ def k8s_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PipelineConfi
     return load_config(path)
 
 
-def test_kustomization_applies_every_manifest_in_one_namespace() -> None:
-    assert KUSTOMIZATION["kind"] == "Kustomization"
-    assert KUSTOMIZATION["apiVersion"].startswith("kustomize.config.k8s.io/")
-    assert sorted(KUSTOMIZATION["resources"]) == sorted(MANIFESTS)
-    namespaces = of_kind("Namespace")
-    assert list(namespaces) == [KUSTOMIZATION["namespace"]]
-    for doc in DOCS:
+def test_every_manifest_is_listed_by_exactly_one_kustomization() -> None:
+    listed = [
+        (folder / resource).resolve()
+        for folder, kustomization in KUSTOMIZATIONS.items()
+        for resource in kustomization["resources"]
+    ]
+    folders = [path for path in listed if path.is_dir()]
+    assert set(folders) <= set(KUSTOMIZATIONS), "a listed folder without a kustomization"
+    files = sorted(path.relative_to(K8S).as_posix() for path in listed if not path.is_dir())
+    manifests = sorted(
+        path.relative_to(K8S).as_posix()
+        for path in K8S.rglob("*.yaml")
+        if path.name != "kustomization.yaml"
+    )
+    assert files == manifests, "each manifest once: unlisted files are never applied"
+
+
+@pytest.mark.parametrize("folder", [K8S, COMMON, ALL_IN_ONE], ids=["k8s", "common", "all-in-one"])
+def test_kustomization_applies_its_files_as_they_are_in_one_namespace(folder: Path) -> None:
+    """No patches or generators: what the tests read is what is applied (but the images)."""
+    kustomization = KUSTOMIZATIONS[folder]
+    assert kustomization["kind"] == "Kustomization"
+    assert kustomization["apiVersion"].startswith("kustomize.config.k8s.io/")
+    assert set(kustomization) <= {"apiVersion", "kind", "namespace", "resources", "images"}
+    assert kustomization["namespace"] == NAMESPACE
+    docs = listed_docs(folder)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"] == [NAMESPACE]
+    for doc in docs:
         if doc["kind"] != "Namespace":
-            assert doc["metadata"].get("namespace") == KUSTOMIZATION["namespace"], doc["kind"]
+            assert doc["metadata"].get("namespace") == NAMESPACE, doc["kind"]
+
+
+def test_both_shapes_take_namespace_pipeline_credentials_and_volume_from_common() -> None:
+    kinds = sorted(d["kind"] for d in COMMON_DOCS)
+    assert kinds == ["ConfigMap", "Namespace", "PersistentVolumeClaim", "Secret"]
+    deployments = [f"{service_of(script)}.yaml" for script in SCRIPTS]
+    assert sorted(KUSTOMIZATION["resources"]) == sorted(["common", *deployments])
+    assert sorted(ALL_IN_ONE_KUSTOMIZATION["resources"]) == ["../common", "application.yaml"]
 
 
 def test_kustomization_images_name_every_service_at_the_project_version() -> None:
@@ -179,22 +231,52 @@ def test_kustomization_images_name_every_service_at_the_project_version() -> Non
 
 def test_all_in_one_is_the_same_pipeline_with_one_deployment_instead_of_four() -> None:
     overlay = ALL_IN_ONE_KUSTOMIZATION
-    assert overlay["kind"] == "Kustomization"
-    assert overlay["namespace"] == KUSTOMIZATION["namespace"]
-    assert sorted(overlay["resources"]) == ["..", "application.yaml"]
-    deleted = []
-    for entry in overlay["patches"]:
-        patch = yaml.safe_load(entry["patch"])
-        assert patch["$patch"] == "delete"
-        assert patch["kind"] == "Deployment"
-        deleted.append(patch["metadata"]["name"])
-    assert sorted(deleted) == SCRIPTS, "each table must keep one writer"
-    assert [d["kind"] for d in APPLICATION_DOCS] == ["Deployment"]
-    assert APPLICATION_DOCS[0]["metadata"]["namespace"] == overlay["namespace"]
+    docs = listed_docs(ALL_IN_ONE)
+    deployments = [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"]
+    assert deployments == [deployment_name(APPLICATION)], "each table must keep one writer"
+    shared = by_kind_and_name([d for d in docs if d["kind"] != "Deployment"])
+    assert shared == by_kind_and_name([d for d in DOCS if d["kind"] != "Deployment"])
     images = {i["name"]: i for i in overlay["images"]}
     name, _, tag = container(APPLICATION)["image"].rpartition(":")
     assert name == deployment_name(APPLICATION)
     assert tag == images[name]["newTag"] == PYPROJECT["project"]["version"]
+
+
+@cache
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    """What ``kubectl kustomize folder`` renders."""
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(folder)], capture_output=True, text=True, check=False
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    return [d for d in yaml.safe_load_all(rendered.stdout) if d]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize(
+    "folder", [K8S, ALL_IN_ONE, SPARK_ON_K8S], ids=["k8s", "all-in-one", "spark-on-k8s"]
+)
+def test_kustomize_renders_the_listed_files_with_their_images(folder: Path) -> None:
+    docs = kustomize(folder)
+    names = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert names == sorted((d["kind"], d["metadata"]["name"]) for d in listed_docs(folder))
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in KUSTOMIZATIONS[folder]["images"]}
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            (main,) = doc["spec"]["template"]["spec"]["containers"]
+            assert main["image"] == images[doc["metadata"]["name"]]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_four_deployments_or_one_beside_the_same_common_objects() -> None:
+    four, one = kustomize(K8S), kustomize(ALL_IN_ONE)
+    assert sorted(d["metadata"]["name"] for d in four if d["kind"] == "Deployment") == SCRIPTS
+    deployments = [d["metadata"]["name"] for d in one if d["kind"] == "Deployment"]
+    assert deployments == [deployment_name(APPLICATION)], "each table must keep one writer"
+    shared = by_kind_and_name([d for d in one if d["kind"] != "Deployment"])
+    assert shared == by_kind_and_name([d for d in four if d["kind"] != "Deployment"])
+    kinds = sorted(d["kind"] for d in shared)
+    assert kinds == ["ConfigMap", "Namespace", "PersistentVolumeClaim", "Secret"]
 
 
 ALL_DOCS = DOCS + APPLICATION_DOCS
