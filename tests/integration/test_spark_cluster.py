@@ -8,8 +8,9 @@ the results), with ``storage_root: s3a://cdc/<fresh prefix>``. The change topics
 are put in the schema folder: publisher-kafka writes ``<root>/_schemas`` only on a local
 root.
 
-- ``test_pipeline_on_a_cluster_with_tables_on_s3``: the four services ``--once``; silver,
-  the change topics and the indexes equal the oracle, and executors ran no Python.
+- ``test_pipeline_on_a_cluster_with_tables_on_s3``: the four services ``--once`` over a
+  load with poison records; bronze and quarantine hold each record once, silver, the
+  change topics and the indexes equal the oracle, and executors ran no Python.
 - ``test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing`` (slow): SIGKILL of
   the merger's driver and of the worker, each mid-batch, then recovery; nothing is lost or
   repeated in bronze, quarantine, silver, the change topics or the indexes.
@@ -95,10 +96,11 @@ def test_pipeline_on_a_cluster_with_tables_on_s3(
     The master lists the four applications as completed and their executors' logs show
     tasks run with the Delta jar their driver shipped. The services run with
     ``PYSPARK_PYTHON`` naming no program: an executor asked to run Python (a UDF, or a
-    DataFrame made from a Python list) fails its tasks, so the run proves that their
-    Spark work is JVM-only. The load has no poison record: the ingestor's quarantine
-    write makes its DataFrame from a Python list, which does run pyspark's Python worker
-    on an executor (the kill test below covers quarantine, with Python on the workers).
+    DataFrame made from Python rows by pyspark's worker) fails its tasks, so the run
+    proves that their Spark work is JVM-only. The load has poison records, so this
+    covers the ingestor's quarantine write, a DataFrame of the rejected records collected
+    to the driver (``cdc_shared.driver_frames``: Arrow, decoded in the JVM); bronze and
+    quarantine then hold each Kafka record once.
     """
     assert spark_master == infra.spark_master_url(TEST_INFRA)
     cores = TEST_INFRA.spark_worker_cores
@@ -107,7 +109,7 @@ def test_pipeline_on_a_cluster_with_tables_on_s3(
     )
     write_change_schemas(pipeline)
     _read_bucket(spark, pipeline)
-    produce(
+    report = produce(
         kafka_config,
         iter(
             generate(
@@ -116,10 +118,11 @@ def test_pipeline_on_a_cluster_with_tables_on_s3(
                 keys=100,
                 delete_share=0.15,
                 redelivery_share=0.02,
-                poison_share=0,
+                poison_share=0.02,
             )
         ),
     )
+    assert report.poison, "no poison record: quarantine would not be exercised"
     before = completed_apps()
 
     run_once(pipeline, tmp_path, "cdc-ingestor")  # alone on the worker: every core
@@ -133,6 +136,8 @@ def test_pipeline_on_a_cluster_with_tables_on_s3(
         assert "Finished task" in executor_log, f"{name} ({app_id}) ran no task on a worker"
         assert "delta-spark" in executor_log, f"{name}: the executors fetched no Delta jar"
         assert NO_PYTHON not in executor_log, f"{name}: an executor tried to run Python"
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+    assert_quarantine_exactly_once(spark, pipeline, report)
     _assert_outputs_equal_oracle(spark, pipeline, kafka_config)
 
 
@@ -165,8 +170,8 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
 
     Bronze and quarantine hold each Kafka record once; silver, the change topic (every
     event exactly once) and the index equal the oracle; silver's change feed has no change
-    twice. Executors may run Python here (``PYSPARK_PYTHON``: this interpreter): the load
-    has poison records, and quarantining them runs pyspark's Python worker.
+    twice. The services run with ``PYSPARK_PYTHON`` set to this interpreter, as a
+    deployment that ships Python may; the test above shows that none is needed.
     """
     pipeline = cluster_s3_pipeline(
         tmp_path,

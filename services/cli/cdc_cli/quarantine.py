@@ -41,6 +41,7 @@ from typing import Any
 
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import QUARANTINE_WRITERS
 from cdc_shared.tables import ensure_table
 from confluent_kafka import KafkaError, Message, TopicPartition
@@ -176,7 +177,7 @@ def _ledger_path(config: PipelineConfig) -> str:
 def _ledger(config: PipelineConfig, spark: SparkSession) -> DataFrame:
     path = _ledger_path(config)
     if not is_delta_table(spark, path):
-        return spark.createDataFrame([], LEDGER_SCHEMA)
+        return frame_from_rows(spark, [], LEDGER_SCHEMA)
     return spark.read.format("delta").load(path)
 
 
@@ -463,7 +464,7 @@ class Replay:
             )
             for c in candidates
         ]
-        intent = self.spark.createDataFrame(rows, LEDGER_SCHEMA)
+        intent = frame_from_rows(self.spark, rows, LEDGER_SCHEMA)
         (
             DeltaTable.forPath(self.spark, self.ledger_path)
             .alias("t")
@@ -547,7 +548,7 @@ class Replay:
                 T.StructField("replayed_offset", T.LongType(), False),
             ]
         )
-        updates = self.spark.createDataFrame(list(landed), schema)
+        updates = frame_from_rows(self.spark, landed, schema)
         condition = (
             f"t.service = '{self.service}' AND t.kafka_topic = s.kafka_topic "
             "AND t.kafka_partition = s.kafka_partition AND t.kafka_offset = s.kafka_offset"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import PipelineConfig
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.schemas import make_registry
@@ -74,7 +75,7 @@ class EntityIngestion(EntityStreamBase):
 
         Nothing to wait for (``wait_s``): the source is Kafka, not a table.
         """
-        empty = self.spark.createDataFrame([], KAFKA_SCHEMA)
+        empty = frame_from_rows(self.spark, [], KAFKA_SCHEMA)
         bronze_schema = bronze_rows(
             decode(self.spark, empty, self.schemas.plan, self.entity.sequence_by)
         ).schema
@@ -140,7 +141,7 @@ class EntityIngestion(EntityStreamBase):
         if errors:
             collected = len(rejected) == sum(errors.values())
             quarantined = (
-                self.spark.createDataFrame(stamped(rejected, batch_id), QUARANTINE_SCHEMA)
+                frame_from_rows(self.spark, stamped(rejected, batch_id), QUARANTINE_SCHEMA)
                 if collected
                 else quarantine_rows(decoded, self.entity, batch_id)  # many: another pass
             )

@@ -20,6 +20,7 @@ from dataclasses import field as dataclass_field
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.spark import BackgroundCall, clock
@@ -358,7 +359,7 @@ def _without_keys(
     schema = T.StructType([candidates.schema[k] for k in key])
     rows = [k if isinstance(k, tuple) else (k,) for k in keys]
     return candidates.join(
-        F.broadcast(spark.createDataFrame(rows, schema)), on=key, how="left_anti"
+        F.broadcast(frame_from_rows(spark, rows, schema)), on=key, how="left_anti"
     )
 
 
@@ -375,9 +376,8 @@ def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) ->
     DeltaTable.forPath(spark, layout.silver_path).delete(
         F.col(SEQUENCE) < sequence_literal(sequence)
     )
-    spark.createDataFrame([(sequence, dt.datetime.now(dt.UTC))], TRUNCATE_SCHEMA).write.format(
-        "delta"
-    ).mode("append").save(layout.truncate_path)
+    marker = frame_from_rows(spark, [(sequence, dt.datetime.now(dt.UTC))], TRUNCATE_SCHEMA)
+    marker.write.format("delta").mode("append").save(layout.truncate_path)
     log.info("truncate at sequence %s applied to %s", sequence, layout.silver_path)
 
 

@@ -22,6 +22,7 @@ from cdc_shared.avro import UnknownSchemaError
 from cdc_shared.changefeed import LatestVersion, change_feed, row_columns, shape_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.retry import retrying
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -282,7 +283,7 @@ class EntityPublisher(EntityStreamBase):
             )
             for f in failures
         ]
-        frame = self.spark.createDataFrame(rows, QUARANTINE_SCHEMA)
+        frame = frame_from_rows(self.spark, rows, QUARANTINE_SCHEMA)
         idempotent_append(
             frame,
             self.quarantine_path,
