@@ -236,6 +236,20 @@ class MergeState:
         return self._schema
 
 
+#: The error condition of a job that reads a local checkpoint whose blocks went with a
+#: lost executor.
+LOST_CHECKPOINT = "CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND"
+
+
+def lost_local_checkpoint(error: BaseException) -> bool:
+    """Whether ``error`` is the loss of a batch's MERGE source with an executor.
+
+    The source is a local checkpoint, held by executors; bronze still holds the batch, so
+    applying it again is safe.
+    """
+    return LOST_CHECKPOINT in str(error)
+
+
 def apply_batch(
     spark: SparkSession,
     events: DataFrame,

@@ -13,6 +13,7 @@ import time
 
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import MERGER
+from cdc_shared.retry import retrying
 from cdc_shared.service import service_main
 from cdc_shared.spark import counting_jobs
 from cdc_shared.streaming import (
@@ -42,6 +43,7 @@ from cdc_merger.apply import (
     apply_batch,
     ensure_tables,
     expire_tombstones,
+    lost_local_checkpoint,
 )
 
 SERVICE = MERGER
@@ -124,8 +126,22 @@ class EntityMerge(EntityStreamBase):
             rows = quarantine_rows(rejected, self.entity.name, batch_id)
             idempotent_append(rows, self.quarantine_path, app, batch_id)
 
+        # Every step of a batch is idempotent, so a batch whose MERGE source went with a
+        # lost executor is applied again here instead of failing the stream.
+        applying = retrying(
+            lost_local_checkpoint,
+            initial_s=1,
+            max_s=10,
+            attempts=4,
+            log=log,
+            describe=lambda error, attempt: (
+                f"batch {batch_id}: its MERGE source was lost with an executor; "
+                f"applying the batch again, attempt {attempt}"
+            ),
+            fields={"entity": self.entity.name, "batch_id": batch_id},
+        )
         with counting_jobs(self.spark) as spark_jobs:
-            result = apply_batch(self.spark, batch, self.layout, quarantine, self.state)
+            result = applying(apply_batch, self.spark, batch, self.layout, quarantine, self.state)
             expired = self.expire_tombstones(result.ingested_until)
         counts = {
             # Spark does not count rows a MERGE reads: counted here for the batch log.
