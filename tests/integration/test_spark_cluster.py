@@ -8,12 +8,12 @@ the results), with ``storage_root: s3a://cdc/<fresh prefix>``. The change topics
 are put in the schema folder: publisher-kafka writes ``<root>/_schemas`` only on a local
 root.
 
-- ``test_pipeline_on_a_cluster_with_tables_on_s3``: the four services ``--once`` over a
-  load with poison records; bronze and quarantine hold each record once, silver, the
-  change topics and the indexes equal the oracle, and executors ran no Python.
-- ``test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing`` (slow): SIGKILL of
-  the merger's driver and of the worker, each mid-batch, then recovery; nothing is lost or
-  repeated in bronze, quarantine, silver, the change topics or the indexes.
+One test (slow: it kills processes) runs the ingestor and the merger as streams, SIGKILLs
+the merger's driver and then the worker, each mid-batch, lets both recover without
+exiting, and runs the publishers ``--once``: nothing is lost or repeated in bronze,
+quarantine, silver, the change topics or the indexes; every service ran tasks on the
+cluster's executors, none of which ran Python. (It used to have a fast sibling running the
+four services ``--once``; that run is a subset of this one and cost 4-5 minutes of CI.)
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import pytest
 from cdc_cli.status import collect_status
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
+from cdc_merger.apply import LOST_CHECKPOINT
 from cdc_shared import jvm_bridge
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 from pyspark.sql import SparkSession
@@ -51,7 +51,6 @@ from support.cluster import (
     sigkill_group,
     wait_ok,
     wait_until,
-    with_cores,
     worker_pid,
     write_change_schemas,
 )
@@ -82,65 +81,6 @@ def _assert_outputs_equal_oracle(
     assert_index_equals_oracle(pipeline, kafka)
 
 
-def test_pipeline_on_a_cluster_with_tables_on_s3(
-    spark: SparkSession,
-    spark_master: str,
-    s3_endpoint: str,
-    kafka_config: KafkaConfig,
-    es_config: ElasticsearchConfig,
-    tmp_path: Path,
-) -> None:
-    """Generated load -> ingestor, merger, then both publishers at once, each ``--once``
-    as an application of the cluster, on tables in S3.
-
-    The master lists the four applications as completed and their executors' logs show
-    tasks run with the Delta jar their driver shipped. The services run with
-    ``PYSPARK_PYTHON`` naming no program: an executor asked to run Python (a UDF, or a
-    DataFrame made from Python rows by pyspark's worker) fails its tasks, so the run
-    proves that their Spark work is JVM-only. The load has poison records, so this
-    covers the ingestor's quarantine write, a DataFrame of the rejected records collected
-    to the driver (``cdc_shared.driver_frames``: Arrow, decoded in the JVM); bronze and
-    quarantine then hold each Kafka record once.
-    """
-    assert spark_master == infra.spark_master_url(TEST_INFRA)
-    cores = TEST_INFRA.spark_worker_cores
-    pipeline = cluster_s3_pipeline(
-        tmp_path, kafka_config, es_config, s3_endpoint, spark_master, cores_max=cores
-    )
-    write_change_schemas(pipeline)
-    _read_bucket(spark, pipeline)
-    report = produce(
-        kafka_config,
-        iter(
-            generate(
-                pipeline,
-                events=600,
-                keys=100,
-                delete_share=0.15,
-                redelivery_share=0.02,
-                poison_share=0.02,
-            )
-        ),
-    )
-    assert report.poison, "no poison record: quarantine would not be exercised"
-    before = completed_apps()
-
-    run_once(pipeline, tmp_path, "cdc-ingestor")  # alone on the worker: every core
-    run_once(pipeline, tmp_path, "cdc-merger")
-    run_once(with_cores(pipeline, 1), tmp_path, *PUBLISHERS)  # two at once: one core each
-
-    ran = {app_id: name for app_id, name in completed_apps().items() if app_id not in before}
-    assert sorted(ran.values()) == sorted(SERVICES), f"applications on the cluster: {ran}"
-    for app_id, name in ran.items():
-        executor_log = executor_logs(app_id)
-        assert "Finished task" in executor_log, f"{name} ({app_id}) ran no task on a worker"
-        assert "delta-spark" in executor_log, f"{name}: the executors fetched no Delta jar"
-        assert NO_PYTHON not in executor_log, f"{name}: an executor tried to run Python"
-    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
-    assert_quarantine_exactly_once(spark, pipeline, report)
-    _assert_outputs_equal_oracle(spark, pipeline, kafka_config)
-
-
 @pytest.mark.slow
 def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
     spark: SparkSession,
@@ -161,17 +101,18 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
        with it, as on a lost machine (any that does not is killed). No worker is left: the
        merger's batch must stand still (else the kill is repeated on a new worker, at most
        three times). A new worker joins, the master gives both applications executors
-       again and both batches commit. A merger batch that had made its MERGE source (a
-       local checkpoint, held by the lost executor) fails: the merger exits 1 and is
-       started again, as a supervisor would; otherwise, and for the ingestor, the lost
-       tasks are just run again;
+       again and both batches commit, neither service exiting: the lost tasks are run
+       again, and a merger batch whose MERGE source (a local checkpoint, held by the
+       lost executor) is gone is applied again from bronze;
     3. both catch up (``cdc status``: lag 0) and stop on SIGTERM (exit 0); the publishers
        then run ``--once`` (they are SIGKILLed mid-batch in their own process tests).
 
     Bronze and quarantine hold each Kafka record once; silver, the change topic (every
     event exactly once) and the index equal the oracle; silver's change feed has no change
-    twice. The services run with ``PYSPARK_PYTHON`` set to this interpreter, as a
-    deployment that ships Python may; the test above shows that none is needed.
+    twice. The master lists an application of each service, and their executors' logs
+    show tasks run with the shipped Delta jar and no attempt to start Python
+    (``PYSPARK_PYTHON`` names no program; the poison records' quarantine, a DataFrame made
+    on the driver, travels as Arrow).
     """
     pipeline = cluster_s3_pipeline(
         tmp_path,
@@ -196,13 +137,11 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
     ingestor = config.checkpoint_path("ingestor", "customers")
     merger = config.checkpoint_path("merger", "customers")
     logs = {command: tmp_path / f"{command}.log" for command in SERVICES}
-    python = sys.executable
-    log_start: dict[str, int] = {}  # where each service's current run begins in its log
 
     def launch(command: str) -> subprocess.Popen[bytes]:
-        log_start[command] = logs[command].stat().st_size if logs[command].exists() else 0
-        return launch_service(command, pipeline, logs[command], python=python)
+        return launch_service(command, pipeline, logs[command])
 
+    before = completed_apps()
     running = {command: launch(command) for command in ("cdc-ingestor", "cdc-merger")}
     try:
         # 1. The merger's driver, mid-batch.
@@ -221,10 +160,8 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
         def recovered() -> bool:
             for command, process in running.items():
                 if process.poll() is not None:
-                    run = logs[command].read_bytes()[log_start[command] :].decode(errors="replace")
-                    assert command == "cdc-merger" and process.returncode == 1, run[-3000:]
-                    assert "CHECKPOINT_RDD_BLOCK_ID_NOT_FOUND" in run, run[-3000:]
-                    running[command] = launch(command)  # what a supervisor does
+                    run = logs[command].read_text(errors="replace")
+                    raise AssertionError(f"{command} exited {process.returncode}: {run[-3000:]}")
             return (
                 bucket.committed(ingestor) >= in_flight[ingestor]
                 and bucket.committed(merger) >= in_flight[merger]
@@ -245,11 +182,31 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
             if process.poll() is None:
                 sigkill_group(process)
 
-    run_once(pipeline, tmp_path, *PUBLISHERS, python=python)
+    merger_log = logs["cdc-merger"].read_text(errors="replace")
+    if LOST_CHECKPOINT in merger_log:  # the kill took a MERGE source: applied again
+        assert "applying the batch again" in merger_log, merger_log[-3000:]
+    run_once(pipeline, tmp_path, *PUBLISHERS)
+    _assert_executors_ran_jvm_only(before)
     assert report.poison, "no poison record: quarantine was not exercised"
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
     assert_quarantine_exactly_once(spark, pipeline, report)
     _assert_outputs_equal_oracle(spark, pipeline, kafka_config)
+
+
+def _assert_executors_ran_jvm_only(before: dict[str, str]) -> None:
+    """Every service ran as a cluster application whose executors ran tasks with the Delta
+    jar their driver shipped, and no application's executors tried to run Python (a UDF,
+    or a DataFrame made from Python rows by pyspark's worker, would fail its tasks with
+    ``PYSPARK_PYTHON`` naming no program)."""
+    ran = {app_id: name for app_id, name in completed_apps().items() if app_id not in before}
+    assert sorted(set(ran.values())) == sorted(SERVICES), f"applications on the cluster: {ran}"
+    logs = {app_id: executor_logs(app_id) for app_id in ran}
+    for app_id, name in ran.items():
+        assert NO_PYTHON not in logs[app_id], f"{name} ({app_id}): an executor tried Python"
+    for service in SERVICES:
+        of_service = [logs[app_id] for app_id, name in ran.items() if name == service]
+        assert any("Finished task" in log for log in of_service), f"{service}: no task ran"
+        assert any("delta-spark" in log for log in of_service), f"{service}: no Delta jar"
 
 
 def _kill_merger_driver_mid_batch(

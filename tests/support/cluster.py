@@ -8,7 +8,6 @@ them; and the change-topic check that counts duplicates.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -100,15 +99,6 @@ def cluster_s3_pipeline(
     }
     pipeline.path.write_text(yaml.safe_dump(document))
     return pipeline
-
-
-def with_cores(pipeline: Pipeline, cores_max: int) -> Pipeline:
-    """The same pipeline (a file beside it) whose applications take ``cores_max`` cores."""
-    document = yaml.safe_load(pipeline.path.read_text())
-    document["spark"]["conf"]["spark.cores.max"] = str(cores_max)
-    path = pipeline.path.with_name(f"{pipeline.path.stem}-{cores_max}-cores.yaml")
-    path.write_text(yaml.safe_dump(document))
-    return dataclasses.replace(pipeline, path=path)
 
 
 def write_change_schemas(pipeline: Pipeline) -> None:
