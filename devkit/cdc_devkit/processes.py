@@ -79,10 +79,13 @@ def owns_its_memory(sample: ProcessSample, snapshot: dict[int, ProcessSample]) -
     child runs in the parent's memory until it execs: for that instant /proc shows it
     with the whole JVM's size and RSS. Summing it would count the JVM twice. (A child
     just forked, e.g. a PySpark worker, also matches until it maps memory of its own:
-    its pages are then still the parent's.)
+    its pages are then still the parent's.) The two are read at different instants, and
+    a JVM maps memory all the time, so sizes within 2% count as the same address space.
     """
     parent = snapshot.get(sample.parent)
-    return parent is None or parent.virtual_pages != sample.virtual_pages
+    if parent is None:
+        return True
+    return abs(parent.virtual_pages - sample.virtual_pages) > parent.virtual_pages // 50
 
 
 def group_rss_bytes(group: int, snapshot: dict[int, ProcessSample] | None = None) -> int:

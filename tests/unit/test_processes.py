@@ -23,6 +23,16 @@ def test_a_spawned_child_still_in_its_parents_memory_is_counted_once() -> None:
     assert group_rss_bytes(100, snapshot) == 1_201 * MIB
 
 
+def test_a_spawned_child_read_while_its_parent_grew_is_still_counted_once() -> None:
+    # /proc is read one process after another: the JVM mapped memory in between.
+    jvm = sample(101, 100, 901_500, 1_200)
+    spawning = sample(102, 101, 900_000, 1_200)
+    snapshot = {p.pid: p for p in (jvm, spawning)}
+
+    assert not owns_its_memory(spawning, snapshot)
+    assert group_rss_bytes(100, snapshot) == 1_200 * MIB
+
+
 def test_the_current_process_group_is_measured() -> None:
     snapshot = process_snapshot()
     me = snapshot[os.getpid()]
