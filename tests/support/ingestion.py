@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -44,13 +45,19 @@ def generate_across_schema_change(
     return messages, switch
 
 
-def launch_ingestor(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """``cdc-ingestor`` in its own process group, so a kill takes its JVM with it."""
+def launch_ingestor(
+    pipeline: Pipeline, log: Path, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``cdc-ingestor`` in its own process group, so a kill takes its JVM with it.
+
+    ``env`` adds settings (``CDC_INGESTOR__...``) for this process only.
+    """
     return subprocess.Popen(
         [INGESTOR, "--config", str(pipeline.path), *extra],
         stdout=subprocess.DEVNULL,
         stderr=log.open("ab"),
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
 
 
