@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cdc_shared.streaming import (
@@ -89,7 +90,11 @@ def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches
 
     source = str(tmp_path / "source")
     spark.range(20).write.format("delta").save(source)
-    runners = [StreamRunner(spark, service) for service in ("left", "right")]
+
+    def lag(progress: Any) -> float:  # read off the event's sources, as the services do
+        return float(sum(source.numInputRows for source in progress.sources))
+
+    runners = [StreamRunner(spark, service, lag=lag) for service in ("left", "right")]
     assert len(_ProgressDispatch._by_session[id(spark)]._loggers) == 2
     for runner in runners:
 
@@ -109,6 +114,8 @@ def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches
             runner.run()
     batches = [vars(r) for r in caplog.records if r.getMessage() == "batch"]
     assert sorted((b["service"], b["seen"]) for b in batches) == [("left", 20), ("right", 20)]
+    assert [b["lag"] for b in batches] == [20.0, 20.0]
+    assert all(b["duration_ms"] > 0 and b["batch_id"] == 0 for b in batches), batches
     assert id(spark) not in _ProgressDispatch._by_session  # the last runner removed it
 
 
