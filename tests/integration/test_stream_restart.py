@@ -92,7 +92,7 @@ def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches
     spark.range(20).write.format("delta").save(source)
 
     def lag(progress: Any) -> float:  # read off the event's sources, as the services do
-        return float(sum(source.numInputRows for source in progress.sources))
+        return float(sum(read.numInputRows for read in progress.sources))
 
     runners = [StreamRunner(spark, service, lag=lag) for service in ("left", "right")]
     assert len(_ProgressDispatch._by_session[id(spark)]._loggers) == 2
