@@ -58,6 +58,11 @@ def spark_jars() -> list[Path]:
     return sorted(folder.glob("*.jar")) if folder.is_dir() else []
 
 
+def class_archive() -> Path:
+    """The drivers' JVM class archive (``cdc_shared.class_archive``; may not exist yet)."""
+    return jvm_cache_dir() / "cds" / "spark-driver.jsa"
+
+
 def kafka_classpath() -> list[Path]:
     """The Kafka broker's runtime classpath; empty if unfetched."""
     folder = jvm_cache_dir() / "kafka" / "libs"

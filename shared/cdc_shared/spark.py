@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 
 
 def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
@@ -27,7 +28,9 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     named in ``spark.jars.packages`` for Spark to download, which needs Maven Central.
     The storage root's Hadoop settings (``object_storage``: S3A endpoint, credentials)
     become ``spark.hadoop.*`` entries, which executors receive too; Spark's own
-    ``spark.redaction.regex`` hides the secret ones in its UI and event logs.
+    ``spark.redaction.regex`` hides the secret ones in its UI and event logs. The driver
+    starts with the class archive of ``make jvm`` when there is one (see
+    :mod:`cdc_shared.class_archive`).
 
     On a cluster (any master but ``local...``) the driver serves ``spark.jars`` to its
     executors, so workers need no copy of the cache; the executors' size
@@ -80,6 +83,11 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         conf["spark.jars.packages"] = ",".join(jvm.SPARK_PACKAGES)
     conf.update({f"spark.hadoop.{k}": v for k, v in config.hadoop_options().items()})
     conf.update(config.conf)
+    archive = jvm.class_archive()
+    if archive.is_file():
+        # First, so that the user's own options (even -Xshare:off) come after and win.
+        options = conf.get(DRIVER_JAVA_OPTIONS, "")
+        conf[DRIVER_JAVA_OPTIONS] = f"-XX:SharedArchiveFile={archive} {options}".strip()
     if config.master.startswith("spark://") and "spark.cores.max" not in conf:
         log.warning(
             "%s takes every free core of the standalone cluster %s; set spark.cores.max in "
