@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from pyspark import InheritableThread
@@ -144,11 +144,42 @@ class BackgroundCall:
         self._thread = InheritableThread(target=run, daemon=True)
         self._thread.start()
 
+    @property
+    def error(self) -> BaseException | None:
+        """What the call raised (None: nothing, or not ended yet)."""
+        return self._error
+
+    def ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the call to end; whether it has."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def wait(self) -> None:
         """Wait for the call to end; re-raise its exception, if any."""
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def side_by_side(calls: Sequence[Callable[[], object]]) -> None:
+    """Run ``calls`` at once; return when all have ended, raising the first error.
+
+    Each runs in a thread carrying this thread's Spark job properties. Meant for starts
+    that mostly wait (on Delta, servers, a source table): overlapped, they take about as
+    long as the slowest. The calling thread stays free to take signals.
+    """
+    if len(calls) == 1:
+        calls[0]()
+        return
+    background = [BackgroundCall(call) for call in calls]
+    errors: list[BaseException] = []
+    for call in background:
+        while not call.ended(timeout_s=0.5):
+            pass
+        if call.error is not None:
+            errors.append(call.error)
+    if errors:
+        raise errors[0]
 
 
 @contextmanager

@@ -119,11 +119,15 @@ def wait_for_table(
     ``hint`` tells the operator what creates the table (e.g. "start the merger").
     """
     deadline = time.monotonic() + wait_s
+    next_log = 0.0
     while not has_commits(spark, path):
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise ConfigError(f"{path} is not a Delta table yet: {hint}")
-        log.info("waiting for table", extra={"path": path})
-        time.sleep(5)
+        if now >= next_log:
+            log.info("waiting for table", extra={"path": path})
+            next_log = now + 30
+        time.sleep(1)  # a look is a file listing: cheap enough to start soon after its writer
 
 
 def has_commits(spark: SparkSession, path: str) -> bool:

@@ -15,6 +15,7 @@ that fails as a whole stops the application (exit 1) so that its supervisor rest
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import tempfile
@@ -28,7 +29,7 @@ from xml.sax.saxutils import quoteattr
 from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
 from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
-from cdc_shared.spark import build_spark_session
+from cdc_shared.spark import build_spark_session, side_by_side
 from cdc_shared.streaming import StreamFailedError, StreamRunner
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
@@ -151,6 +152,28 @@ class Application:
         self.adopt(service, runner)
         return runner
 
+    def start_side_by_side(self) -> None:
+        """Start every service, each in a thread of its own; raise the first failure.
+
+        A start is mostly waiting: on Delta tables made or checked, on Kafka and
+        Elasticsearch, on its source table. Side by side, a restart of the application
+        takes about as long as its slowest service's start, not the sum of all four.
+        """
+        if self._spark is None:  # made once, before the threads, as are the imports
+            self._spark = self._session()
+        _starts()
+
+        def start(service: str) -> None:
+            if self._stop.is_set():
+                return
+            try:
+                self.start(service)
+            except BaseException:
+                self.request_stop()  # the others stop as soon as they have started
+                raise
+
+        side_by_side([functools.partial(start, service) for service in self.services])
+
     def adopt(self, service: str, runner: StreamRunner) -> None:
         """Count a started service in: health, stop requests (one that came while it started)."""
         self.runners[service] = runner
@@ -184,9 +207,10 @@ class Application:
     def run(self) -> None:
         """Start and run the services until done (``--once``) or stopped.
 
-        Continuous: all start (in pipeline order, so each finds its source table), then
-        run side by side. ``--once``: one after another, each to the end of what its
-        source holds, so one call carries what is in Kafka through to the outputs.
+        Continuous: all start at once (each waits for its source table, as it would in a
+        process of its own), then run side by side. ``--once``: one after another, each
+        to the end of what its source holds, so one call carries what is in Kafka through
+        to the outputs.
         Raises StreamFailedError naming every service that failed (``supervise``).
         """
         self.serve()
@@ -197,11 +221,8 @@ class Application:
                         break
                     self.supervise([self.start(service)])
             else:
-                for service in self.services:
-                    if self._stop.is_set():
-                        break
-                    self.start(service)
-                self.supervise(list(self.runners.values()))
+                self.start_side_by_side()
+                self.supervise([self.runners[s] for s in self.services if s in self.runners])
         except BaseException:
             for runner in self.runners.values():
                 runner.stop_now()
