@@ -271,6 +271,8 @@ class FaultInjector(threading.Thread):
         self.record = FaultRecord()
         self.stopping = threading.Event()
         self.done = 0  # faults injected (or given up on) so far
+        self.current = 0  # the fault being injected
+        self.armed = 0  # the last fault armed: waiting for its moment, or under way
 
     def run(self) -> None:
         """Inject every planned fault, with random pauses between them."""
@@ -279,6 +281,9 @@ class FaultInjector(threading.Thread):
             if self.stopping.wait(pause):
                 return
             self.echo(f"fault {number}/{len(self.plan)}: {fault}")
+            self.current = number
+            if fault != "kill":  # a kill is armed once its service is up again
+                self.armed = number
             try:
                 self._inject(fault)
             except Exception as exc:
@@ -313,6 +318,7 @@ class FaultInjector(threading.Thread):
         port = health_port(self.config, service.name)
         while not service.healthy(port) and time.monotonic() < deadline:
             time.sleep(1.0)
+        self.armed = self.current  # its load slice comes now
         if aimed:
             entity = self.rng.choice(self.config.entities).name
             reached = self.windows.wait(name, entity, self.options.window_timeout_s)
@@ -350,13 +356,17 @@ def produce_alongside(
     """Produce the load in equal slices, one per fault, each while its fault is under way.
 
     Produced at once, the load would be in long before a long fault plan is through, and
-    most faults would hit an idle pipeline. The slices keep the generator's order, so the
-    same seed still makes the same records.
+    most faults would hit an idle pipeline. A slice starts when its fault is armed: a
+    kill once its service is up again and it waits for its moment (a window needs work
+    in flight to come), any other fault as it begins. The slices keep the generator's
+    order, so the same seed still makes the same records.
     """
     whole = ProduceReport()
     slices = max(1, len(injector.plan))
     size = math.ceil(len(messages) / slices)
     for number in range(1, slices + 1):
+        while injector.armed < number and injector.done < number and injector.is_alive():
+            time.sleep(0.2)
         chunk = messages[(number - 1) * size : number * size]
         whole.add(produce(config.kafka, iter(chunk), rate=rate))
         while injector.done < number and injector.is_alive():

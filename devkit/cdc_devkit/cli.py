@@ -227,6 +227,12 @@ def chaos(
     es_slowdowns: int = typer.Option(3, min=0, help="Elasticsearch freezes in bursts."),
     pause: float = typer.Option(10.0, min=0, help="Mean seconds between two faults."),
     outage: float = typer.Option(20.0, min=1, help="Seconds an ES outage or slowdown lasts."),
+    window_timeout: float = typer.Option(
+        60.0,
+        min=1,
+        help="Seconds an aimed kill waits for its moment (e.g. just after a silver commit) "
+        "before it fires anyway.",
+    ),
     workdir: Path = typer.Option(Path("data/chaos"), help="Tables and logs (wiped)."),
     timeout: float = typer.Option(1800.0, min=10, help="Seconds to wait for the catch-up."),
     mode: RunMode = typer.Option(
@@ -254,6 +260,7 @@ def chaos(
         es_slowdowns=es_slowdowns,
         pause_s=pause,
         outage_s=outage,
+        window_timeout_s=window_timeout,
         workdir=workdir,
         catch_up_timeout_s=timeout,
         mode=mode,

@@ -36,7 +36,7 @@ def test_short_chaos_run_has_no_divergence(
             "chaos",
             *("--events", "2500", "--rate", "100", "--keys", "300"),
             *("--kills", str(KILLS[mode]), "--broker-restarts", "1", "--es-outages", "1"),
-            *("--es-slowdowns", "1", "--pause", "4", "--outage", "8"),
+            *("--es-slowdowns", "1", "--pause", "4", "--outage", "8", "--window-timeout", "20"),
             *("--workdir", str(tmp_path / "chaos"), "--timeout", "480", "--mode", mode),
         ],
         env=env,
