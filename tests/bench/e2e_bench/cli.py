@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=300.0)
     parser.add_argument("--port-base", type=int, default=49101, help="metrics ports from here")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--entities",
+        type=lambda text: [e for e in text.split(",") if e],
+        default=None,
+        help="entities of the example pipeline to run, comma-separated (default all); the "
+        "load is the same, spread over fewer streams",
+    )
     parser.add_argument("--down", action="store_true", help="stop the servers at the end")
     parser.add_argument("--run-baseline", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

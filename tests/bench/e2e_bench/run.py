@@ -53,9 +53,21 @@ def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0
         consumer.close()
 
 
-def _configure(workdir: Path, served: infra.Endpoints, prefix: str, port_base: int) -> Path:
+def _configure(
+    workdir: Path,
+    served: infra.Endpoints,
+    prefix: str,
+    port_base: int,
+    entities: list[str] | None = None,
+) -> Path:
+    """The example pipeline file, metrics ports from ``port_base``, only ``entities``."""
     path = write_pipeline_config(workdir, served, prefix=prefix)
     document = yaml.safe_load(path.read_text())
+    if entities:
+        document["entities"] = [e for e in document["entities"] if e["name"] in entities]
+        missing = set(entities) - {e["name"] for e in document["entities"]}
+        if missing:
+            raise SystemExit(f"--entities: no such entity in the example pipeline: {missing}")
     sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
     for offset, section in enumerate(sections):
         document[section]["metrics_port"] = port_base + offset
@@ -74,7 +86,7 @@ class PipelineRun:
         self.workdir = args.workdir / kind
         self.workdir.mkdir(parents=True)
         prefix = {"cdc": "e2e", "cdc-app": "app"}.get(kind, "base")
-        self.config_path = _configure(self.workdir, served, prefix, args.port_base)
+        self.config_path = _configure(self.workdir, served, prefix, args.port_base, args.entities)
         self.config = load_config(self.config_path)
         self.result = PipelineResult(kind, list(STAGES) if self.is_cdc else ["silver", "topic"])
         numbers = probe_numbers(
