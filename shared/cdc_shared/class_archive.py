@@ -33,9 +33,6 @@ from cdc_shared import jvm
 
 log = logging.getLogger(__name__)
 
-#: Set in the child process that runs the workload, to the archive it dumps.
-_DUMP_ENV_VAR = "CDC_CLASS_ARCHIVE_DUMP"
-
 
 def exercise(spark: SparkSession, folder: Path) -> None:
     """Work that loads the classes the services load.
@@ -86,8 +83,7 @@ def build(archive: Path) -> bool:
     partial.unlink(missing_ok=True)
     started = time.monotonic()
     child = subprocess.run(
-        [sys.executable, "-m", "cdc_shared.class_archive", "--dump-child"],
-        env={**os.environ, _DUMP_ENV_VAR: str(partial)},
+        [sys.executable, "-m", "cdc_shared.class_archive", "--dump-to", str(partial)],
         check=False,
         capture_output=True,
         text=True,
@@ -107,16 +103,14 @@ def build(archive: Path) -> bool:
     return True
 
 
-def _dump_child() -> None:
+def _dump_child(partial: Path) -> None:
     """The child's side of :func:`build`: one driver dumping at exit, one workload."""
     from cdc_shared.config import SparkConfig
-    from cdc_shared.spark import spark_conf
+    from cdc_shared.spark import DRIVER_JAVA_OPTIONS, spark_conf
 
     conf = spark_conf(SparkConfig(), "cdc-class-archive")
-    # Logging of the dump goes to the JVM's stdout; skipped signed-jar classes are normal.
-    conf["spark.driver.extraJavaOptions"] = (
-        f"-XX:ArchiveClassesAtExit={os.environ[_DUMP_ENV_VAR]} -Xlog:cds=error"
-    )
+    # Only errors: the dump warns of every class of a signed jar it skips, as it must.
+    conf[DRIVER_JAVA_OPTIONS] = f"-XX:ArchiveClassesAtExit={partial} -Xlog:cds=error"
     builder = SparkSession.builder
     for key, value in conf.items():
         builder = builder.config(key, value)
@@ -130,10 +124,10 @@ def _dump_child() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m cdc_shared.class_archive`` writes ``jvm.class_archive()``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dump-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dump-to", type=Path, help=argparse.SUPPRESS)  # build()'s child
     options = parser.parse_args(argv)
-    if options.dump_child:
-        _dump_child()
+    if options.dump_to is not None:
+        _dump_child(options.dump_to)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     build(jvm.class_archive())
