@@ -27,6 +27,10 @@ a read_committed consumer in this process reads its change event, (c) the moment
 for the probe documents (every 0.5 s; ids query, versions only) returns its version.
 Events superseded inside one micro-batch never reach an output and are not counted;
 deletes are not counted (their change events carry the removed row's sequence).
+Each hop is also timed on its own, per probe event that reached both of its ends: ingest
+(Kafka timestamp to the bronze commit that added it, from bronze's log: needs a local
+storage root), merge (bronze commit to silver commit), publish to topic and to index
+(silver commit to (b) and (c)).
 
 Sustainable: a rate step is sustainable when (1) the producers offered at least 95% of
 the rate, (2) every probe key's last change reached every output within the drain timeout

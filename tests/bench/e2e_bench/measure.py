@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
+import posixpath
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
 
 from cdc_shared.config import PipelineConfig
 
@@ -24,6 +29,8 @@ class StepResult:
     drained: bool = False
     drain_seconds: float = 0.0
     delays_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> p50..
+    # hop (ingest, merge, publish ...) -> p50..: each event's time between two outputs
+    hops_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
     growth_s: dict[str, float] = field(default_factory=dict)
     allowed_s: dict[str, float] = field(default_factory=dict)
@@ -63,16 +70,70 @@ class PipelineResult:
         return max(rates) if rates else None
 
 
+#: Each hop of the pipeline: (name, from output, to output); "produce" is the Kafka time.
+HOPS = (
+    ("ingest", "produce", "bronze"),
+    ("merge", "bronze", "silver"),
+    ("publish to topic", "silver", "topic"),
+    ("publish to index", "silver", "index"),
+)
+
+
+def _data_file_commit_times(table: str) -> dict[str, float]:
+    """Each data file a commit added to a local Delta table -> when that commit landed.
+
+    The commit's time is its log file's modification time, as for a Change Data Feed's
+    ``_commit_timestamp``. Files a compaction rewrote (``dataChange`` false) are left out:
+    their rows arrived earlier, in the files they replaced.
+    """
+    landed: dict[str, float] = {}
+    for commit in sorted((Path(table) / "_delta_log").glob("*.json")):
+        at = commit.stat().st_mtime
+        for line in commit.read_text().splitlines():
+            add = json.loads(line).get("add")
+            if add is not None and add.get("dataChange", True):
+                landed[posixpath.basename(unquote(add["path"]))] = at
+    return landed
+
+
+def _bronze_times(spark: Any, table: str, key: list[str], firsts: list[Any]) -> dict[Any, float]:
+    """(key, sequence) of the probes' bronze rows -> when bronze first had them."""
+    from pyspark.sql import functions as F
+
+    landed = _data_file_commit_times(table)
+    if not landed:
+        return {}
+    files = [f"{table}/{name}" for name in landed]  # bronze is not partitioned
+    rows = (
+        spark.read.option("mergeSchema", "true")
+        .parquet(*files)
+        .where(F.col(f"key.{key[0]}").isin(firsts))
+        .select("key", "sequence", F.col("_metadata.file_name").alias("file"))
+        .collect()
+    )
+    out: dict[Any, float] = {}
+    for r in rows:
+        at = landed.get(unquote(r["file"]))
+        if at is not None:
+            mark = (tuple(r["key"][k] for k in key), tuple(r["sequence"]))
+            out[mark] = min(at, out.get(mark, at))
+    return out
+
+
 def _silver_times(
     config: PipelineConfig, probes: set[tuple[str, Key]]
-) -> tuple[dict[Mark, float], dict[Mark, float], dict[tuple[str, Key, int], Seq]]:
-    """Kafka timestamps from bronze; silver commit times and commit versions from its CDF."""
+) -> tuple[
+    dict[Mark, float], dict[Mark, float], dict[Mark, float], dict[tuple[str, Key, int], Seq]
+]:
+    """Kafka timestamps and bronze commit times from bronze; silver commit times and commit
+    versions from its CDF. Bronze commit times need a local storage root (else none)."""
     from cdc_shared.spark import build_spark_session
     from pyspark.sql import functions as F
 
     spark = build_spark_session(config.spark, "bench-e2e-measure")
     spark.sparkContext.setLogLevel("ERROR")
     produced: dict[Mark, float] = {}
+    in_bronze: dict[Mark, float] = {}
     committed: dict[Mark, float] = {}
     commit_seq: dict[tuple[str, Key, int], Seq] = {}
     try:
@@ -91,6 +152,11 @@ def _silver_times(
                 if (entity.name, key) in probes:
                     at = r["at"].replace(tzinfo=dt.UTC).timestamp()
                     produced[(entity.name, key, tuple(r["sequence"]))] = at
+            bronze_path = config.layout.bronze(entity.name)
+            if "://" not in bronze_path:
+                for (key, seq), at in _bronze_times(spark, bronze_path, entity.key, firsts).items():
+                    if (entity.name, key) in probes:
+                        in_bronze[(entity.name, key, seq)] = at
             feed = (
                 spark.read.format("delta")
                 .option("readChangeFeed", "true")
@@ -110,7 +176,7 @@ def _silver_times(
                 commit_seq[(entity.name, key, int(r["_commit_version"]))] = seq
     finally:
         spark.stop()
-    return produced, committed, commit_seq
+    return produced, in_bronze, committed, commit_seq
 
 
 def _cuts(values: list[float]) -> dict[str, float]:
@@ -130,7 +196,7 @@ def measure_delays(
 ) -> None:
     """Delays per step and stage, the growth rule, and the delay series for the plot."""
     probes = {(name, key) for name, key, _ in produced_at}
-    kafka_ts, committed, commit_seq = _silver_times(config, probes)
+    kafka_ts, in_bronze, committed, commit_seq = _silver_times(config, probes)
     arrived: dict[str, dict[Mark, float]] = {"silver": committed, "topic": topic.seen}
     if index is not None:
         entities = {e.name: e for e in config.entities}
@@ -143,6 +209,9 @@ def measure_delays(
     missing_ts = sum(1 for m in produced_at if m not in kafka_ts)
     if missing_ts:
         result.notes.append(f"{missing_ts} probe events not found in bronze (producer time used)")
+    if not in_bronze:
+        result.notes.append("no bronze commit times (storage root not local): no ingest hop")
+    outputs = {**arrived, "bronze": in_bronze}
     for number, step in enumerate(result.steps):
         begun, ended = result.step_bounds[number]
         quarter = (ended - begun) / 4
@@ -173,7 +242,32 @@ def measure_delays(
                     scale * _in_flight(points, (begun + ended) / 2),
                     scale * _in_flight(points, ended),
                 )
+        step.hops_ms = _hops(produced_at, number, kafka_ts, outputs)
         step.verdict = _verdict(step, result.stages)
+
+
+def _hops(
+    produced_at: dict[Mark, tuple[float, int]],
+    step: int,
+    kafka_ts: dict[Mark, float],
+    outputs: dict[str, dict[Mark, float]],
+) -> dict[str, dict[str, float]]:
+    """Each hop's delay (``HOPS``) over the step's probe events that reached both ends."""
+    hops: dict[str, dict[str, float]] = {}
+    for name, start, end in HOPS:
+        if end not in outputs:
+            continue
+        spans = []
+        for mark, (wrapper_at, at_step) in produced_at.items():
+            began = (
+                kafka_ts.get(mark, wrapper_at) if start == "produce" else outputs[start].get(mark)
+            )
+            reached = outputs[end].get(mark)
+            if at_step == step and began is not None and reached is not None:
+                spans.append((reached - began) * 1000)
+        if spans:
+            hops[name] = _cuts(spans)
+    return hops
 
 
 def _in_flight(points: list[tuple[float, float]], t: float) -> int:

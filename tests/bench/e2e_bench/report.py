@@ -7,7 +7,7 @@ import datetime as dt
 import math
 import os
 
-from .measure import PipelineResult
+from .measure import HOPS, PipelineResult
 
 
 def _ms(cuts: dict[str, float]) -> str:
@@ -46,6 +46,18 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
                 f"| {min(s.samples.values(), default=0):,} | {backlog} | {growth or 'n/a'} "
                 f"| {s.verdict} |"
             )
+    lines += [
+        "",
+        "Each hop on its own (p50 / p95 / p99 s over the probe events that reached both ends; "
+        "bronze and silver at their commits):",
+        "",
+        "| pipeline | offered/s | " + " | ".join(name for name, _, _ in HOPS) + " |",
+        "|---|---:|" + "---|" * len(HOPS),
+    ]
+    for r in results:
+        for s in r.steps:
+            cells = " | ".join(_ms(s.hops_ms.get(name, {})) for name, _, _ in HOPS)
+            lines.append(f"| {r.name} | {s.rate:,.0f} | {cells} |")
     lines += ["", "| pipeline | highest sustainable load |", "|---|---|"]
     for r in results:
         best = r.highest_sustainable
