@@ -9,13 +9,16 @@ import posixpath
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from cdc_shared.config import PipelineConfig
 
 from .probes import Key, Mark, Seq
 from .watch import IndexWatcher, TopicWatcher, index_sequence
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 @dataclass
@@ -96,7 +99,9 @@ def _data_file_commit_times(table: str) -> dict[str, float]:
     return landed
 
 
-def _bronze_times(spark: Any, table: str, key: list[str], firsts: list[Any]) -> dict[Any, float]:
+def _bronze_times(
+    spark: SparkSession, table: str, key: list[str], firsts: list[Any]
+) -> dict[tuple[Key, Seq], float]:
     """(key, sequence) of the probes' bronze rows -> when bronze first had them."""
     from pyspark.sql import functions as F
 
@@ -111,7 +116,7 @@ def _bronze_times(spark: Any, table: str, key: list[str], firsts: list[Any]) -> 
         .select("key", "sequence", F.col("_metadata.file_name").alias("file"))
         .collect()
     )
-    out: dict[Any, float] = {}
+    out: dict[tuple[Key, Seq], float] = {}
     for r in rows:
         at = landed.get(unquote(r["file"]))
         if at is not None:
