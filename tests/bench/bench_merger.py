@@ -14,10 +14,12 @@ Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does
 (the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
 then ``--repeats`` batches of 10,000 and of 100,000 changes (80% updates, 15% inserts,
 5% deletes; updated and deleted keys skewed toward the newest). Per batch it records the
-wall time, the Spark jobs the batch ran, the MERGE's own ``executionTimeMs`` (Delta's
-commit metrics) and the files in silver afterwards. Then a drift run: ``--drift`` more
-1,000-change batches with the lean path into a fresh 1M-row silver, no maintenance; it
-prints the p50 of the first and last 20 batches, the slowest batches and the files left.
+wall time, the JVM's CPU seconds (by kind of thread: tasks, driver calls, JIT compiler,
+garbage collector; ``jvm_cpu.py``), the Spark jobs the batch ran, the MERGE's own
+``executionTimeMs`` (Delta's commit metrics) and the files in silver afterwards. Then a
+drift run: ``--drift`` more 1,000-change batches with the lean path into a fresh 1M-row
+silver, no maintenance; it prints the p50 of the first and last 20 batches, the slowest
+batches and the files left.
 
     .venv/bin/python tests/bench/bench_merger.py [--rows 1000000] [--small 20]
         [--repeats 3] [--drift 200] [--conf KEY=VALUE ...]
@@ -55,6 +57,7 @@ from cdc_shared.schemas import entity_schemas  # noqa: E402
 from cdc_shared.spark import build_spark_session, counting_jobs  # noqa: E402
 from cdc_shared.tables import ensure_table  # noqa: E402
 from delta.tables import DeltaTable  # noqa: E402
+from jvm_cpu import cpu_by_kind, jvm_pid, shares, since  # noqa: E402
 from merger_before import apply_batch_before, delta_default_materialization  # noqa: E402
 from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -206,6 +209,7 @@ class Batch:
     jobs: int
     merge_ms: int
     compacted: bool
+    jvm_cpu_s: float
     steps: dict[str, int] = field(default_factory=dict)
 
 
@@ -218,6 +222,7 @@ class Variant:
     silver_path: str
     batches: list[Batch] = field(default_factory=list)
     files: dict[str, int] = field(default_factory=dict)  # when -> files in silver
+    jvm_cpu: dict[str, float] = field(default_factory=dict)  # 1k batches, by thread kind
 
     def of_size(self, changes: int) -> list[Batch]:
         return [b for b in self.batches if b.changes == changes]
@@ -246,18 +251,24 @@ def run_batches(
     warmup: int = 0,
 ) -> None:
     """Merge ``plan``'s batches in order; the first ``warmup`` are not recorded."""
+    pid = jvm_pid(spark)
     for number, changes in enumerate(plan):
         events = bronze_batch(spark, bronze, workload, changes, seed=len(variant.batches) + number)
         events = events.localCheckpoint(eager=True)  # as a micro-batch: computed rows
+        cpu_before = cpu_by_kind(pid)
         started = time.perf_counter()
         with counting_jobs(spark) as jobs:
             steps = variant.merge(spark, events)
         elapsed = time.perf_counter() - started
+        cpu = since(cpu_before, cpu_by_kind(pid))
         time.sleep(0.2)  # let the listener bus record the last job
         merge_ms, compacted = last_commits(spark, variant.silver_path)
-        batch = Batch(changes, elapsed, jobs(), merge_ms, compacted, steps or {})
+        batch = Batch(changes, elapsed, jobs(), merge_ms, compacted, sum(cpu.values()), steps or {})
         if number >= warmup:
             variant.batches.append(batch)
+            if changes == 1_000:
+                for kind, seconds in cpu.items():
+                    variant.jvm_cpu[kind] = variant.jvm_cpu.get(kind, 0.0) + seconds
         print(json.dumps({"variant": variant.name, **batch.__dict__}), flush=True)
 
 
@@ -311,7 +322,7 @@ def report(variants: list[Variant], rows: int) -> None:
     print(f"\nsilver of {rows:,} rows; 1,000-change batches (after the warm-up batches)")
     print(
         f"{'variant':<10}{'p50 s':>8}{'p95 s':>8}{'x base':>8}{'MERGE p50 s':>13}"
-        f"{'other p50 s':>13}{'jobs p50':>10}{'files':>7}"
+        f"{'other p50 s':>13}{'jobs p50':>10}{'files':>7}{'JVM CPU p50 s':>15}"
     )
     base_p50 = statistics.median(b.seconds for b in base.of_size(1_000))
     for variant in variants:
@@ -324,7 +335,11 @@ def report(variants: list[Variant], rows: int) -> None:
             f"{statistics.median(b.merge_ms for b in small) / 1000:>13.2f}"
             f"{statistics.median(other):>13.2f}"
             f"{statistics.median(b.jobs for b in small):>10.0f}{variant.files['after 1k']:>7}"
+            f"{statistics.median(b.jvm_cpu_s for b in small):>15.2f}"
         )
+    print("JVM CPU of those batches by thread:")
+    for variant in variants:
+        print(f"  {variant.name}: {shares(variant.jvm_cpu)}")
     for size in (10_000, 100_000):
         if not base.of_size(size):
             continue
