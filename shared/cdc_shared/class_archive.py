@@ -106,11 +106,14 @@ def build(archive: Path) -> bool:
 def _dump_child(partial: Path) -> None:
     """The child's side of :func:`build`: one driver dumping at exit, one workload."""
     from cdc_shared.config import SparkConfig
-    from cdc_shared.spark import DRIVER_JAVA_OPTIONS, spark_conf
+    from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
 
     conf = spark_conf(SparkConfig(), "cdc-class-archive")
-    # Only errors: the dump warns of every class of a signed jar it skips, as it must.
-    conf[DRIVER_JAVA_OPTIONS] = f"-XX:ArchiveClassesAtExit={partial} -Xlog:cds=error"
+    # The collector the local drivers run with; only errors: the dump warns of every
+    # class of a signed jar it skips, as it must.
+    conf[DRIVER_JAVA_OPTIONS] = (
+        f"{LOCAL_DRIVER_GC} -XX:ArchiveClassesAtExit={partial} -Xlog:cds=error"
+    )
     builder = SparkSession.builder
     for key, value in conf.items():
         builder = builder.config(key, value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,13 @@ log = logging.getLogger(__name__)
 DELTA_EXTENSION = "io.delta.sql.DeltaSparkSessionExtension"
 DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
+
+#: The garbage collector of a local driver (which runs the tasks too). The JVM's default
+#: on two cores, G1, spent a fifth of a merger batch's CPU in its concurrent and
+#: collection threads; the parallel collector does the same work with about a third of
+#: that and no concurrent threads (docs/benchmarks.md, "JVM threads").
+LOCAL_DRIVER_GC = "-XX:+UseParallelGC"
+_NAMES_A_COLLECTOR = re.compile(r"-XX:[+-]Use\w*GC\b")
 
 
 def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
@@ -83,11 +91,7 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         conf["spark.jars.packages"] = ",".join(jvm.SPARK_PACKAGES)
     conf.update({f"spark.hadoop.{k}": v for k, v in config.hadoop_options().items()})
     conf.update(config.conf)
-    archive = jvm.class_archive()
-    if archive.is_file():
-        # First, so that the user's own options (even -Xshare:off) come after and win.
-        options = conf.get(DRIVER_JAVA_OPTIONS, "")
-        conf[DRIVER_JAVA_OPTIONS] = f"-XX:SharedArchiveFile={archive} {options}".strip()
+    conf.update(_driver_java_options(conf.get(DRIVER_JAVA_OPTIONS, ""), local))
     if config.master.startswith("spark://") and "spark.cores.max" not in conf:
         log.warning(
             "%s takes every free core of the standalone cluster %s; set spark.cores.max in "
@@ -96,6 +100,22 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
             config.master,
         )
     return conf
+
+
+def _driver_java_options(options: str, local: bool) -> dict[str, str]:
+    """The driver's JVM options: the class archive, a local driver's collector, the user's.
+
+    The user's ``options`` come last, so that they win; a collector of theirs replaces
+    ours, since the JVM refuses two.
+    """
+    ours = []
+    archive = jvm.class_archive()
+    if archive.is_file():
+        ours.append(f"-XX:SharedArchiveFile={archive}")
+    if local and not _NAMES_A_COLLECTOR.search(options):
+        ours.append(LOCAL_DRIVER_GC)
+    combined = " ".join([*ours, options]).strip()
+    return {DRIVER_JAVA_OPTIONS: combined} if combined else {}
 
 
 def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:

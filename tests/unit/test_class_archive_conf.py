@@ -1,4 +1,5 @@
-"""Drivers start with the class archive of ``make jvm`` when it exists, users' options last."""
+"""The driver's JVM options: the class archive of ``make jvm`` when it exists, a local
+driver's collector, the user's options last."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from pathlib import Path
 import pytest
 from cdc_shared import jvm
 from cdc_shared.config import SparkConfig
-from cdc_shared.spark import DRIVER_JAVA_OPTIONS, spark_conf
+from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
+
+CLUSTER = "spark://127.0.0.1:7077"
 
 
 @pytest.fixture
@@ -16,10 +19,24 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_without_an_archive_the_driver_options_are_left_alone(cache: Path) -> None:
-    assert DRIVER_JAVA_OPTIONS not in spark_conf(SparkConfig(), "t")
-    user = SparkConfig(conf={DRIVER_JAVA_OPTIONS: "-Xss4m"})
-    assert spark_conf(user, "t")[DRIVER_JAVA_OPTIONS] == "-Xss4m"
+def options(conf: dict[str, str] | None = None, master: str = "local[2]") -> str | None:
+    return spark_conf(SparkConfig(master=master, conf=conf or {}), "t").get(DRIVER_JAVA_OPTIONS)
+
+
+def test_without_an_archive_a_local_driver_gets_only_its_collector(cache: Path) -> None:
+    assert options() == LOCAL_DRIVER_GC
+    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}) == f"{LOCAL_DRIVER_GC} -Xss4m"
+
+
+def test_a_cluster_driver_keeps_the_jvm_default_collector(cache: Path) -> None:
+    assert options(master=CLUSTER) is None
+    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}, master=CLUSTER) == "-Xss4m"
+
+
+@pytest.mark.parametrize("collector", ["-XX:+UseG1GC", "-XX:+UseSerialGC", "-XX:+UseZGC"])
+def test_the_users_collector_replaces_ours(cache: Path, collector: str) -> None:
+    # The JVM refuses to start with two collectors.
+    assert options({DRIVER_JAVA_OPTIONS: f"-Xss4m {collector}"}) == f"-Xss4m {collector}"
 
 
 def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
@@ -27,10 +44,8 @@ def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
     assert archive.is_relative_to(cache)
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"archive")
-    assert spark_conf(SparkConfig(), "t")[DRIVER_JAVA_OPTIONS] == (
-        f"-XX:SharedArchiveFile={archive}"
+    assert options() == f"-XX:SharedArchiveFile={archive} {LOCAL_DRIVER_GC}"
+    assert options({DRIVER_JAVA_OPTIONS: "-Xshare:off"}) == (
+        f"-XX:SharedArchiveFile={archive} {LOCAL_DRIVER_GC} -Xshare:off"
     )
-    user = SparkConfig(conf={DRIVER_JAVA_OPTIONS: "-Xshare:off"})
-    assert spark_conf(user, "t")[DRIVER_JAVA_OPTIONS] == (
-        f"-XX:SharedArchiveFile={archive} -Xshare:off"
-    )
+    assert options(master=CLUSTER) == f"-XX:SharedArchiveFile={archive}"
