@@ -22,7 +22,7 @@ DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 
 #: The garbage collector of a local driver (which runs the tasks too). The JVM's default
-#: on two cores, G1, spent a fifth of a merger batch's CPU in its concurrent and
+#: on two cores, G1, spent a sixth of a merger batch's CPU in its concurrent and
 #: collection threads; the parallel collector does the same work with about a third of
 #: that and no concurrent threads (docs/benchmarks.md, "JVM threads").
 LOCAL_DRIVER_GC = "-XX:+UseParallelGC"
@@ -38,7 +38,8 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     become ``spark.hadoop.*`` entries, which executors receive too; Spark's own
     ``spark.redaction.regex`` hides the secret ones in its UI and event logs. The driver
     starts with the class archive of ``make jvm`` when there is one (see
-    :mod:`cdc_shared.class_archive`).
+    :mod:`cdc_shared.class_archive`) and, on a local master, the parallel garbage
+    collector (``LOCAL_DRIVER_GC``).
 
     On a cluster (any master but ``local...``) the driver serves ``spark.jars`` to its
     executors, so workers need no copy of the cache; the executors' size
