@@ -1,9 +1,9 @@
 """CPU seconds of a local Spark driver's JVM, by kind of thread (Linux ``/proc``).
 
-For benchmarks: how much of a batch's CPU is the work itself (task and driver threads)
-and how much the JVM's own upkeep (JIT compilers, garbage collector). Read from the
-JVM's threads in ``/proc/<pid>/task``; threads that ended between two readings are
-not counted.
+For benchmarks: how much of a batch's CPU is the work itself (tasks, and the driver's
+planning and commits) and how much the JVM's own upkeep (JIT compilers, garbage
+collector). Read from the JVM's threads in ``/proc/<pid>/task``; threads that ended
+between two readings are not counted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ _TICK = os.sysconf("SC_CLK_TCK")
 #: Thread name prefixes (as Linux keeps them: the first 15 characters) and their kind.
 KINDS: tuple[tuple[str, str], ...] = (
     ("Executor task", "tasks"),
-    ("Thread-", "driver calls (Py4J)"),
+    # The driver's own work: calls from Python (Py4J's threads) and streaming queries.
+    ("Thread-", "driver"),
+    ("stream executio", "driver"),
     ("C1 CompilerThre", "JIT compiler"),
     ("C2 CompilerThre", "JIT compiler"),
     ("Sweeper thread", "JIT compiler"),
