@@ -14,7 +14,7 @@ Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does
 (the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
 then ``--repeats`` batches of 10,000 and of 100,000 changes (80% updates, 15% inserts,
 5% deletes; updated and deleted keys skewed toward the newest). Per batch it records the
-wall time, the JVM's CPU seconds (by kind of thread: tasks, driver calls, JIT compiler,
+wall time, the JVM's CPU seconds (by kind of thread: tasks, driver, JIT compiler,
 garbage collector; ``jvm_cpu.py``), the Spark jobs the batch ran, the MERGE's own
 ``executionTimeMs`` (Delta's commit metrics) and the files in silver afterwards. Then a
 drift run: ``--drift`` more 1,000-change batches with the lean path into a fresh 1M-row
