@@ -240,13 +240,34 @@ class MergerConfig(StreamingServiceConfig):
     once bronze has received ``tombstone_retention_hours`` of events after it (bronze's
     ingest time, so a lagging merger never expires what its backlog still needs); the
     merger checks every ``tombstone_expiry_interval_s``. ``null`` keeps them forever.
+
+    ``unavailable_value_placeholder`` is the source's marker for a value it did not send
+    (Debezium's ``unavailable.value.placeholder``; ``hex:`` then hex octets, as there): a
+    column carrying it keeps its prior value (``cdc_merger.unavailable``). ``null`` stores
+    every value as sent.
     """
 
     max_files_per_trigger: int | None = Field(default=1000, gt=0)
     max_bytes_per_trigger: str | None = None  # e.g. "512m"; with files, the first limit wins
     tombstone_retention_hours: float | None = Field(default=168.0, gt=0)
     tombstone_expiry_interval_s: float = Field(default=3600.0, gt=0)
+    unavailable_value_placeholder: str | None = Field(
+        default="__debezium_unavailable_value", min_length=1
+    )
     metrics_port: int = Field(default=9102, ge=0, lt=65536)
+
+    @field_validator("unavailable_value_placeholder")
+    @classmethod
+    def _placeholder_readable(cls, value: str | None) -> str | None:
+        if value is not None and value.startswith("hex:"):
+            try:
+                if not bytes.fromhex(value[4:]):
+                    raise ValueError("empty")
+            except ValueError:
+                raise ValueError(
+                    f"{value!r}: after 'hex:' must come hexadecimal octets, e.g. 'hex:5f5f'"
+                ) from None
+        return value
 
 
 class ChangeFeedConfig(StreamingServiceConfig):

@@ -23,10 +23,12 @@ from cdc_merger.apply import (
     ensure_tables,
     expire_tombstones,
 )
+from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig
 from cdc_shared.schemas import entity_schemas
 from pyspark.sql import DataFrame, Row, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS
 
@@ -555,3 +557,136 @@ def test_tables_made_before_get_auto_compaction_at_the_next_start(
     for table in (layout.silver_path, layout.tombstone_path):
         detail = spark.sql(f"DESCRIBE DETAIL delta.`{table}`").first()
         assert detail["properties"].get("delta.autoOptimize.autoCompact") == "true"
+
+
+# --- values the source did not send (Debezium's unavailable-value placeholder) ----------
+
+PLACEHOLDER = DEBEZIUM_PLACEHOLDER
+#: Columns a TOASTed PostgreSQL value can arrive in, with Debezium's rendering of the
+#: placeholder in each (see cdc_merger.unavailable).
+TOASTABLE = T.StructType(
+    [
+        T.StructField("bio", T.StringType()),
+        T.StructField("doc", T.StringType()),  # jsonb: io.debezium.data.Json, a string
+        T.StructField("blob", T.BinaryType()),
+        T.StructField("tags", T.ArrayType(T.StringType())),
+        T.StructField("scores", T.ArrayType(T.IntegerType())),
+        T.StructField("attrs", T.MapType(T.StringType(), T.StringType())),
+    ]
+)
+UNSENT = {
+    "bio": PLACEHOLDER,
+    "doc": PLACEHOLDER,
+    "blob": bytearray(PLACEHOLDER.encode()),
+    "tags": [PLACEHOLDER],
+    "scores": list(PLACEHOLDER.encode()),
+    "attrs": {PLACEHOLDER: PLACEHOLDER},
+}
+
+
+def sent(n: int) -> dict[str, Any]:
+    """Real values of the large columns, different for each ``n``."""
+    return {
+        "bio": f"bio {n} " + "x" * 50,
+        "doc": f'{{"n": {n}}}',
+        "blob": bytearray(f"blob {n}".encode()),
+        "tags": [f"tag{n}", "t"],
+        "scores": [n, n + 1],
+        "attrs": {"n": str(n)},
+    }
+
+
+def _with_large_columns(bronze: T.StructType) -> T.StructType:
+    """Bronze's schema with the large columns added to ``before`` and ``after``."""
+
+    def widened(field: T.StructField) -> T.StructField:
+        if field.name not in ("before", "after"):
+            return field
+        row = field.dataType
+        assert isinstance(row, T.StructType)
+        return T.StructField(field.name, T.StructType(row.fields + TOASTABLE.fields), True)
+
+    return T.StructType([widened(f) for f in bronze.fields])
+
+
+@pytest.fixture
+def documents(spark: SparkSession, tmp_path: Path) -> Silver:
+    plain = Silver(spark, tmp_path / "probe", CUSTOMERS)
+    wide = _with_large_columns(plain.bronze_schema)
+    silver = Silver(spark, tmp_path / "docs", CUSTOMERS, silver_bronze_schema=wide)
+    silver.bronze_schema = wide
+    return silver
+
+
+def large_columns(silver: Silver) -> dict[int, dict[str, Any]]:
+    def plain(value: Any) -> Any:
+        return bytearray(value) if isinstance(value, bytes | bytearray) else value
+
+    return {
+        r.id: {f.name: plain(r[f.name]) for f in TOASTABLE.fields} | {"name": r.first_name}
+        for r in silver.rows().collect()
+    }
+
+
+def test_unavailable_values_keep_the_value_silver_or_the_batch_holds(documents: Silver) -> None:
+    """Debezium's placeholder never reaches silver (nor its change feed): the prior value
+    stays, from an earlier event of the batch, else from silver; with none, null."""
+    first = documents.apply(
+        *[documents.event("c", {"id": n}, [n], customer(f"c{n}") | sent(n)) for n in (1, 2, 3)]
+    )
+    assert first.unavailable == {}
+    second = documents.apply(
+        # an update that leaves every large column alone: silver's values stay
+        documents.event("u", {"id": 1}, [10], customer("c1-renamed") | UNSENT),
+        # a real new value, and a real null, are stored as sent
+        documents.event("u", {"id": 2}, [11], customer("c2") | sent(22)),
+        documents.event("u", {"id": 3}, [12], customer("c3") | sent(3) | {"bio": None}),
+        # insert and update of one key in one batch: the insert's values stay
+        documents.event("c", {"id": 4}, [13], customer("c4") | sent(4)),
+        documents.event("u", {"id": 4}, [14], customer("c4-renamed") | UNSENT),
+        # nothing anywhere holds key 5's values: null, and counted
+        documents.event("u", {"id": 5}, [15], customer("c5") | UNSENT),
+        # an older update than silver's row changes nothing
+        documents.event("u", {"id": 2}, [5], customer("stale") | UNSENT),
+    )
+    rows = large_columns(documents)
+    assert rows[1] == sent(1) | {"name": "c1-renamed"}
+    assert rows[2] == sent(22) | {"name": "c2"}
+    assert rows[3] == sent(3) | {"bio": None, "name": "c3"}
+    assert rows[4] == sent(4) | {"name": "c4-renamed"}
+    assert rows[5] == dict.fromkeys(UNSENT, None) | {"name": "c5"}
+    assert second.unavailable == dict.fromkeys(UNSENT, 1)
+
+    # The change feed (what both publishers read) never shows the placeholder.
+    feed = (
+        documents.spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", 0)
+        .load(documents.layout.silver_path)
+    )
+    assert feed.where(F.col("bio") == PLACEHOLDER).count() == 0
+    post = {r.id: r.bio for r in feed.where("_change_type = 'update_postimage'").collect()}
+    assert post[1] == sent(1)["bio"]
+
+    # Replayed, the batch changes nothing, and key 5 is no longer unheld.
+    changes = documents.changes()
+    again = documents.apply(
+        documents.event("u", {"id": 1}, [10], customer("c1-renamed") | UNSENT),
+        documents.event("u", {"id": 5}, [15], customer("c5") | UNSENT),
+    )
+    assert large_columns(documents) == rows
+    assert documents.changes() == changes
+    assert again.unavailable == {}
+
+
+def test_unavailable_values_stored_as_sent_when_the_placeholder_is_off(
+    documents: Silver,
+) -> None:
+    documents.apply(documents.event("c", {"id": 1}, [1], customer("a") | sent(1)))
+    batch = documents.spark.createDataFrame(
+        [documents.event("u", {"id": 1}, [2], customer("a") | UNSENT)], documents.bronze_schema
+    )
+    apply_batch(
+        documents.spark, batch, documents.layout, documents.quarantine, documents.state, None
+    )
+    assert large_columns(documents)[1]["bio"] == PLACEHOLDER

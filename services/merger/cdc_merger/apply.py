@@ -31,6 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_merger.guards import TombstoneIndex, TruncateFloor, key_values, sequence_literal
+from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 
 log = logging.getLogger("cdc_merger")
 
@@ -46,6 +47,8 @@ SILVER_PROPERTIES = {
     **AUTO_COMPACT,
 }
 TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true", **AUTO_COMPACT}
+#: The placeholder a batch recognises unless told otherwise (Debezium's default).
+DEFAULT_PLACEHOLDER = Placeholder.of(DEBEZIUM_PLACEHOLDER)
 TRUNCATE_SCHEMA = T.StructType(
     [
         T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
@@ -164,17 +167,39 @@ def rejection(events: DataFrame, key: list[str], silver: T.StructType) -> tuple[
     return kind, message
 
 
-def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> DataFrame:
+def latest_per_key(
+    events: DataFrame,
+    key: list[str],
+    silver: T.StructType,
+    placeholder: Placeholder | None = None,
+) -> DataFrame:
     """The newest upsert or delete per key (by sequence), as flat silver-shaped rows.
 
     Values are cast to silver's column types (the events were checked castable); rows keep
-    ``_cdc_op`` so a delete can be told from an upsert.
+    ``_cdc_op`` so a delete can be told from an upsert. With a ``placeholder``, a column
+    whose newest value is the source's unavailable-value placeholder takes the newest real
+    value an earlier event of the key in this batch carries; where none does, the value
+    is null and the column is named in ``_cdc_unavailable`` (silver's value is then kept
+    by the MERGE, see :func:`silver_merge`).
     """
-    row_fields = [f.name for f in events.schema["after"].dataType.fields]  # type: ignore[attr-defined]
+    after = events.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    row_fields = [f.name for f in after.fields]
+    spotted = unavailable_columns(after, key, placeholder)
 
     def value(name: str) -> Column:
         column = F.col(f"after.{name}")
         return column.try_cast(silver[name].dataType) if name in silver.fieldNames() else column
+
+    # Per spotted column: the event's sequence where it carries a real value, else null.
+    seen = {name: f"_cdc_seen_{i}" for i, name in enumerate(spotted)}
+    real: list[Column] = []
+    if placeholder is not None:
+        for name in spotted:
+            is_placeholder = placeholder.matches(F.col(f"after.{name}"), after[name].dataType)
+            assert is_placeholder is not None
+            carries = (F.col("op") != DELETE) & ~F.coalesce(is_placeholder, F.lit(False))
+            real.append(F.when(carries, F.col("sequence")).alias(seen[name]))
 
     applicable = ~F.col("is_tombstone") & F.col("op").isin(*UPSERT_OPS, DELETE)
     flat = events.where(applicable).select(
@@ -183,10 +208,51 @@ def latest_per_key(events: DataFrame, key: list[str], silver: T.StructType) -> D
         F.col("sequence").alias(SEQUENCE),
         F.col("op").alias(OP),
         F.timestamp_millis(F.col("source.ts_ms")).alias(SOURCE_TS),
+        *real,
     )
     others = [c for c in flat.columns if c not in key]
     newest = F.max_by(F.struct(*others), F.col(SEQUENCE)).alias("newest")
-    return flat.groupBy(*key).agg(newest).select(*key, "newest.*")
+    carried = [
+        agg
+        for name in spotted
+        for agg in (
+            F.max_by(F.col(f"`{name}`"), F.col(seen[name])).alias(f"{seen[name]}_value"),
+            F.max(F.col(seen[name])).alias(f"{seen[name]}_max"),
+        )
+    ]
+    grouped = flat.groupBy(*key).agg(newest, *carried)
+    if not spotted:
+        return grouped.select(*key, "newest.*")
+
+    def missing(name: str) -> Column:
+        return F.col(f"newest.{seen[name]}").isNull() & (F.col(f"newest.{OP}") != DELETE)
+
+    def resolved(name: str) -> Column:
+        return F.when(missing(name), F.col(f"{seen[name]}_value")).otherwise(
+            F.col(f"newest.`{name}`")
+        )
+
+    still_missing = [
+        F.when(missing(name) & F.col(f"{seen[name]}_max").isNull(), F.lit(name)) for name in spotted
+    ]
+    return grouped.select(
+        *key,
+        *[
+            resolved(c).alias(c) if c in seen else F.col(f"newest.`{c}`").alias(c)
+            for c in others
+            if c not in seen.values()
+        ],
+        F.filter(F.array(*still_missing), lambda name: name.isNotNull()).alias(UNAVAILABLE),
+    )
+
+
+def unavailable_columns(
+    after: T.StructType, key: list[str], placeholder: Placeholder | None
+) -> list[str]:
+    """The row's non-key columns whose type can carry the placeholder (none when off)."""
+    if placeholder is None:
+        return []
+    return [f.name for f in after.fields if f.name not in key and placeholder.spots(f.dataType)]
 
 
 @dataclass(frozen=True)
@@ -203,6 +269,9 @@ class ApplyResult:
     truncated: bool
     ingested_until: dt.datetime | None
     step_ms: dict[str, int] = dataclass_field(default_factory=dict)
+    #: Per column: values the source did not send that no earlier event nor silver held
+    #: (stored null).
+    unavailable: dict[str, int] = dataclass_field(default_factory=dict)
 
 
 class MergeState:
@@ -256,12 +325,15 @@ def apply_batch(
     layout: SilverLayout,
     quarantine: Callable[[DataFrame], None],
     state: MergeState | None = None,
+    placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
 ) -> ApplyResult:
     """Apply one batch of bronze events to silver; idempotent.
 
     Events that cannot be applied are handed to ``quarantine`` (bronze rows plus
     ``_cdc_error_kind`` and ``_cdc_error_message``) and the rest is applied. A long-lived
     caller passes the same ``state`` every batch; without it the side tables are read.
+    A column carrying ``placeholder`` (the source's unavailable value) keeps its prior
+    value (``cdc_merger.unavailable``); None stores every value as sent.
 
     Spark jobs: one computes the newest event per key and the batch's counts (observed
     metrics, no extra pass); a second brings the offered keys and sequences to the driver
@@ -279,7 +351,10 @@ def apply_batch(
     valid = (
         checked.observe(batch, *_batch_metrics()).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     )
-    latest = latest_per_key(valid, key, silver)
+    latest = latest_per_key(valid, key, silver, placeholder)
+    after = events.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    kept = unavailable_columns(after, key, placeholder)
     floor = state.truncates.get()
     if floor is not None:
         latest = latest.where(F.col(SEQUENCE) > sequence_literal(floor))
@@ -305,8 +380,13 @@ def apply_batch(
         candidates = _without_keys(spark, candidates, key, stale)
         offered = offered.without(stale, key)
     lap("guard")
+    unavailable: dict[str, int] = {}
+    if offered.unavailable:
+        unavailable = _unavailable_without_prior(spark, candidates, layout)
+        lap("unavailable")
     if offered.keys:
-        _write_silver(spark, candidates, layout, with_tombstones=offered.deletes.num_rows > 0)
+        kept = [c for c in kept if c in silver.fieldNames()]
+        _write_silver(spark, candidates, layout, kept, with_tombstones=offered.deletes.num_rows > 0)
         state.tombstones.record(offered.deletes, offered.upserts)
         lap("merge")
     return ApplyResult(
@@ -317,6 +397,7 @@ def apply_batch(
         truncated=truncate is not None,
         ingested_until=summary["ingested_until"],
         step_ms=lap.laps,
+        unavailable=unavailable,
     )
 
 
@@ -340,13 +421,25 @@ class Offered:
 
     upserts: pa.Table
     deletes: pa.Table
+    #: Upserts with a value neither the batch nor the event carries (silver may hold it).
+    unavailable: int = 0
 
     @classmethod
     def of(cls, candidates: DataFrame, key: list[str]) -> Offered:
         """Collect the candidates' keys, sequences and ops (one small Spark job)."""
-        table = candidates.select(*[F.col(f"`{k}`") for k in key], SEQUENCE, OP).toArrow()
+        pending = UNAVAILABLE in candidates.columns
+        table = candidates.select(
+            *[F.col(f"`{k}`") for k in key],
+            SEQUENCE,
+            OP,
+            *([(F.size(UNAVAILABLE) > 0).alias(UNAVAILABLE)] if pending else []),
+        ).toArrow()
+        unavailable = 0
+        if pending:
+            unavailable = int(pc.sum(table.column(UNAVAILABLE).cast(pa.int64())).as_py() or 0)
+            table = table.drop_columns([UNAVAILABLE])
         is_delete = pc.equal(table.column(OP), DELETE)
-        return cls(table.filter(pc.invert(is_delete)), table.filter(is_delete))
+        return cls(table.filter(pc.invert(is_delete)), table.filter(is_delete), unavailable)
 
     @classmethod
     def none(cls) -> Offered:
@@ -363,7 +456,9 @@ class Offered:
         """The same without the given upserts' keys."""
         drop = set(stale)
         keep = [k not in drop for k in key_values(self.upserts, key)]
-        return Offered(self.upserts.filter(pa.array(keep, pa.bool_())), self.deletes)
+        return Offered(
+            self.upserts.filter(pa.array(keep, pa.bool_())), self.deletes, self.unavailable
+        )
 
 
 def _without_keys(
@@ -395,8 +490,32 @@ def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) ->
     log.info("truncate at sequence %s applied to %s", sequence, layout.silver_path)
 
 
+def _unavailable_without_prior(
+    spark: SparkSession, candidates: DataFrame, layout: SilverLayout
+) -> dict[str, int]:
+    """Per column, the candidates' unavailable values whose key silver does not hold.
+
+    Silver keeps its value for the others; these become null (one job, reading silver's
+    key columns).
+    """
+    pending = candidates.where(F.size(UNAVAILABLE) > 0)
+    held = DeltaTable.forPath(spark, layout.silver_path).toDF().select(*layout.key)
+    counted = (
+        pending.join(held, on=layout.key, how="left_anti")
+        .select(F.explode(UNAVAILABLE).alias("column"))
+        .groupBy("column")
+        .count()
+        .collect()
+    )
+    return {row["column"]: int(row["count"]) for row in counted}
+
+
 def _write_silver(
-    spark: SparkSession, candidates: DataFrame, layout: SilverLayout, with_tombstones: bool
+    spark: SparkSession,
+    candidates: DataFrame,
+    layout: SilverLayout,
+    kept: list[str],
+    with_tombstones: bool,
 ) -> None:
     """The MERGE, and the deletes' tombstones appended beside it (both must commit).
 
@@ -404,32 +523,48 @@ def _write_silver(
     never filtered by tombstones) and appends their tombstones again (the newest counts).
     """
     if not with_tombstones:
-        _merge_silver(spark, candidates, layout)
+        _merge_silver(spark, candidates, layout, kept)
         return
     appended = BackgroundCall(lambda: _record_tombstones(spark, candidates, layout))
     try:
-        _merge_silver(spark, candidates, layout)
+        _merge_silver(spark, candidates, layout, kept)
     finally:
         appended.wait()
 
 
 @on_conflict_retry
-def _merge_silver(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
+def _merge_silver(
+    spark: SparkSession, candidates: DataFrame, layout: SilverLayout, kept: list[str]
+) -> None:
     silver = DeltaTable.forPath(spark, layout.silver_path)
-    silver_merge(silver, candidates, layout.key).execute()
+    silver_merge(silver, candidates, layout.key, kept).execute()
 
 
-def silver_merge(silver: DeltaTable, candidates: DataFrame, key: list[str]) -> DeltaMergeBuilder:
-    """Silver's MERGE: update or delete only when newer, insert what is absent."""
-    columns = [c for c in candidates.columns if c != OP] + [OP]
-    values: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
+def silver_merge(
+    silver: DeltaTable, candidates: DataFrame, key: list[str], kept: list[str] | None = None
+) -> DeltaMergeBuilder:
+    """Silver's MERGE: update or delete only when newer, insert what is absent.
+
+    An update keeps silver's value of each column in ``kept`` (columns silver has) that
+    the row names in ``_cdc_unavailable``: the source did not send it.
+    """
+    columns = [c for c in candidates.columns if c not in (OP, UNAVAILABLE)] + [OP]
+    inserted: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
+    updated: dict[str, str | Column] = {
+        **inserted,
+        **{
+            f"`{c}`": f"CASE WHEN array_contains(s.{UNAVAILABLE}, '{c}') THEN t.`{c}` "
+            f"ELSE s.`{c}` END"
+            for c in (kept or [])
+        },
+    }
     newer = f"s.{SEQUENCE} > t.{SEQUENCE}"
     return (
         silver.alias("t")
         .merge(candidates.alias("s"), _on(key, "t", "s"))
         .whenMatchedDelete(condition=f"s.{OP} = '{DELETE}' AND {newer}")
-        .whenMatchedUpdate(condition=f"s.{OP} != '{DELETE}' AND {newer}", set=values)
-        .whenNotMatchedInsert(condition=f"s.{OP} != '{DELETE}'", values=values)
+        .whenMatchedUpdate(condition=f"s.{OP} != '{DELETE}' AND {newer}", set=updated)
+        .whenNotMatchedInsert(condition=f"s.{OP} != '{DELETE}'", values=inserted)
         .withSchemaEvolution()
     )
 

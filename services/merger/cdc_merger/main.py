@@ -45,6 +45,7 @@ from cdc_merger.apply import (
     expire_tombstones,
     lost_local_checkpoint,
 )
+from cdc_merger.unavailable import Placeholder
 
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
@@ -94,6 +95,7 @@ class EntityMerge(EntityStreamBase):
         self.state = MergeState(self.spark, self.layout)
         self.quarantine_path = self.config.layout.quarantine(SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
+        self.placeholder = Placeholder.of(self.config.merger.unavailable_value_placeholder)
 
     def prepare(self, wait_s: float) -> None:
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
@@ -141,7 +143,15 @@ class EntityMerge(EntityStreamBase):
             fields={"entity": self.entity.name, "batch_id": batch_id},
         )
         with counting_jobs(self.spark) as spark_jobs:
-            result = applying(apply_batch, self.spark, batch, self.layout, quarantine, self.state)
+            result = applying(
+                apply_batch,
+                self.spark,
+                batch,
+                self.layout,
+                quarantine,
+                self.state,
+                self.placeholder,
+            )
             expired = self.expire_tombstones(result.ingested_until)
         counts = {
             # Spark does not count rows a MERGE reads: counted here for the batch log.
@@ -153,6 +163,9 @@ class EntityMerge(EntityStreamBase):
         }
         if expired is not None:
             counts["tombstones_expired"] = expired
+        if result.unavailable:
+            counts["unavailable_values"] = sum(result.unavailable.values())
+            self.warn_unavailable(batch_id, result.unavailable)
         self.report(
             batch_id,
             BatchStats(
@@ -164,6 +177,21 @@ class EntityMerge(EntityStreamBase):
                 },
             ),
         )
+
+    def warn_unavailable(self, batch_id: int, columns: dict[str, int]) -> None:
+        """One warning per column: values the source did not send and nothing held."""
+        for column, count in sorted(columns.items()):
+            log.warning(
+                "values the source did not send (its unavailable-value placeholder) and no "
+                "earlier event nor silver held: stored null; REPLICA IDENTITY FULL on the "
+                "source table makes PostgreSQL send them",
+                extra={
+                    "entity": self.entity.name,
+                    "column": column,
+                    "unavailable_values": count,
+                    "batch_id": batch_id,
+                },
+            )
 
     def expire_tombstones(self, ingested_until: dt.datetime | None) -> int | None:
         """Expire tombstones older than the retention, counted in bronze's ingest time.
