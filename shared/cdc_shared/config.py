@@ -185,11 +185,19 @@ class KafkaConfig(_Section):
 
 
 class SchemaRegistryConfig(_Section):
-    """Schemas: a Confluent-compatible registry when ``url`` is set, else .avsc files."""
+    """Schemas: a Confluent-compatible registry when ``url`` is set, else .avsc files.
+
+    A registry request that fails for want of the registry (5xx, 401/403, a timeout after
+    ``request_timeout_s``, no connection) is retried with backoff for about
+    ``retry_budget_s``, then the service stops naming the registry: records are never
+    quarantined because the registry could not answer.
+    """
 
     url: str | None = None
     dirs: list[Path] = Field(default_factory=lambda: [Path("schemas")])
     options: dict[str, str] = Field(default_factory=dict, repr=False)
+    retry_budget_s: float = Field(default=180.0, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("options")
     @classmethod

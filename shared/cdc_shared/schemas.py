@@ -104,6 +104,7 @@ def make_registry(config: PipelineConfig) -> SchemaRegistry:
 
     Files are every ``.avsc`` under ``schema_registry.dirs``, the entities' pinned files,
     and (for a local storage root) the derived schemas under ``<storage_root>/_schemas``.
+    An HTTP registry retries its faults for ``schema_registry.retry_budget_s``.
     """
     pinned = [
         path
@@ -114,9 +115,14 @@ def make_registry(config: PipelineConfig) -> SchemaRegistry:
     storage = config.storage_root
     write_dir = None if "://" in storage else Path(config.layout.change_schemas())
     files = FileSchemaRegistry(config.schema_registry.dirs, pinned, write_dir=write_dir)
-    if config.schema_registry.url:
+    settings = config.schema_registry
+    if settings.url:
         return ConfluentSchemaRegistry(
-            config.schema_registry.url, config.schema_registry.options, files=files
+            settings.url,
+            settings.options,
+            files=files,
+            retry_budget_s=settings.retry_budget_s,
+            request_timeout_s=settings.request_timeout_s,
         )
     return files
 

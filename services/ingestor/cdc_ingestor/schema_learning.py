@@ -86,7 +86,10 @@ class SchemaTracker:
         """Ask the registry about headers the plan does not know, and add what it knows.
 
         The reader becomes the subject's newest schema (unless pinned), so a compatible new
-        column reaches bronze (the bronze write merges the schema).
+        column reaches bronze (the bronze write merges the schema). A header the registry
+        says it does not know is left out (its records go to quarantine as unknown_schema);
+        a registry that cannot answer (``SchemaRegistryUnavailableError``, after its
+        retries) fails the batch, so no valid record is quarantined for want of its schema.
         """
         headers = {("value", h) for h in values - self.plan.value_writers.keys()} | {
             ("key", h) for h in keys - self.plan.key_writers.keys()

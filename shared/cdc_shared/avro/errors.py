@@ -1,4 +1,9 @@
-"""Typed failures of Avro encoding and decoding; each says what failed and where to look."""
+"""Typed failures of Avro encoding and decoding; each says what failed and where to look.
+
+The serde errors (:class:`AvroSerdeError`) are faults of a record: it goes to quarantine.
+:class:`SchemaRegistryUnavailableError` is a fault of the registry: no record is to blame,
+so it is never quarantined; the caller stops instead.
+"""
 
 from __future__ import annotations
 
@@ -49,3 +54,15 @@ class SchemaTypeError(AvroSerdeError):
     """A value does not match the schema it is encoded with (wrong type, missing field)."""
 
     kind = "wrong_type"
+
+
+class SchemaRegistryUnavailableError(RuntimeError):
+    """The schema registry did not answer a question a record depends on.
+
+    Down, overloaded, refusing the credentials, out of reach, or answering something a
+    registry does not: the request was retried with backoff for the configured budget
+    (``schema_registry.retry_budget_s``) where retrying can help, then this is raised. Not
+    an :class:`AvroSerdeError` on purpose: the records waiting for the answer are valid, so
+    the stream fails (and resumes from its checkpoint when restarted) instead of
+    quarantining them. The message names the registry (no credentials) and the status.
+    """

@@ -3,32 +3,54 @@
 Both registries answer the same questions: which schema does this framing header name,
 which is the newest schema of a subject (``<topic>-key`` / ``<topic>-value``, the
 TopicNameStrategy), and register a schema derived at run time. Parsed schemas are cached.
+
+An HTTP registry tells two failures apart: "no such schema" (404 with a registry error
+code) is the record's fault (``UnknownSchemaError``: quarantine), anything else is the
+registry's (retried, then ``SchemaRegistryUnavailableError``: the caller stops).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import fastavro
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient, SchemaRegistryError
+
+# The HTTP library the registry client uses (httpx2, else httpx): its TransportError is
+# how the client reports a request that got no answer (refused, reset, timed out).
+from confluent_kafka.schema_registry.common._httpx_compat import httpx
 from fastavro.schema import fingerprint as _fingerprint
 from fastavro.schema import to_parsing_canonical_form
 
-from cdc_shared.avro.errors import UnknownSchemaError
+from cdc_shared.avro.errors import SchemaRegistryUnavailableError, UnknownSchemaError
 from cdc_shared.avro.framing import (
     Framing,
     Header,
     confluent_header,
     single_object_header,
 )
+from cdc_shared.retry import retrying
 
 _VERSIONED_FILE = re.compile(r"^(?P<subject>.+?)(?:\.v(?P<version>\d+))?\.avsc$")
+#: Backoff between retries of a registry request (cdc_shared.retry's policy).
+_INITIAL_BACKOFF_S = 0.5
+_MAX_BACKOFF_S = 15.0
+#: Answers worth asking again: the registry is down or overloaded, or refuses credentials
+#: that may be fixed (rotated, a token re-issued) while we wait.
+_RETRIED_STATUSES = frozenset({401, 403, 408, 429})
+
+log = logging.getLogger("cdc_shared.avro")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -225,11 +247,46 @@ class FileSchemaRegistry(SchemaRegistry):
         return known
 
 
+def _without_credentials(url: str) -> str:
+    """``url`` (one or several, comma-separated) without any ``user:password@``."""
+    shown = []
+    for one in url.split(","):
+        parts = urlsplit(one.strip())
+        host = parts.netloc.rpartition("@")[2]
+        shown.append(urlunsplit(parts._replace(netloc=host)))
+    return ",".join(shown)
+
+
+def _is_unknown(error: SchemaRegistryError) -> bool:
+    """The registry's own "not found" (404 with a 404xx error code), not a proxy's 404."""
+    return error.http_status_code == 404 and error.error_code // 100 == 404
+
+
+def _is_registry_fault(error: BaseException) -> bool:
+    """Whether asking again may help: no answer, or a 5xx, 401/403, 408 or 429 answer."""
+    if isinstance(error, httpx.TransportError):
+        return True
+    if isinstance(error, SchemaRegistryError):
+        return error.http_status_code >= 500 or error.http_status_code in _RETRIED_STATUSES
+    return False
+
+
+def _problem(error: BaseException) -> str:
+    """What the registry did, for a message: the status and its text, or the lost request."""
+    if isinstance(error, SchemaRegistryError):
+        return f"answered HTTP {error.http_status_code} ({error.error_message})"
+    return f"did not answer ({type(error).__name__}: {error})"
+
+
 class ConfluentSchemaRegistry(SchemaRegistry):
     """A Confluent-compatible HTTP registry (``confluent_kafka.schema_registry``).
 
     Single-object messages (fingerprints) still resolve through ``files``, so topics
-    written by both kinds of producer can be read.
+    written by both kinds of producer can be read. A request the registry fails to answer
+    is retried with backoff (``cdc_shared.retry``; the client's own retries are off, so
+    there is one policy) for about ``retry_budget_s``, each try warned in the log, then
+    raises :class:`SchemaRegistryUnavailableError`; each request gives up waiting for an
+    answer after ``request_timeout_s``. The defaults are ``SchemaRegistryConfig``'s.
     """
 
     framing = Framing.CONFLUENT
@@ -239,11 +296,18 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         url: str,
         options: Mapping[str, str] | None = None,
         files: FileSchemaRegistry | None = None,
+        *,
+        retry_budget_s: float = 180.0,
+        request_timeout_s: float = 30.0,
     ) -> None:
         # new_client: an HTTP client, or the library's in-memory one for "mock://" URLs.
-        self._client = SchemaRegistryClient.new_client({"url": url, **(options or {})})
+        self._client = SchemaRegistryClient.new_client(
+            {"url": url, "timeout": request_timeout_s, **(options or {}), "max.retries": 0}
+        )
         self._files = files or FileSchemaRegistry()
         self._by_id: dict[int, KnownSchema] = {}
+        self.url = _without_credentials(url)
+        self.retry_budget_s = retry_budget_s
 
     @property
     def files(self) -> FileSchemaRegistry:
@@ -254,52 +318,117 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         """Look again for schema files (single-object framing resolves through them)."""
         self._files.refresh()
 
+    def _ask(self, what: str, request: Callable[[], _T]) -> _T:
+        """``request``'s answer, asking again while the registry fails and the budget lasts.
+
+        A registry error that asking again cannot mend (e.g. 404, 409) is raised as it is,
+        for the caller to read; a fault still there when the budget is spent is raised as
+        :class:`SchemaRegistryUnavailableError` naming the registry, ``what`` was asked,
+        and the registry's last answer.
+        """
+        deadline = time.monotonic() + self.retry_budget_s
+        policy = retrying(
+            lambda error: _is_registry_fault(error) and time.monotonic() < deadline,
+            initial_s=_INITIAL_BACKOFF_S,
+            max_s=_MAX_BACKOFF_S,
+            attempts=None,
+            log=log,
+            describe=lambda error, attempt: (
+                f"the schema registry {_problem(error)} when asked for {what}; retrying"
+            ),
+            fields={"registry": self.url},
+        )
+        attempts = 0
+
+        def counted() -> _T:
+            nonlocal attempts
+            attempts += 1
+            return request()
+
+        try:
+            return policy(counted)
+        except Exception as error:
+            if not _is_registry_fault(error):
+                raise
+            raise SchemaRegistryUnavailableError(
+                f"the schema registry at {self.url} {_problem(error)} when asked for {what}, "
+                f"{attempts} time(s) over {self.retry_budget_s:g} s "
+                "(schema_registry.retry_budget_s). No record was quarantined for it: the "
+                "stream stops, and resumes from its checkpoint once restarted. Check that "
+                "the registry is up and reachable from here, and for HTTP 401/403 the "
+                "credentials in schema_registry.options"
+            ) from None
+
+    def _unexpected(self, error: SchemaRegistryError, what: str) -> SchemaRegistryUnavailableError:
+        """A registry answer that is neither the schema nor "not found" (e.g. HTTP 400)."""
+        return SchemaRegistryUnavailableError(
+            f"the schema registry at {self.url} {_problem(error)} when asked for {what}: an "
+            "answer no retry mends. Check that schema_registry.url is the registry's "
+            "Confluent-compatible API; no record was quarantined for it"
+        )
+
     def resolve(self, header: Header) -> KnownSchema:
-        """The schema with the header's id (asked once, then cached)."""
+        """The schema with the header's id (asked once, then cached).
+
+        UnknownSchemaError only when the registry says it has no such id; a registry that
+        cannot answer raises SchemaRegistryUnavailableError (after retries).
+        """
         if header.framing is Framing.SINGLE_OBJECT:
             return self._files.resolve(header)
         assert header.schema_id is not None
-        known = self._by_id.get(header.schema_id)
+        schema_id = header.schema_id
+        known = self._by_id.get(schema_id)
         if known is None:
+            what = header.describe()
             try:
-                schema = self._client.get_schema(header.schema_id)
+                schema = self._ask(what, lambda: self._client.get_schema(schema_id))
             except SchemaRegistryError as exc:
-                raise UnknownSchemaError(
-                    f"the schema registry does not know {header.describe()}: {exc.error_message}"
-                ) from None
-            known = parse_schema(_text(schema, header.describe()), schema_id=header.schema_id)
-            self._by_id[header.schema_id] = known
+                if _is_unknown(exc):
+                    raise UnknownSchemaError(
+                        f"the schema registry at {self.url} does not know {what}: "
+                        f"{exc.error_message}"
+                    ) from None
+                raise self._unexpected(exc, what) from None
+            known = parse_schema(_text(schema, what), schema_id=schema_id)
+            self._by_id[schema_id] = known
         return known
 
     def versions(self, subject: str) -> list[KnownSchema]:
-        """Versions of ``subject`` from the registry, oldest first."""
+        """Versions of ``subject`` from the registry, oldest first (empty if it has none)."""
+        what = f"the versions of subject {subject!r}"
         try:
-            numbers = self._client.get_versions(subject)
-        except SchemaRegistryError as exc:
-            if exc.http_status_code == 404:
-                return []
-            raise
-        versions = []
-        for number in sorted(numbers):
-            registered = self._client.get_version(subject, number)
-            versions.append(
-                parse_schema(
-                    _text(registered.schema, subject),
-                    subject=subject,
-                    version=registered.version,
-                    schema_id=registered.schema_id,
+            numbers = self._ask(what, lambda: self._client.get_versions(subject))
+            versions = []
+            for number in sorted(numbers):
+                registered = self._ask(
+                    f"version {number} of subject {subject!r}",
+                    functools.partial(self._client.get_version, subject, number),
                 )
-            )
+                versions.append(
+                    parse_schema(
+                        _text(registered.schema, subject),
+                        subject=subject,
+                        version=registered.version,
+                        schema_id=registered.schema_id,
+                    )
+                )
+        except SchemaRegistryError as exc:
+            if _is_unknown(exc):
+                return []
+            raise self._unexpected(exc, what) from None
         return versions
 
     def latest(self, subject: str) -> KnownSchema:
         """The newest version of ``subject``, in one request."""
+        what = f"the latest version of subject {subject!r}"
         try:
-            registered = self._client.get_latest_version(subject)
+            registered = self._ask(what, lambda: self._client.get_latest_version(subject))
         except SchemaRegistryError as exc:
-            raise UnknownSchemaError(
-                f"no schema is registered under subject {subject!r}: {exc.error_message}"
-            ) from None
+            if _is_unknown(exc):
+                raise UnknownSchemaError(
+                    f"no schema is registered under subject {subject!r}: {exc.error_message}"
+                ) from None
+            raise self._unexpected(exc, what) from None
         return parse_schema(
             _text(registered.schema, subject),
             subject=subject,
@@ -308,9 +437,16 @@ class ConfluentSchemaRegistry(SchemaRegistry):
         )
 
     def register(self, subject: str, definition: Mapping[str, Any]) -> KnownSchema:
-        """Register under ``subject`` (the registry dedupes identical schemas)."""
+        """Register under ``subject`` (the registry dedupes identical schemas).
+
+        The registry's refusal (e.g. 409, an incompatible schema) is raised as its
+        ``SchemaRegistryError``; a registry that cannot answer is retried.
+        """
         text = json.dumps(definition)
-        schema_id = self._client.register_schema(subject, Schema(text, "AVRO"))
+        schema_id = self._ask(
+            f"registering a schema under subject {subject!r}",
+            lambda: self._client.register_schema(subject, Schema(text, "AVRO")),
+        )
         known = parse_schema(text, subject=subject, schema_id=schema_id)
         self._by_id.setdefault(schema_id, known)
         return known
