@@ -15,17 +15,24 @@ keyed by the record's original (service, topic, partition, offset):
    only keys absent from the ledger; a concurrent run's MERGE conflicts and fails), with
    the topic's end offsets at that moment;
 3. it produces the records (idempotent producer), each with a header
-   ``cdc.replay.of = <topic>/<partition>/<offset>``, and then marks them ``done`` with the
-   coordinates they landed at;
+   ``cdc.replay.of = <topic>/<partition>/<offset>`` naming where its change was first
+   read, and then marks them ``done`` with the coordinates they landed at;
 4. a later run that finds ``pending`` rows (a run that crashed between 2 and 3) reads the
    topic from the recorded end offsets and looks for those headers: what it finds is
    marked ``done``, what it does not was never produced and is selected again.
+
+A replayed record keeps the sequence of its change: the ingestor takes the sequence's
+Kafka coordinates (the default ``sequence_by``) from the header
+(``cdc_ingestor.replay_origin``), and sequence paths into the envelope come from the
+payload, which replay keeps. So a replayed old change never overwrites a newer change of
+its key.
 
 Pending rows younger than a lease (10 minutes) belong to a run that may still be going;
 replay refuses to touch them unless told the run crashed (``recover=True``).
 
 A replayed record that fails again is quarantined anew at its new coordinates; it is a
-new record and a later replay may select it.
+new record and a later replay may select it. Its header then still names where the
+change was first read: the ledger leads from the new coordinates back to the first.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cdc_ingestor.replay_origin import REPLAY_HEADER, Origin, origin_header, parse_origin
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import ConfigError, PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
@@ -54,7 +62,6 @@ from pyspark.sql import types as T
 from cdc_cli.checkpoints import is_delta_table
 
 REPLAYABLE = ("ingestor",)
-REPLAY_HEADER = "cdc.replay.of"
 RUN_HEADER = "cdc.replay.run"
 DEFAULT_LEASE = dt.timedelta(minutes=10)
 PENDING, DONE = "pending", "done"
@@ -291,9 +298,10 @@ def _record(row: Any) -> QuarantinedRecord:
 @dataclass(frozen=True)
 class _Candidate:
     partition: int
-    offset: int
+    offset: int  # where it was quarantined: its key in the ledger
     key: bytes | None
     value: bytes | None
+    first_offset: int  # where its change was first read (same partition): the header's
 
 
 class Replay:
@@ -359,10 +367,12 @@ class Replay:
                 p = int(partition)
                 scan_from[p] = min(scan_from.get(p, offset), offset)
         landed = self._scan_for_replays(scan_from)
+        coordinates = {(int(r["kafka_partition"]), int(r["kafka_offset"])) for r in pending}
+        first = self.first_read(coordinates)
         found = [
-            (r["kafka_partition"], r["kafka_offset"], *landed[key])
-            for r in pending
-            if (key := (int(r["kafka_partition"]), int(r["kafka_offset"]))) in landed
+            (partition, offset, *landed[origin])
+            for partition, offset in sorted(coordinates)
+            if (origin := (partition, first[(partition, offset)])) in landed
         ]
         if found:
             self._mark_done(found, pending_only=True)
@@ -377,9 +387,12 @@ class Replay:
     def _scan_for_replays(
         self, scan_from: dict[int, int]
     ) -> dict[tuple[int, int], tuple[int, int]]:
-        """Replayed records in the topic after ``scan_from``: origin -> landing coordinates."""
+        """Replays in the topic after ``scan_from``: first read -> landing coordinates.
+
+        Keyed by the header's (partition, offset); headers of another topic or not of the
+        header's form are not this topic's replays and are passed over.
+        """
         consumer = make_consumer(self.config.kafka, group_id=f"cdc-replay-scan-{self.run_id}")
-        prefix = f"{self.topic}/"
         found: dict[tuple[int, int], tuple[int, int]] = {}
         try:
             ends = {
@@ -398,10 +411,9 @@ class Replay:
                 for message in consumer.consume(1000, timeout=0.5):
                     if message.error() is not None:
                         raise QuarantineError(f"reading {self.topic}: {message.error()}")
-                    origin = _header(message, REPLAY_HEADER)
-                    if origin is not None and origin.startswith(prefix):
-                        partition, offset = origin[len(prefix) :].split("/")
-                        found[(int(partition), int(offset))] = (
+                    origin = parse_origin(_header(message, REPLAY_HEADER))
+                    if origin is not None and origin.topic == self.topic:
+                        found[(origin.partition, origin.offset)] = (
                             int(message.partition() or 0),
                             int(message.offset() or 0),
                         )
@@ -413,6 +425,40 @@ class Replay:
         finally:
             consumer.close()
         return found
+
+    def first_read(self, coordinates: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """Quarantined records' (partition, offset) -> the offset their change was first read at.
+
+        A record that is itself a replay landed where a ``done`` ledger row says; that
+        row's key is the record it replayed, and so on back to the first (a replay lands
+        after what it replays, so this ends). The partition is the same all along.
+        """
+        done = (
+            self._mine(DeltaTable.forPath(self.spark, self.ledger_path).toDF())
+            .where((F.col("state") == DONE) & F.col("replayed_offset").isNotNull())
+            .select("kafka_partition", "kafka_offset", "replayed_partition", "replayed_offset")
+        )
+        schema = T.StructType(
+            [
+                T.StructField("replayed_partition", T.IntegerType(), False),
+                T.StructField("replayed_offset", T.LongType(), False),
+            ]
+        )
+        first = {c: c[1] for c in coordinates}
+        frontier = {c: c for c in coordinates}  # landing coordinates -> the record asked about
+        while frontier:
+            landings = frame_from_rows(self.spark, list(frontier), schema)
+            rows = done.join(
+                F.broadcast(landings), on=["replayed_partition", "replayed_offset"]
+            ).collect()
+            following: dict[tuple[int, int], tuple[int, int]] = {}
+            for r in rows:
+                asked = frontier[(int(r["replayed_partition"]), int(r["replayed_offset"]))]
+                replayed = (int(r["kafka_partition"]), int(r["kafka_offset"]))
+                first[asked] = replayed[1]
+                following[replayed] = asked
+            frontier = following
+        return first
 
     # step 2 ------------------------------------------------------------------------
     def select(self) -> tuple[int, int, list[_Candidate]]:
@@ -428,14 +474,17 @@ class Replay:
         selected = keyed.count()
         fresh = keyed.join(ledger.select(*_COORDINATES), on=list(_COORDINATES), how="left_anti")
         rows = fresh.orderBy("kafka_partition", "kafka_offset").collect()
+        coordinates = [(int(r["kafka_partition"]), int(r["kafka_offset"])) for r in rows]
+        first = self.first_read(set(coordinates)) if coordinates else {}
         candidates = [
             _Candidate(
-                int(r["kafka_partition"]),
-                int(r["kafka_offset"]),
+                partition,
+                offset,
                 None if r["raw_key"] is None else bytes(r["raw_key"]),
                 None if r["raw_value"] is None else bytes(r["raw_value"]),
+                first[(partition, offset)],
             )
-            for r in rows
+            for (partition, offset), r in zip(coordinates, rows, strict=True)
         ]
         return selected, selected - len(candidates), candidates
 
@@ -505,8 +554,9 @@ class Replay:
             )
 
         for c in candidates:
+            origin = Origin(self.topic, c.partition, c.first_offset)
             headers: list[tuple[str, str | bytes | None]] = [
-                (REPLAY_HEADER, f"{self.topic}/{c.partition}/{c.offset}".encode()),
+                (REPLAY_HEADER, origin_header(origin)),
                 (RUN_HEADER, self.run_id.encode()),
             ]
             while True:

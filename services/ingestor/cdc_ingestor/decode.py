@@ -31,6 +31,7 @@ from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
 from cdc_ingestor.decode_json import JSON_ERROR_KINDS, JsonPart, UnsupportedJsonSchemaError
+from cdc_ingestor.replay_origin import BAD_REPLAY_HEADER, HEADERS_TYPE, replay_origin
 
 KAFKA_SCHEMA = T.StructType(
     [
@@ -43,7 +44,9 @@ KAFKA_SCHEMA = T.StructType(
         T.StructField("timestampType", T.IntegerType()),
     ]
 )
-KAFKA_SEQUENCE_COLUMNS = {"kafka.partition": "kafka_partition", "kafka.offset": "kafka_offset"}
+#: ``sequence_by`` paths that are Kafka coordinates -> the column of where the change was
+#: first read (a replayed record's original coordinates; see ``replay_origin``).
+KAFKA_SEQUENCE_COLUMNS = {"kafka.partition": "_first_partition", "kafka.offset": "_first_offset"}
 BRONZE_PROPERTIES = {
     "delta.appendOnly": "true",
     # Statistics only for the Kafka coordinates: readers stream bronze, they do not skip.
@@ -332,6 +335,7 @@ ERROR_KINDS = (
     "corrupt",
     "null_key",
     *JSON_ERROR_KINDS,
+    BAD_REPLAY_HEADER,
 )
 
 
@@ -418,8 +422,12 @@ def decode(
     """Kafka records -> coordinates, raw bytes, decoded key and envelope, sequence, error.
 
     Each part (value, key) is decoded in its own format (Avro or JSON) into the types of
-    its reader schema, so bronze looks the same whatever the topic carries.
+    its reader schema, so bronze looks the same whatever the topic carries. The Kafka
+    coordinates in the sequence are where the change was first read: a replayed record's
+    come from its ``cdc.replay.of`` header (``replay_origin``). ``raw`` without a
+    ``headers`` column (``includeHeaders`` off) holds no replays.
     """
+    headers = F.col("headers") if "headers" in raw.columns else F.lit(None).cast(HEADERS_TYPE)
     step = raw.select(
         F.col("topic").alias("kafka_topic"),
         F.col("partition").alias("kafka_partition"),
@@ -427,7 +435,12 @@ def decode(
         F.col("timestamp").alias("kafka_timestamp"),
         F.col("key").alias("raw_key"),
         F.col("value").alias("raw_value"),
+        headers.alias("_headers"),
     )
+    origin = replay_origin(
+        F.col("_headers"), F.col("kafka_topic"), F.col("kafka_partition"), F.col("kafka_offset")
+    )
+    step = step.withColumns({"_first_partition": origin.partition, "_first_offset": origin.offset})
     step, value_checks, _ = _decode_part(spark, step, plan, "value")
     step, key_checks, key_type = _decode_part(spark, step, plan, "key")
     value, key = F.col("raw_value"), F.col("raw_key")
@@ -454,6 +467,8 @@ def decode(
                 F.lit(f"key field {field.name} is null"),
             )
         )
+    # Last: a replayed record that still fails is quarantined for that, to be replayed again.
+    checks += origin.checks
     kind: Column | None = None
     message: Column | None = None
     for condition, name, text in checks:

@@ -83,7 +83,10 @@ class EntityIngestion(EntityStreamBase):
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
 
     def source(self) -> DataFrame:
-        """The entity's source topic through Spark's Kafka source (failOnDataLoss on)."""
+        """The entity's source topic through Spark's Kafka source (failOnDataLoss on).
+
+        With the records' headers: a replayed record's ``cdc.replay.of`` gives its sequence.
+        """
         settings = self.config.ingestor
         reader = (
             self.spark.readStream.format("kafka")
@@ -91,7 +94,7 @@ class EntityIngestion(EntityStreamBase):
             .option("subscribe", self.entity.source_topic)
             .option("startingOffsets", settings.starting_offsets)
             .option("failOnDataLoss", "true")
-            .option("includeHeaders", "false")
+            .option("includeHeaders", "true")
         )
         if settings.max_offsets_per_trigger:
             reader = reader.option("maxOffsetsPerTrigger", settings.max_offsets_per_trigger)
