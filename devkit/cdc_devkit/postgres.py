@@ -2,7 +2,9 @@
 
 The demo (``cdc demo --source postgres``) and the Debezium end-to-end test run the same
 tables through Debezium: ``customers`` (one-column key; a numeric, a date, timestamps with
-and without a time zone; a column added midway by ``ALTER TABLE``) and ``orders`` (a
+and without a time zone; a large ``notes`` text, stored out of line (TOASTed) under the
+default REPLICA IDENTITY, so every update that leaves it alone arrives with Debezium's
+unavailable-value placeholder; a column added midway by ``ALTER TABLE``) and ``orders`` (a
 two-column key; truncated midway). :class:`SqlWorkload` writes, from a seed, the SQL a
 busy application would run: a snapshot's worth of rows before capture starts, then
 inserts, updates, deletes, a primary-key change, re-inserts of deleted keys, the new
@@ -82,9 +84,28 @@ CUSTOMERS = Table(
         Column("birth_date", "date", "date"),
         Column("created_at", "timestamp(3)", "timestamp", nullable=False),
         Column("updated_at", "timestamptz(3)", "timestamptz"),
+        Column("notes", "text", "text"),
     ),
     added=(Column("tier", "text", "text"),),
 )
+#: Random hex of ``n`` times 32 characters, computed by the server: large (out of line once
+#: over ~2 KB compressed) yet a short statement. Created by the workload's schema step.
+FILLER_FUNCTION = (
+    "CREATE FUNCTION cdc_filler(n integer) RETURNS text LANGUAGE sql VOLATILE AS "
+    "$$ SELECT string_agg(md5(random()::text), '') FROM generate_series(1, n) $$;"
+)
+#: 400 x 32 = 12,800 random hex characters: PostgreSQL compresses them to ~6.4 KB, still
+#: above its TOAST threshold, so the value is stored out of line.
+LARGE_NOTES = 400
+
+
+@dataclass(frozen=True)
+class SqlExpression:
+    """A value the server computes (written into the statement as it is)."""
+
+    sql: str
+
+
 ORDERS = Table(
     "orders",
     ("order_id", "line_no"),
@@ -239,6 +260,8 @@ def literal(column: Column, value: Any) -> str:
     """``value`` as a SQL literal of ``column``'s type."""
     if value is None:
         return "NULL"
+    if isinstance(value, SqlExpression):
+        return value.sql
     if column.kind in ("int", "long", "decimal"):
         return str(value)
     if column.kind == "bool":
@@ -279,8 +302,9 @@ class SqlWorkload:
     run: inserts, updates of every column, deletes, re-inserts of deleted keys; at fixed
     points ``TRUNCATE orders`` (``customers`` without ``orders``; new rows follow), a
     primary-key change, and ``ALTER TABLE customers ADD COLUMN tier`` (later writes fill
-    it). The tables' end state is whatever the database holds: compare outputs with
-    :meth:`Database.rows`, not with this model.
+    it). The large ``notes`` are random text made by the server, so the tables' end state
+    is whatever the database holds: compare outputs with :meth:`Database.rows`, not with
+    this model.
     """
 
     seed: int = 7
@@ -302,9 +326,12 @@ class SqlWorkload:
         self._rng = random.Random(self.seed)
 
     def schema(self) -> list[Step]:
-        """The tables (and the marker table), empty."""
+        """The tables (and the marker table), empty, and the large values' function."""
         tables = (*self.tables, MARKER)
-        return [Step("schema", f"create {t.name}", t.create_sql() + ";") for t in tables]
+        return [
+            Step("schema", "create cdc_filler (large random text)", FILLER_FUNCTION),
+            *[Step("schema", f"create {t.name}", t.create_sql() + ";") for t in tables],
+        ]
 
     @property
     def _with_orders(self) -> bool:
@@ -376,8 +403,18 @@ class SqlWorkload:
             else dt.date(1950, 1, 1) + dt.timedelta(days=rng.randrange(0, 20_000)),
             "created_at": self._timestamp().replace(tzinfo=None),
             "updated_at": None if rng.random() < 0.2 else self._timestamp(),
+            "notes": self._notes(),
             **({"tier": rng.choice(("gold", "silver", None))} if self._altered else {}),
         }
+
+    def _notes(self) -> str | SqlExpression | None:
+        """Mostly large (TOASTed), sometimes short (stored inline) or null."""
+        roll = self._rng.random()
+        if roll < 0.1:
+            return None
+        if roll < 0.25:
+            return f"short note {self._rng.randrange(1000)}"
+        return SqlExpression(f"cdc_filler({LARGE_NOTES})")
 
     def _new_customer(self) -> dict[str, Any]:
         customer_id = self._next_customer

@@ -5,10 +5,12 @@ the registry (Apicurio's converter, Confluent framing), JsonConverter without sc
 (decimals as strings) and with schemas (decimals as doubles). A SQL workload runs on the
 table (a snapshot's rows, inserts, updates, deletes, re-inserts, ``TRUNCATE``, a
 primary-key change, ``ALTER TABLE ... ADD COLUMN``; a numeric, a date, timestamps with
-and without a zone); the four services then run once, as one Spark application, on one
-pipeline whose entities cover all three connectors. Silver, the change topics and the
-indexes must each equal the database's table exactly, for every format; the check itself
-is shown to catch a missing row and a wrong value.
+and without a zone; a large text stored out of line under the default REPLICA IDENTITY, so
+updates that leave it alone carry Debezium's unavailable-value placeholder, and inserts and
+updates of one key land in one batch); the four services then run once, as one Spark
+application, on one pipeline whose entities cover all three connectors. Silver, the
+change topics and the indexes must each equal the database's table exactly, for every
+format; the check itself is shown to catch a missing row and a wrong value.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from cdc_devkit.checks import compare, silver_rows
 from cdc_devkit.debezium import Capture, ConnectClient, start_captures, stop_captures, wait_captured
 from cdc_devkit.postgres import CUSTOMERS, Database, SqlWorkload
 from cdc_devkit.postgres_pipeline import outputs_against_database, write_postgres_pipeline
+from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.config import SERVICE_NAMES, load_config
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from support.servers import TEST_INFRA
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -80,6 +84,10 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
             assert set(ops) == {"r", "c", "u", "d", "t"}, f"{entity.name}: ops {dict(ops)}"
             assert ops["t"] == 1, entity.name
             assert bronze.where("is_tombstone").count() == ops["d"], entity.name
+            # Debezium sent its placeholder for the unchanged large values: the outputs
+            # below must hold the real ones.
+            unsent = bronze.where(F.col("after.notes") == DEBEZIUM_PLACEHOLDER).count()
+            assert unsent >= 10, f"{entity.name}: {unsent} placeholders"
         quarantine = config.layout.quarantine("ingestor")
         if has_commits(spark, quarantine):
             refused = spark.read.format("delta").load(quarantine)
@@ -95,6 +103,7 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
         customers = database.rows(CUSTOMERS)
         assert len(customers) >= 10
         assert any(row["tier"] is not None for row in customers.values())
+        assert sum(len(row["notes"] or "") > 10_000 for row in customers.values()) >= 5
         assert len({(k,) for k in range(1, workload.customers + 1)} - set(customers)) >= 20
 
         # The comparison can fail: a row missing, or one value off, is reported.
