@@ -336,6 +336,9 @@ class PublisherEsConfig(ChangeFeedConfig):
     max_retries: int = Field(default=8, ge=0)  # per chunk, on 429 and 5xx
     initial_backoff_s: float = Field(default=0.5, gt=0)
     max_backoff_s: float = Field(default=30.0, gt=0)
+    # The index behind the alias is gone although the checkpoint records published
+    # batches: rebuild it from silver's current state, or stop (exit 1) and say how.
+    on_missing_index: Literal["rebuild", "stop"] = "rebuild"
 
 
 #: The streaming services, in pipeline order, as ``cdc run --service`` and the logs name them.

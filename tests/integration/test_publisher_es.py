@@ -9,12 +9,17 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from cdc_devkit.workload import GeneratedMessage, produce
+from cdc_merger.main import start as start_merger
 from cdc_publisher_es.bulk import BulkWriter, Scrubber
 from cdc_publisher_es.documents import Action
+from cdc_publisher_es.index_lifecycle import IndexLostError
 from cdc_publisher_es.main import start as start_publisher
 from cdc_publisher_es.mapping import ensure_index, index_mappings
 from cdc_shared.clients import make_elasticsearch
@@ -24,16 +29,21 @@ from cdc_shared.config import (
     PipelineConfig,
     PublisherEsConfig,
 )
+from cdc_shared.streaming import StreamFailedError
+from elasticsearch import NotFoundError
 from pyspark.sql import SparkSession
 from support.entities import CUSTOMERS
 from support.es import (
     assert_index_equals_oracle,
+    assert_index_equals_silver,
     build_silver,
     expected_id,
+    index_differences,
     index_documents,
     normalize_source,
     oracle_of,
 )
+from support.ingestion import generate, ingest_once
 from support.pipelines import PipelineFactory
 from support.silver import without_auto_compaction
 
@@ -92,6 +102,23 @@ def test_index_equals_oracle_after_ingestor_and_merger(
 
     publish_once(pipeline.config, spark)  # nothing new: the index is untouched
     assert assert_index_equals_oracle(pipeline, kafka_config) == first
+
+    # The indexes deleted between two runs, while the checkpoints resume past every change.
+    config = pipeline.config
+    aliases = [entity.es_index_name for entity in config.entities]
+    es.indices.delete(index=[f"{alias}-000001" for alias in aliases])
+    # on_missing_index: stop refuses, saying how to rebuild, and creates no empty index.
+    with pytest.raises(IndexLostError, match="on_missing_index: rebuild"):
+        publish_once(with_publisher(config, on_missing_index="stop"), spark)
+    assert not any(es.indices.exists_alias(name=alias) for alias in aliases)
+    # By default the next run rebuilds each index from silver, then resumes.
+    publish_once(config, spark)
+    for entity in config.entities:
+        assert_index_equals_silver(spark, config, entity.name)
+    rebuilt = assert_index_equals_oracle(pipeline, kafka_config)
+    assert rebuilt["customers"] == first["customers"]  # 2 * lsn: the versions of the feed
+    for mapping in es.indices.get_mapping(index=aliases).body.values():
+        assert "cdc_rebuild_pending" not in mapping["mappings"]["_meta"]
 
 
 def forget_batches(checkpoint: Path, first_forgotten: int) -> int:
@@ -195,6 +222,97 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     publish_once(config, spark)
     again = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     assert again.count() == count
+
+
+def wait_for_index_equal_to_silver(
+    spark: SparkSession, config: PipelineConfig, entity: str, timeout_s: float = 240
+) -> None:
+    """Wait until the running publisher made the index of ``entity`` equal silver."""
+    deadline = time.monotonic() + timeout_s
+    problems = ["not compared yet"]
+    while time.monotonic() < deadline:
+        try:
+            problems, _documents = index_differences(spark, config, entity)
+        except NotFoundError as exc:  # the index is gone (and not restored yet)
+            problems = [str(exc)]
+        if not problems:
+            return
+        time.sleep(1)
+    raise AssertionError(f"index of {entity} still differs from silver: {problems}")
+
+
+class RunningPublisher:
+    """``cdc-publisher-es`` (continuous) run in a thread of the test process."""
+
+    def __init__(self, config: PipelineConfig, spark: SparkSession) -> None:
+        self.runner = start_publisher(config, spark=spark)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.runner.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self, timeout_s: float = 120) -> BaseException | None:
+        """Stop it (if it has not stopped by itself); how it ended."""
+        self.runner.request_stop()
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the publisher did not stop"
+        return self.error
+
+
+def test_index_lost_under_a_running_publisher_is_rebuilt_or_stops(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
+) -> None:
+    pipeline = make_pipeline(
+        entities=("customers",),
+        **SMALL_BATCHES,
+        publisher_es={"trigger_interval": "500 milliseconds", "metrics_port": 0},
+    )
+    config = pipeline.config
+    messages = generate(
+        pipeline, events=1200, keys=150, delete_share=0.2, redelivery_share=0.05, poison_share=0
+    )
+    third = len(messages) // 3
+
+    def to_silver(part: list[GeneratedMessage]) -> None:
+        produce(kafka_config, iter(part))
+        ingest_once(pipeline, spark)
+        start_merger(config, once=True, spark=spark).run()
+
+    to_silver(messages[:third])
+    es = make_elasticsearch(config.elasticsearch)
+    index = f"{config.entity('customers').es_index_name}-000001"
+
+    # 1. Deleted under a running publisher, then more changes: it rebuilds and goes on.
+    publisher = RunningPublisher(config, spark)
+    wait_for_index_equal_to_silver(spark, config, "customers")
+    es.indices.delete(index=index)
+    to_silver(messages[third : 2 * third])
+    wait_for_index_equal_to_silver(spark, config, "customers")
+    assert publisher.stop() is None
+    mapping = es.indices.get_mapping(index=index).body[index]["mappings"]
+    assert mapping["dynamic"] == "strict"  # created by the publisher, not auto-created
+
+    # 2. With on_missing_index: stop, the stream stops at its next batch, saying how to rebuild.
+    publisher = RunningPublisher(with_publisher(config, on_missing_index="stop"), spark)
+    time.sleep(2)  # started: the alias was there
+    es.indices.delete(index=index)
+    to_silver(messages[2 * third :])
+    publisher.thread.join(180)
+    error = publisher.stop()
+    assert isinstance(error, StreamFailedError), error
+    assert str(error).startswith("publisher_es stream for entity 'customers' stopped: "), error
+    assert "on_missing_index: rebuild" in str(error) and "Traceback" not in str(error)
+    assert not es.indices.exists(index=index)
+
+    # 3. The next (default) run rebuilds it: silver, and the independent oracle, again.
+    publish_once(config, spark)
+    assert_index_equals_silver(spark, config, "customers")
+    assert_index_equals_oracle(pipeline, kafka_config)
 
 
 # --- the bulk writer alone, against the real Elasticsearch --------------------------------

@@ -11,10 +11,11 @@ from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import KafkaConfig
+from cdc_shared.config import KafkaConfig, PipelineConfig
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import scan
 from pyspark.sql import SparkSession
+from pyspark.sql import types as T
 
 from support.ingestion import generate, ingest_once
 from support.pipelines import Pipeline
@@ -120,3 +121,59 @@ def assert_index_equals_oracle(
         }
         assert not extra_fields, f"fields the oracle does not know: {extra_fields}"
     return read
+
+
+def silver_rows(spark: SparkSession, config: PipelineConfig, entity: str) -> dict[str, Any]:
+    """Silver's current rows of ``entity`` read through Spark: document id -> row (the
+    entity's columns, ``_cdc_*`` metadata left out), timestamps as aware UTC datetimes."""
+    spec = config.entity(entity)
+    frame = spark.read.format("delta").load(config.layout.silver(entity))
+    fields = [f for f in frame.schema.fields if not f.name.startswith("_cdc_")]
+    instants = {f.name for f in fields if isinstance(f.dataType, T.TimestampType)}
+    rows: dict[str, Any] = {}
+    for row in frame.select(*[f"`{f.name}`" for f in fields]).collect():
+        values = row.asDict(recursive=True)
+        for name in instants:  # collect() gives the Python process's local wall time
+            if values[name] is not None:
+                values[name] = values[name].astimezone(dt.UTC)
+        rows[expected_id(tuple(values[k] for k in spec.key))] = values
+    return rows
+
+
+def index_differences(
+    spark: SparkSession, config: PipelineConfig, entity: str
+) -> tuple[list[str], dict[str, tuple[int, dict[str, Any]]]]:
+    """How the index of ``entity`` differs from silver (every key, every value; empty when
+    equal), and the documents read."""
+    es = make_elasticsearch(config.elasticsearch)
+    expected = silver_rows(spark, config, entity)
+    assert expected, f"silver/{entity} is empty: the comparison proves nothing"
+    documents = index_documents(es, config.entity(entity).es_index_name)
+    problems: list[str] = []
+    missing, extra = set(expected) - set(documents), set(documents) - set(expected)
+    if missing or extra:
+        problems.append(
+            f"{len(documents)} documents for {len(expected)} silver rows: missing "
+            f"{sorted(missing)[:5]}, extra {sorted(extra)[:5]}"
+        )
+    wrong = [
+        (doc_id, row, documents[doc_id][1])
+        for doc_id, row in expected.items()
+        if doc_id in documents
+        and (
+            normalize_source(row, documents[doc_id][1]) != row
+            or set(documents[doc_id][1]) - set(row)
+        )
+    ]
+    if wrong:
+        problems.append(f"{len(wrong)} documents differ from silver, e.g. {wrong[:2]}")
+    return problems, documents
+
+
+def assert_index_equals_silver(
+    spark: SparkSession, config: PipelineConfig, entity: str
+) -> dict[str, tuple[int, dict[str, Any]]]:
+    """The index of ``entity`` holds exactly silver's rows; returns the documents read."""
+    problems, documents = index_differences(spark, config, entity)
+    assert not problems, f"index of {entity}: {'; '.join(problems)}"
+    return documents

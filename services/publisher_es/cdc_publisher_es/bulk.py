@@ -5,13 +5,19 @@ retries off, errors returned instead of raised) and sorts each answer:
 
 - applied: 2xx; 409 (the index already holds this or a newer version: a replay); a 404
   on delete (nothing to delete; the delete's version is still recorded);
-- retried: 429, 5xx, 408, an alias that vanished, and every failure of a whole request
-  (connection refused, timeout, 401/403, ...), since those say nothing about the
-  document. Retries use exponential backoff (``cdc_shared.retry``) and never give up: after
-  ``max_retries`` rounds the entity is reported unhealthy, and it keeps waiting, so
-  nothing is lost or skipped while Elasticsearch is down;
+- retried: 429, 5xx, 408, and every failure of a whole request (connection refused,
+  timeout, 401/403, ...), since those say nothing about the document. Retries use
+  exponential backoff (``cdc_shared.retry``) and never give up: after ``max_retries``
+  rounds the entity is reported unhealthy, and it keeps waiting, so nothing is lost or
+  skipped while Elasticsearch is down;
 - failed: any other per-document 4xx (mapping or parse errors, an id too long, a
   request too large for a single document): returned to the caller for quarantine.
+
+Writes name the alias with ``require_alias``, so Elasticsearch never auto-creates a plain
+index (dynamic mapping, no settings) in place of a lost one, whatever
+``action.auto_create_index`` says: a lost alias answers ``index_not_found_exception``, and
+the writer raises :class:`AliasMissingError` for its caller to restore the index
+(``cdc_publisher_es.index_lifecycle``) and write again.
 """
 
 from __future__ import annotations
@@ -36,10 +42,19 @@ from cdc_publisher_es.documents import Action, latest_per_document, windows
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = frozenset({408, 429})
-RETRY_ERROR_TYPES = frozenset({"index_not_found_exception"})  # alias deleted: wait for it
+#: How a bulk item says the alias it named (``require_alias``) does not exist.
+ALIAS_MISSING = "index_not_found_exception"
 #: All of a bulk answer that is read: a fraction of the JSON to parse.
 RESPONSE_FIELDS = "items.*.status,items.*.error"
 _USERINFO = re.compile(r"(//)[^/@\s]+@")
+
+
+class AliasMissingError(RuntimeError):
+    """The alias the writer writes through no longer exists (its index was deleted)."""
+
+    def __init__(self, alias: str) -> None:
+        super().__init__(f"the Elasticsearch alias {alias!r} no longer exists")
+        self.alias = alias
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,7 @@ class _Round:
     retry: list[Action] = field(default_factory=list)
     solo: list[Action] = field(default_factory=list)  # a whole request was too large
     problem: str | None = None  # why Elasticsearch as a whole did not answer
+    alias_missing: bool = False  # an item answered that the alias does not exist
 
 
 class BulkWriter:
@@ -127,6 +143,10 @@ class BulkWriter:
 
     def write(self, actions: Iterable[Action]) -> BulkOutcome:
         """Send ``actions`` in windows; return once each is applied or failed for good.
+
+        Raises AliasMissingError, as soon as a window finds the alias gone: the actions
+        written until then went into the lost index, so the caller restores it and
+        writes them all again (external versions make that harmless).
 
         Windows are written one after another, in order, by one sender thread, while the
         calling thread reads the next window from ``actions`` (Spark): reading and
@@ -162,6 +182,8 @@ class BulkWriter:
                 self._round(pending, self.settings.chunk_size, outcome, result)
             if solo:
                 self._round(solo, 1, outcome, result, solo_round=True)
+            if result.alias_missing:
+                raise AliasMissingError(self.index)
             pending, solo = result.retry, result.solo
             if not pending and not solo:
                 break
@@ -261,13 +283,10 @@ class BulkWriter:
                 result.problem = result.problem or self.scrub(
                     f"Elasticsearch refused the bulk request: {self._describe(info, status)}"
                 )
-        elif status in RETRY_STATUS or status >= 500 or kind in RETRY_ERROR_TYPES:
+        elif kind == ALIAS_MISSING:
+            result.alias_missing = True
+        elif status in RETRY_STATUS or status >= 500:
             result.retry.append(action)
-            if kind in RETRY_ERROR_TYPES:
-                result.problem = (
-                    f"the index alias {self.index!r} no longer exists: restore it "
-                    "(publisher-es will not recreate it, the index would be incomplete)"
-                )
         else:
             outcome.failures.append(
                 Failure(action, status, kind or "rejected", self._describe(info, status))

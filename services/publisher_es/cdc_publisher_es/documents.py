@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from cdc_shared.changefeed import MAX_SEQUENCE_FOR_VERSION
+from cdc_shared.changefeed import CHANGE_COLUMNS, MAX_SEQUENCE_FOR_VERSION, row_columns
 from cdc_shared.config import PublisherEsConfig
+from cdc_shared.silver import SEQUENCE
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -160,6 +161,37 @@ def document_frame(
         F.col("commit_version").cast("long").alias("commit_version"),
         F.col("commit_timestamp"),
     )
+
+
+def snapshot_document_frame(
+    silver: DataFrame,
+    key: Sequence[str],
+    settings: PublisherEsConfig,
+    version: int,
+    timestamp: dt.datetime,
+) -> DataFrame:
+    """Silver's rows at ``version`` -> ``DOCUMENT_COLUMNS``, as the stream would index them.
+
+    Each row is an insert with its ``_cdc_seq``, so it gets the id and external version
+    rule of :func:`document_frame`; ``version`` (the snapshot's silver version) stands in
+    for the commit version, which a snapshot does not record per row. That orders right
+    with the feed: every row was last changed at ``version`` or before, so a replayed
+    change of the snapshot is refused (409, same or lower version), and every later
+    change has a greater commit version (or, with a one-column sequence, a greater
+    sequence) and replaces the document.
+    """
+    columns = row_columns(silver.schema)
+    row = F.struct(*[F.col(f"`{c}`") for c in columns])
+    changes = silver.select(
+        F.lit("c").alias("op"),
+        F.struct(*[F.col(f"`{k}`") for k in key]).alias("key"),
+        F.lit(None).alias("before"),
+        row.alias("after"),
+        F.lit(version).cast("long").alias("commit_version"),
+        F.lit(timestamp).cast("timestamp").alias("commit_timestamp"),
+        F.col(SEQUENCE).alias("source_sequence"),
+    )
+    return document_frame(changes.select(*CHANGE_COLUMNS), key, settings)
 
 
 def arrow_actions(table: pa.Table, unaddressable: Callable[[Action], None]) -> Iterator[Action]:

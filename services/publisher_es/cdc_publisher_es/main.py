@@ -18,14 +18,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from cdc_shared.avro import UnknownSchemaError
-from cdc_shared.changefeed import LatestVersion, change_feed, row_columns, shape_changes
+import pyarrow as pa
+from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.config import PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import PUBLISHER_ES
-from cdc_shared.retry import retrying
-from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
@@ -43,25 +41,19 @@ from cdc_shared.tables import (
     idempotent_append,
     wait_for_table,
 )
-from elastic_transport import TransportError
-from elasticsearch import ApiError
 from prometheus_client import Histogram
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from cdc_publisher_es.bulk import BulkWriter, Failure, Scrubber
+from cdc_publisher_es.bulk import AliasMissingError, BulkOutcome, BulkWriter, Failure, Scrubber
 from cdc_publisher_es.documents import Action, arrow_actions, document_frame
-from cdc_publisher_es.mapping import (
-    MappingError,
-    add_properties,
-    ensure_index,
-    entity_properties,
-    index_mappings,
-)
+from cdc_publisher_es.index_lifecycle import IndexLifecycle, recognising_lost_index
 
 SERVICE = PUBLISHER_ES
 #: Silver file bytes per micro-batch when ``max_bytes_per_trigger`` is not set.
 DEFAULT_MAX_BYTES_PER_TRIGGER = "64m"
+#: ``batch_id`` of quarantine rows refused while rebuilding a lost index at start.
+REBUILD_BATCH_ID = -1
 log = logging.getLogger("cdc_publisher_es")
 
 PUBLISH_DELAY = Histogram(
@@ -71,23 +63,6 @@ PUBLISH_DELAY = Histogram(
     ["service", "entity"],
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
 )
-
-
-def _worth_waiting(error: BaseException) -> bool:
-    """Whether an index admin call's error passes with time: no answer, 429 or 5xx."""
-    if isinstance(error, TransportError):
-        return True
-    if isinstance(error, ApiError):
-        status = getattr(error, "status_code", None)
-        return status is None or status >= 500 or status == 429
-    return False
-
-
-def version_source(entity: EntityConfig) -> str:
-    """How the external version is derived for ``entity`` (see ``external_version``)."""
-    if len(entity.sequence_by) == 1:
-        return f"2 * {entity.sequence_by[0]} (+1 for a delete)"
-    return "silver commit version (the sequence has several columns)"
 
 
 class EntityPublisher(EntityStreamBase):
@@ -102,91 +77,33 @@ class EntityPublisher(EntityStreamBase):
         self.scrub = Scrubber(
             s.get_secret_value() for s in (es_config.api_key, es_config.password) if s is not None
         )
-        self.es = make_elasticsearch(es_config)
-        self.mapped: set[str] = set()
+        es = make_elasticsearch(es_config)
+        self.index = IndexLifecycle(
+            self.spark, self.config, self.entity, es, self.set_problem, self.scrub
+        )
         self.latest_version = LatestVersion(self.spark, self.silver_path)
         self.bulk = BulkWriter(
-            self.es, self.alias, self.settings, on_problem=self.set_problem, scrub=self.scrub
+            es, self.alias, self.settings, on_problem=self.set_problem, scrub=self.scrub
         )
 
     # --- start-up ------------------------------------------------------------------
 
     def prepare(self, wait_s: float) -> None:
-        """Wait for silver, create quarantine, and the index behind the alias."""
+        """Wait for silver, create quarantine, and the index behind the alias.
+
+        A lost index is rebuilt from silver (or refused); see ``index_lifecycle``.
+        """
         hint = f"start the merger for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
         schema = self.spark.read.format("delta").load(self.silver_path).schema
-        self._until_available(lambda: self._ensure_index(schema))
-
-    def _row_schema(self) -> dict[str, Any] | None:
-        try:
-            return entity_schemas(self.entity, make_registry(self.config)).row_schema()
-        except UnknownSchemaError as exc:
-            log.warning(
-                "no Avro schema for the mapping; using silver's column types",
-                extra={"entity": self.entity.name, "reason": str(exc)},
+        rebuilt = self.index.prepare(schema)
+        if rebuilt is not None and rebuilt.failures:
+            # Written once per silver version rebuilt from, whatever the checkpoint.
+            rebuild_app = app_id(SERVICE, self.entity.name, f"rebuild-{self.alias}")
+            self._quarantine(
+                rebuilt.failures, REBUILD_BATCH_ID, (rebuild_app, rebuilt.silver_version)
             )
-            return None
-
-    def _properties(self, silver_schema: T.StructType) -> dict[str, Any]:
-        columns = T.StructType([silver_schema[c] for c in row_columns(silver_schema)])
-        return entity_properties(self._row_schema(), columns, self.settings)
-
-    def _ensure_index(self, silver_schema: T.StructType) -> None:
-        properties = self._properties(silver_schema)
-        mappings = index_mappings(self.entity, properties, version_source(self.entity))
-        index = ensure_index(
-            self.es, self.alias, self.settings, mappings, on_conflict=self._mapping_conflict
-        )
-        self.mapped = set(properties)
-        log.info(
-            "index ready",
-            extra={"entity": self.entity.name, "alias": self.alias, "index": index},
-        )
-
-    def _mapping_conflict(self, reason: str) -> None:
-        log.warning(
-            "the index maps a field differently from the schema; documents that do not fit "
-            "it go to quarantine",
-            extra={"entity": self.entity.name, "alias": self.alias, "reason": reason},
-        )
-
-    def _until_available(self, step: Any) -> None:
-        """Run ``step`` (an index admin call), waiting while Elasticsearch is unreachable."""
-        retried = False
-
-        def report(_error: BaseException, problem: str) -> None:
-            nonlocal retried
-            retried = True
-            self.set_problem(problem)
-
-        policy = retrying(
-            _worth_waiting,
-            initial_s=self.settings.initial_backoff_s,
-            max_s=self.settings.max_backoff_s,
-            attempts=None,
-            log=log,
-            describe=lambda exc, _attempt: self.scrub(
-                f"Elasticsearch unavailable ({type(exc).__name__}); retrying"
-            ),
-            on_retry=report,
-            fields={"entity": self.entity.name},
-        )
-        try:
-            policy(step)
-        except ApiError as exc:  # refused for good: _worth_waiting said no
-            hint = ""
-            if "[scaled_float]" in str(exc):
-                hint = (
-                    " (this cluster lacks the mapper-extras module: set "
-                    "publisher_es.decimal_as: string)"
-                )
-            raise MappingError(
-                self.scrub(f"Elasticsearch refused to set up {self.alias!r}: {exc}{hint}")
-            ) from None
-        if retried:
-            self.set_problem(None)
 
     # --- the stream ----------------------------------------------------------------
 
@@ -206,21 +123,45 @@ class EntityPublisher(EntityStreamBase):
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Index the batch; return only when each document is applied or quarantined."""
         started = time.monotonic()
-        columns = row_columns(batch.schema)
-        if set(columns) - self.mapped:  # schema evolution: map new columns before writing
-            self._until_available(lambda: self._add_columns(batch.schema))
-        changes = shape_changes(batch, list(self.entity.key))
-        documents = document_frame(changes, list(self.entity.key), self.settings)
-        unaddressable: list[Failure] = []
-        actions = self._actions(documents, unaddressable)
+        key = list(self.entity.key)
+        documents = document_frame(shape_changes(batch, key), key, self.settings).toArrow()
         with ThreadPoolExecutor(1, thread_name_prefix=f"publish-{self.entity.name}") as pool:
-            writing = pool.submit(self.bulk.write, actions)
+            indexing = pool.submit(self._index, batch.schema, documents)
             # For the lag; a Spark job at most every 10 s, run while the documents are sent.
             latest_version = self.latest_version.get()
-            outcome = writing.result()
-        failures = unaddressable + outcome.failures
+            outcome, failures = indexing.result()
         if failures:
             self._quarantine(failures, batch_id)
+        self._report_batch(batch_id, outcome, len(failures), latest_version, started)
+
+    def _index(
+        self, silver_schema: T.StructType, documents: pa.Table
+    ) -> tuple[BulkOutcome, list[Failure]]:
+        """Write the batch's documents: the outcome, and every document refused for good.
+
+        If the index is lost meanwhile, it is restored (rebuilt from silver) and the whole
+        batch written again: what went into the lost index went with it.
+        """
+        refused_by_rebuild: list[Failure] = []
+        while True:
+            unaddressable: list[Failure] = []
+            try:
+                self.index.cover(silver_schema)  # schema evolution: map new columns first
+                outcome = self.bulk.write(self._actions(documents, unaddressable))
+            except AliasMissingError:
+                rebuilt = self.index.restore()
+                refused_by_rebuild += rebuilt.failures if rebuilt is not None else []
+                continue
+            return outcome, refused_by_rebuild + unaddressable + outcome.failures
+
+    def _report_batch(
+        self,
+        batch_id: int,
+        outcome: BulkOutcome,
+        quarantined: int,
+        latest_version: int,
+        started: float,
+    ) -> None:
         extra: dict[str, Any] = {}
         if outcome.total:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
@@ -235,7 +176,7 @@ class EntityPublisher(EntityStreamBase):
                     "deleted": outcome.deleted,
                     "already_applied": outcome.already_applied,
                     "superseded": outcome.superseded,
-                    "quarantined": len(failures),
+                    "quarantined": quarantined,
                     "retried": outcome.retried,
                 },
                 extra={
@@ -246,23 +187,26 @@ class EntityPublisher(EntityStreamBase):
             ),
         )
 
-    def _add_columns(self, silver_schema: T.StructType) -> None:
-        properties = self._properties(silver_schema)
-        new = {k: v for k, v in properties.items() if k not in self.mapped}
-        add_properties(self.es, self.alias, new, on_conflict=self._mapping_conflict)
-        self.mapped |= set(new)
-        log.info("mapping extended", extra={"entity": self.entity.name, "fields": sorted(new)})
-
     @staticmethod
-    def _actions(documents: DataFrame, unaddressable: list[Failure]) -> Iterator[Action]:
-        """The batch's actions, collected as Arrow (one Spark job, no row pickling)."""
+    def _actions(documents: pa.Table, unaddressable: list[Failure]) -> Iterator[Action]:
+        """The batch's actions, from its documents collected as Arrow.
+
+        One Spark job, no row pickling.
+        """
 
         def no_id(action: Action) -> None:
             unaddressable.append(Failure(action, 0, "null_key", "a primary key column is null"))
 
-        return arrow_actions(documents.toArrow(), no_id)
+        return arrow_actions(documents, no_id)
 
-    def _quarantine(self, failures: list[Failure], batch_id: int) -> None:
+    def _quarantine(
+        self, failures: list[Failure], batch_id: int, txn: tuple[str, int] | None = None
+    ) -> None:
+        """Append the refused documents to quarantine, once per ``txn`` (app id, version).
+
+        By default ``txn`` is the stream's (query id, batch id): a replayed batch writes its
+        rows once.
+        """
         now = dt.datetime.now(dt.UTC)
         rows = [
             (
@@ -284,12 +228,8 @@ class EntityPublisher(EntityStreamBase):
             for f in failures
         ]
         frame = frame_from_rows(self.spark, rows, QUARANTINE_SCHEMA)
-        idempotent_append(
-            frame,
-            self.quarantine_path,
-            app_id(SERVICE, self.entity.name, self.identity.get()),
-            batch_id,
-        )
+        app, version = txn or (app_id(SERVICE, self.entity.name, self.identity.get()), batch_id)
+        idempotent_append(frame, self.quarantine_path, app, version)
         log.warning(
             "documents quarantined",
             extra={
@@ -313,7 +253,7 @@ def start(
         config.publisher_es,
         EntityPublisher,
         lag=None,  # silver versions not yet published: each batch reports it
-        on_failure=rebuilding_on_schema_change("silver"),
+        on_failure=recognising_lost_index(rebuilding_on_schema_change("silver")),
     )
     return start_service(publisher_es, config, entity_names, once, spark)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cdc_shared.config import EntityConfig, PublisherEsConfig
@@ -285,6 +286,24 @@ def first_index_name(alias: str) -> str:
     return f"{alias}-000001"
 
 
+#: ``_meta`` key set on an index created to be rebuilt from silver, removed once the rebuild
+#: is complete: an index still carrying it is partial (a crash interrupted its rebuild).
+REBUILD_PENDING = "cdc_rebuild_pending"
+
+
+@dataclass(frozen=True)
+class EnsuredIndex:
+    """The write index behind the alias, as :func:`ensure_index` found or made it.
+
+    ``rebuild_pending``: it still waits for a rebuild from silver (its ``_meta`` has
+    :data:`REBUILD_PENDING`).
+    """
+
+    index: str
+    created: bool
+    rebuild_pending: bool
+
+
 def ensure_index(
     es: Elasticsearch,
     alias: str,
@@ -292,17 +311,19 @@ def ensure_index(
     mappings: Mapping[str, Any],
     *,
     on_conflict: Callable[[str], None] | None = None,
-) -> str:
+    to_rebuild: bool = False,
+) -> EnsuredIndex:
     """Create ``<alias>-000001`` behind ``alias`` unless the alias exists; the index it names.
 
     When the alias already exists (a restart, or an index an operator swapped in), the
     dynamic settings (refresh interval, gc_deletes, replicas) are set to the configured
     values and fields the mapping lacks are added. A field mapped with another type is
     left alone (Elasticsearch cannot change it); ``on_conflict`` is told the reason, and
-    documents that do not fit it will go to quarantine.
+    documents that do not fit it will go to quarantine. ``to_rebuild``: an index created
+    now is marked as waiting for a rebuild from silver (see :func:`finish_rebuild`).
     """
     if es.indices.exists_alias(name=alias):
-        return _adopt(es, alias, settings, mappings, on_conflict)
+        return _adopt(es, alias, settings, mappings, on_conflict, created=False)
     if es.indices.exists(index=alias):
         raise MappingError(
             f"{alias!r} is a concrete Elasticsearch index, not an alias: publisher-es writes "
@@ -310,24 +331,34 @@ def ensure_index(
             f"with the alias {alias!r}, or configure another es_index"
         )
     index = first_index_name(alias)
+    created = dict(mappings)
+    if to_rebuild:
+        created["_meta"] = {**mappings.get("_meta", {}), REBUILD_PENDING: True}
     try:
         es.indices.create(
             index=index,
             settings=index_settings(settings),
-            mappings=dict(mappings),
+            mappings=created,
             aliases={alias: {"is_write_index": True}},
         )
         log.info("index created", extra={"index": index, "alias": alias})
+        made = True
     except ApiError as exc:
         # Another publisher created it first; the alias check below settles it.
         if exc.error != "resource_already_exists_exception":
             raise
+        made = False
     if not es.indices.exists_alias(name=alias):
         raise MappingError(
             f"index {index!r} exists but the alias {alias!r} does not point at it: add the "
             "alias, or delete the index to let publisher-es create it"
         )
-    return _adopt(es, alias, settings, mappings, on_conflict)
+    return _adopt(es, alias, settings, mappings, on_conflict, created=made)
+
+
+def finish_rebuild(es: Elasticsearch, alias: str, mappings: Mapping[str, Any]) -> None:
+    """Remove the rebuild mark: the index behind ``alias`` holds silver's state in full."""
+    es.indices.put_mapping(index=alias, meta=dict(mappings.get("_meta", {})))
 
 
 def _adopt(
@@ -336,7 +367,9 @@ def _adopt(
     settings: PublisherEsConfig,
     mappings: Mapping[str, Any],
     on_conflict: Callable[[str], None] | None,
-) -> str:
+    *,
+    created: bool,
+) -> EnsuredIndex:
     indexes = list(es.indices.get_alias(name=alias).body)
     dynamic = index_settings(settings)["index"]
     es.indices.put_settings(
@@ -349,7 +382,15 @@ def _adopt(
     )
     add_properties(es, alias, mappings["properties"], on_conflict)
     write_index = _write_index(es, alias, indexes)
-    return write_index
+    meta = _mappings_of(es, write_index).get("_meta", {})
+    return EnsuredIndex(write_index, created, bool(meta.get(REBUILD_PENDING)))
+
+
+def _mappings_of(es: Elasticsearch, index: str) -> dict[str, Any]:
+    body: dict[str, Any] = es.indices.get_mapping(index=index).body
+    for index_body in body.values():
+        return dict(index_body.get("mappings", {}))
+    return {}
 
 
 def _write_index(es: Elasticsearch, alias: str, indexes: list[str]) -> str:
