@@ -1,6 +1,7 @@
 """Avro for the pipeline: schema registries, framings, encoders and batch decoders."""
 
 from cdc_shared.avro.errors import (
+    REGISTRY_UNAVAILABLE,
     AvroSerdeError,
     CorruptPayloadError,
     IncompatibleSchemaError,
@@ -24,6 +25,7 @@ from cdc_shared.avro.registry import (
 from cdc_shared.avro.serde import AvroDecoder, AvroEncoder, DecodedBatch
 
 __all__ = [
+    "REGISTRY_UNAVAILABLE",
     "AvroDecoder",
     "AvroEncoder",
     "AvroSerdeError",
