@@ -8,24 +8,28 @@ leaving the pipeline as the next one expects (noted per test).
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from cdc_cli import quarantine
 from cdc_cli.checkpoints import last_committed_batch
 from cdc_cli.maintenance import stream_needs
 from cdc_cli.status import collect_status
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
 from cdc_merger.apply import SILVER_PROPERTIES
+from cdc_merger.main import start as start_merger
 from cdc_shared.changefeed import change_feed
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig, load_config
 from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from support.ingestion import bronze, generate_across_schema_change, ingest_once
 from support.ops import (
@@ -39,6 +43,7 @@ from support.ops import (
 from support.pipelines import Pipeline
 from support.publishing import publish_once
 from support.silver import merge_once, without_auto_compaction
+from support.waiting import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -246,37 +251,97 @@ def test_verify_agrees_then_reports_a_document_deleted_from_es(
         es.close()
 
 
-def test_maintenance_compacts_vacuums_and_expires_tombstones_when_streams_caught_up(
+def _maintenance_config(world: World, name: str, **merger: object) -> tuple[str, str]:
+    """``--config`` for the world's pipeline with every metrics port off (nothing to probe
+    but what a test sets) and these merger settings."""
+    document = yaml.safe_load(world.pipeline.path.read_text())
+    for section in ("ingestor", "merger", "publisher_kafka", "publisher_es", "application"):
+        document[section] = {**document.get(section, {}), "metrics_port": 0}
+    document["merger"].update(merger)
+    path = world.pipeline.path.with_name(f"maintenance-{name}.yaml")
+    path.write_text(yaml.safe_dump(document))
+    return ("--config", str(path))
+
+
+def _tombstones(spark: SparkSession, world: World) -> DataFrame:
+    return spark.read.format("delta").load(world.pipeline.config.layout.tombstones(ENTITY))
+
+
+def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stopped(
     world: World, spark: SparkSession
 ) -> None:
-    config = world.pipeline.config
-    tombstones = config.layout.tombstones(ENTITY)
-    tombstone_rows = spark.read.format("delta").load(tombstones).count()
+    """VACUUM 0 is refused (Delta's 7-day minimum) unless forced with the services stopped;
+    tombstones then age by the ingest time the merger reached, not the wall clock."""
+    tombstone_rows = _tombstones(spark, world).count()
     assert tombstone_rows > 0
+    no_expiry = ("--ignore-service", "publisher_es", "--no-tombstone-expiry")
 
-    # publisher-es never ran: from version 0 it would need all of silver's history.
-    refused = cdc("maintenance", *world.config_args, "--no-optimize", "--vacuum-hours", "0")
-    assert refused.exit_code == 1
-    assert "publisher_es still needs version 0" in refused.output
+    # Every stream is caught up (publisher-es ignored): only Delta's minimum stands.
+    refused = cdc("maintenance", *world.config_args, "--vacuum-hours", "0", *no_expiry)
+    assert refused.exit_code == 1, refused.output
+    assert "below Delta's minimum" in refused.output
+    for table in (f"bronze/{ENTITY}", f"silver/{ENTITY}"):  # tombstones: not touched
+        assert f"{table}: 168 hours (delta.deletedFileRetentionDuration not set" in refused.output
 
+    port = free_port()
+    live = _maintenance_config(world, "live", metrics_port=port)
+    forced = ("maintenance", "--vacuum-hours", "0", "--force-short-retention")
+    runner = start_merger(load_config(Path(live[1])), spark=spark)  # a merger running
+    try:
+        refused = cdc(*forced, *live, *no_expiry, "--quiet-minutes", "0")
+    finally:
+        runner.stop_now()
+    assert refused.exit_code == 1, refused.output
+    assert f"merger: http://127.0.0.1:{port}/health answers" in refused.output
+
+    # Stopped now, but bronze and silver were written within the last hour.
+    refused = cdc(*forced, *live, *no_expiry, "--quiet-minutes", "60")
+    assert refused.exit_code == 1, refused.output
+    assert f"bronze/{ENTITY}: " in refused.output and "within 60 minutes" in refused.output
+    assert "merger's checkpoint for customers progressed" in refused.output
+    time.sleep(3)  # every service stopped before this: 3 quiet seconds (0.05 minutes)
+    stopped = (*forced, "--quiet-minutes", "0.05")
+
+    # Forced, the streams' needs still hold: publisher-es never ran, it needs version 0.
+    refused = cdc(*stopped, *live, "--no-optimize", "--no-tombstone-expiry")
+    assert refused.exit_code == 1 and "publisher_es still needs version 0" in refused.output
+
+    # Tombstones older by the wall clock than a one-second retention, but the merger has
+    # merged nothing ingested after them: none expires (the wall clock would expire all).
+    hours = 0.0003
+    newest = _tombstones(spark, world).agg(F.max("deleted_at")).first()[0]
+    assert newest.astimezone(dt.UTC) < dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours)
+    short = _maintenance_config(world, "short", metrics_port=port, tombstone_retention_hours=hours)
     report = cdc_json(
-        "maintenance",
-        *world.config_args,
-        "--vacuum-hours",
-        "0",
-        "--tombstone-retention-hours",
-        "0",
+        *stopped,
+        *short,
         "--ignore-service",
         "publisher_es",
+        "--tombstone-retention-hours",
+        str(hours),
     )
     tables = {t["table"]: t for t in report["tables"]}
     assert set(tables) == {f"bronze/{ENTITY}", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
-    assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == tombstone_rows
-    assert spark.read.format("delta").load(tombstones).count() == 0
+    assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == 0
+    assert (
+        "hours of bronze ingest time" in tables[f"silver/_tombstones/{ENTITY}"]["tombstones_note"]
+    )
+    assert _tombstones(spark, world).count() == tombstone_rows
     silver = tables[f"silver/{ENTITY}"]
     assert silver["optimized_files_removed"] > silver["optimized_files_added"] == 1
     # Vacuumed: at least the files compaction replaced (0 hours keeps nothing unreferenced).
     assert silver["vacuumed_files"] >= silver["optimized_files_removed"]
+
+    # merger.tombstone_retention_hours: null keeps them, and no option can shorten that.
+    kept = _maintenance_config(world, "kept", tombstone_retention_hours=None)
+    refused = cdc(
+        "maintenance", *kept, "--no-optimize", "--no-vacuum", "--tombstone-retention-hours", "0"
+    )
+    assert refused.exit_code == 1 and "null: tombstones are kept" in refused.output
+    report = cdc_json("maintenance", *kept, "--no-optimize", "--no-vacuum")
+    result = {t["table"]: t for t in report["tables"]}[f"silver/_tombstones/{ENTITY}"]
+    assert result["tombstones_expired"] == 0 and "null" in result["tombstones_note"]
+    assert _tombstones(spark, world).count() == tombstone_rows
 
     # OPTIMIZE commits add no data: streams skip them, so they are not lag.
     status = _entity_status(world)
@@ -297,7 +362,10 @@ def test_status_shows_the_backlog_and_maintenance_refuses_what_the_merger_needs(
     assert status["merger"] == 1  # the bronze commit of the re-delivered records
     assert status["quarantine"] == len(world.report.poison) + len(world.late_v2)
 
-    args = (*world.config_args, "--no-optimize", "--ignore-service", "publisher_es")
+    # Forced below Delta's minimum with nothing to probe and no quiet period: the
+    # streams' needs alone decide.
+    args = (*_maintenance_config(world, "stopped"), "--no-optimize", "--ignore-service")
+    args = (*args, "publisher_es", "--force-short-retention", "--quiet-minutes", "0")
     refused = cdc("maintenance", *args, "--vacuum-hours", "0", "--no-tombstone-expiry")
     assert refused.exit_code == 1
     # The re-delivered records' commit (bronze's auto compaction may have committed after it).
@@ -307,8 +375,36 @@ def test_status_shows_the_backlog_and_maintenance_refuses_what_the_merger_needs(
     assert f"bronze/{ENTITY}: merger still needs version {needed}" in refused.output
     refused = cdc("maintenance", *args, "--no-vacuum", "--tombstone-retention-hours", "0")
     assert refused.exit_code == 1 and "refusing to expire tombstones" in refused.output
+    assert "shorter than merger.tombstone_retention_hours (168 hours)" in refused.output
     allowed = cdc("maintenance", *args, "--vacuum-hours", "1", "--no-tombstone-expiry")
     assert allowed.exit_code == 0, allowed.output
+
+
+def test_maintenance_expires_tombstones_by_the_ingest_time_the_merger_reached(
+    world: World, spark: SparkSession
+) -> None:
+    """Leaves: the re-delivered records merged, the first pass's tombstones expired."""
+    hours = 0.0003  # about a second
+    args = (*_maintenance_config(world, "expiry", tombstone_retention_hours=hours), "--no-vacuum")
+    args = (*args, "--no-optimize", "--tombstone-retention-hours", str(hours))
+    events = spark.read.format("delta").load(world.pipeline.config.layout.bronze(ENTITY))
+    tip = events.agg(F.max("ingested_at")).first()[0]
+    newest = _tombstones(spark, world).agg(F.max("deleted_at")).first()[0]
+    # Bronze has events ingested after every tombstone plus the retention, unmerged yet.
+    assert tip - dt.timedelta(hours=hours) > newest
+    report = cdc_json("maintenance", *args)
+    expiry = {t["table"]: t for t in report["tables"]}[f"silver/_tombstones/{ENTITY}"]
+    assert expiry["tombstones_expired"] == 0, expiry
+
+    merge_once(world.pipeline, spark)  # 168-hour retention: the merger expires nothing
+    cutoff = tip - dt.timedelta(hours=hours)  # all of bronze is merged now
+    expected = _tombstones(spark, world).where(F.col("deleted_at") < F.lit(cutoff)).count()
+    remaining = _tombstones(spark, world).count() - expected
+    assert expected > 0
+    report = cdc_json("maintenance", *args)
+    expiry = {t["table"]: t for t in report["tables"]}[f"silver/_tombstones/{ENTITY}"]
+    assert expiry["tombstones_expired"] == expected, expiry
+    assert _tombstones(spark, world).count() == remaining
 
 
 def _ingested(spark: SparkSession, world: World) -> int:

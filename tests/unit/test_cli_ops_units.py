@@ -18,16 +18,22 @@ from cdc_cli.checkpoints import (
 )
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
+    RetentionMinimum,
     RetentionTooShortError,
     StreamNeed,
-    check_tombstone_retention,
+    check_vacuum_minimum,
     check_vacuum_retention,
+    health_answer,
+    health_endpoints,
+    interval_hours,
+    tombstone_retention,
 )
 from cdc_cli.quarantine import preview
 from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
 from cdc_devkit.local_run import write_pipeline_config
-from cdc_shared.config import EntityConfig
+from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.observability import HealthServer
 from pyspark.sql import types as T
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -146,11 +152,61 @@ def test_vacuum_retention_must_cover_the_oldest_unread_version_plus_margin() -> 
     check_vacuum_retention([], 0, NOW)  # nothing lags: any retention is safe
 
 
-def test_tombstones_are_kept_while_the_merger_lags_longer_than_their_retention() -> None:
-    check_tombstone_retention([_need(30, "publisher_kafka")], 1, NOW)  # not the merger
-    with pytest.raises(RetentionTooShortError, match="resurrect"):
-        check_tombstone_retention([_need(30)], 24, NOW)
-    check_tombstone_retention([_need(30)], 31, NOW)
+def test_delta_retention_intervals_read_as_hours() -> None:
+    assert interval_hours("interval 7 days") == interval_hours("interval 1 week") == 168
+    assert interval_hours("1 day 12 hours") == 36
+    assert interval_hours("INTERVAL 30 minutes") == 0.5
+    for bad in ("interval 1 month", "7", "interval many days", ""):
+        with pytest.raises(ValueError, match="interval"):
+            interval_hours(bad)
+
+
+def test_vacuum_below_a_tables_delta_minimum_is_refused_naming_it() -> None:
+    minimums = [
+        RetentionMinimum("bronze/customers", 168, "not set: Delta's default"),
+        RetentionMinimum("silver/customers", 2, "= 'interval 2 hours'"),
+    ]
+    check_vacuum_minimum(minimums, 168)
+    with pytest.raises(RetentionTooShortError, match="below Delta's minimum") as error:
+        check_vacuum_minimum(minimums, 24)
+    assert "bronze/customers: 168 hours" in str(error.value)
+    assert "silver/customers" not in str(error.value)  # 24 hours is enough for that one
+    assert "--vacuum-hours 168 or more" in str(error.value)
+
+
+def test_tombstone_retention_comes_from_the_configuration_and_may_only_grow() -> None:
+    assert tombstone_retention(168, None) == 168
+    assert tombstone_retention(None, None) is None  # null: kept forever
+    assert tombstone_retention(168, 200) == 200
+    with pytest.raises(RetentionTooShortError, match=r"shorter than merger\.tombstone_retention"):
+        tombstone_retention(168, 24)
+    with pytest.raises(RetentionTooShortError, match="null: tombstones are kept"):
+        tombstone_retention(None, 1000)
+
+
+def test_every_configured_health_port_is_probed_and_a_service_answering_counts() -> None:
+    config = PipelineConfig.model_validate(
+        {
+            "ingestor": {"metrics_port": 0},
+            "merger": {"metrics_port": 9102, "metrics_host": "10.0.0.7"},
+            "publisher_kafka": {"metrics_port": 0},
+            "publisher_es": {"metrics_port": 9104, "metrics_host": "::1"},
+            "application": {"metrics_port": 9100},
+        }
+    )
+    assert health_endpoints(config) == [
+        ("merger", "http://10.0.0.7:9102/health"),
+        ("publisher-es", "http://[::1]:9104/health"),
+        ("cdc run", "http://127.0.0.1:9100/health"),  # bound to every address: probed here
+    ]
+    server = HealthServer("127.0.0.1", 0, lambda: {"status": "failed"}).start()
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        assert health_answer(f"{url}/health") == "answers 503"  # failing, but running
+        assert health_answer(f"{url}/other") is None  # 404: not a service's /health
+    finally:
+        server.stop()
+    assert health_answer(f"{url}/health") is None  # connection refused: nothing runs there
 
 
 def test_values_from_every_side_hash_alike() -> None:

@@ -192,11 +192,30 @@ def maintenance_command(
     entity: list[str] = Entities,
     optimize: bool = typer.Option(True, "--optimize/--no-optimize", help="OPTIMIZE (compact)."),
     vacuum_hours: float = typer.Option(
-        168.0, min=0, help="VACUUM retention in hours; refused if a stream still needs more."
+        168.0,
+        min=0,
+        help="VACUUM retention in hours; refused below a table's "
+        "delta.deletedFileRetentionDuration (default 168) and below what a stream still needs.",
     ),
     no_vacuum: bool = typer.Option(False, "--no-vacuum", help="Skip VACUUM."),
-    tombstone_retention_hours: float = typer.Option(
-        168.0, min=0, help="Expire merger tombstones older than this many hours."
+    force_short_retention: bool = typer.Option(
+        False,
+        "--force-short-retention",
+        help="Allow --vacuum-hours below Delta's minimum: only accepted when no service "
+        "shows signs of running (see --quiet-minutes).",
+    ),
+    quiet_minutes: float = typer.Option(
+        10.0,
+        min=0,
+        help="With --force-short-retention: how long bronze and silver must have had no "
+        "data commit and no service checkpoint any progress.",
+    ),
+    tombstone_retention_hours: float | None = typer.Option(
+        None,
+        min=0,
+        help="Expire tombstones after this many hours of bronze ingest time; default, and "
+        "minimum, merger.tombstone_retention_hours (null: tombstones are kept).",
+        show_default=False,
     ),
     no_tombstones: bool = typer.Option(False, "--no-tombstone-expiry", help="Keep tombstones."),
     ignore_service: list[str] = typer.Option(
@@ -213,16 +232,25 @@ def maintenance_command(
     ),
     as_json: bool = AsJson,
 ) -> None:
-    """OPTIMIZE bronze and silver, VACUUM them safely, expire old tombstones.
+    """OPTIMIZE bronze and silver, VACUUM them safely, expire tombstones as the merger does.
 
-    The VACUUM retention is checked first against every stream reading the table (merger
-    on bronze; both publishers on silver): each stream's checkpoint names the oldest table
-    version it has not read, and a retention that would delete files of that version or a
-    later one is refused with exit 1, before anything runs. A publisher that has not
-    started will read silver from its starting version (default 0) and so holds VACUUM
-    back, unless named with --ignore-service. Tombstone expiry is refused while the merger
-    lags by more than the tombstone retention.
+    The VACUUM retention is checked first, with exit 1 before anything runs. It may not be
+    below a table's delta.deletedFileRetentionDuration (Delta's minimum, 7 days unless
+    set): younger files may belong to a running writer's unfinished commit or a version a
+    stream is reading. --force-short-retention lifts that only when no service answers on
+    its configured /health port and no data commit on bronze or silver and no checkpoint
+    progress happened within --quiet-minutes. Nor may the retention delete files a stream
+    has not read: each stream's checkpoint (merger on bronze; both publishers on silver)
+    names the oldest table version it has not read. A publisher that has not started will
+    read silver from its starting version (default 0) and so holds VACUUM back, unless
+    named with --ignore-service.
+
+    Tombstones expire once the merger has merged events ingested
+    merger.tombstone_retention_hours after them (bronze's ingest time, not the wall clock;
+    null keeps them). --tombstone-retention-hours may only lengthen that.
     """
+    import datetime as dt
+
     from cdc_cli import maintenance
 
     pipeline = _config(config)
@@ -230,15 +258,23 @@ def maintenance_command(
     unknown = [s for s in ignored if s not in ("merger", *maintenance.SILVER_READERS)]
     if unknown:
         _fail(f"--ignore-service: unknown services {unknown}", 2)
-    with _problems(maintenance.RetentionTooShortError, maintenance.WritersMayRunError):
+    refusals = (
+        maintenance.RetentionTooShortError,
+        maintenance.WritersMayRunError,
+        maintenance.ServicesMayRunError,
+    )
+    with _problems(*refusals):
         report = maintenance.run_maintenance(
             pipeline,
             entity or None,
             optimize=optimize,
             vacuum_hours=None if no_vacuum else vacuum_hours,
-            tombstone_retention_hours=None if no_tombstones else tombstone_retention_hours,
+            tombstones=not no_tombstones,
+            tombstone_retention_hours=tombstone_retention_hours,
             ignore_services=ignored,
             writers_stopped=writers_stopped,
+            force_short_retention=force_short_retention,
+            quiet=dt.timedelta(minutes=quiet_minutes),
         )
     _emit(as_json, report.to_dict, lambda: maintenance.render(report))
 

@@ -1,44 +1,65 @@
-"""``cdc maintenance``: OPTIMIZE, VACUUM that never breaks a stream, and tombstone expiry.
+"""``cdc maintenance``: OPTIMIZE, VACUUM that never breaks a table or a stream, tombstone expiry.
 
 VACUUM deletes data files that left the table (replaced by a MERGE or an OPTIMIZE, or
-change-data files) longer ago than the retention. A stream that still has to read table
-version ``v`` needs every file that version ``v`` or a later one added or referenced; such
-a file can only have left the table at a commit after ``v``. So the retention is safe for
-a stream when ``now - retention`` is not later than the commit time of ``v``, the oldest
-version the stream has not read completely (from its checkpoint; see
-:mod:`cdc_cli.checkpoints`), not counting commits that add no data (an OPTIMIZE, a
-VACUUM), which streams skip. Per table:
+change-data files) longer ago than the retention. Two limits keep it safe:
 
-- ``bronze/<entity>`` is read by the merger;
-- ``silver/<entity>`` by publisher-kafka and publisher-es (a publisher that has not
-  started yet will read from its configured ``starting_version`` (default 0) or
-  ``starting_timestamp``, so it holds VACUUM back to that point unless it is ignored as
-  not deployed);
-- ``silver/_tombstones/<entity>`` is read as a whole by the merger, never streamed.
+- **Delta's minimum**, the table's ``delta.deletedFileRetentionDuration`` (Delta's
+  default when unset: ``DEFAULT_RETENTION_HOURS``): a writer's files are unreferenced
+  until its commit lands, and a reader may still be reading a version whose files a later
+  commit removed; a shorter retention can delete either, corrupting a commit or failing a
+  stream. Below it VACUUM is refused, unless
+  ``force_short_retention`` is given and no service shows signs of running: no
+  configured ``/health`` endpoint answers, and no data commit on bronze or silver and no
+  progress in any service's checkpoint within the quiet period (:func:`signs_of_life`).
+- **What the streams still need**: a stream that still has to read table version ``v``
+  needs every file that version ``v`` or a later one added or referenced; such a file can
+  only have left the table at a commit after ``v``. So the retention is safe for a stream
+  when ``now - retention`` is not later than the commit time of ``v``, the oldest version
+  the stream has not read completely (from its checkpoint; see :mod:`cdc_cli.checkpoints`),
+  not counting commits that add no data (an OPTIMIZE, a VACUUM), which streams skip. Per
+  table: ``bronze/<entity>`` is read by the merger; ``silver/<entity>`` by
+  publisher-kafka and publisher-es (a publisher that has not started yet will read from
+  its configured ``starting_version`` (default 0) or ``starting_timestamp``, so it holds
+  VACUUM back to that point unless it is ignored as not deployed);
+  ``silver/_tombstones/<entity>`` is read as a whole by the merger, never streamed.
 
-A retention shorter than the slowest stream needs (plus a safety margin for the time
-VACUUM takes to start) is refused before anything runs.
+Both are checked before anything runs, and again right before each VACUUM.
 
 Tombstones (deleted keys and the sequence of their delete) stop a late, older event
-from resurrecting a deleted row. Expiring them deletes rows whose ``deleted_at`` is older
-than the tombstone retention; that is refused while the merger lags by more than the
-retention, since the events it has not merged yet may be exactly such late events.
+from resurrecting a deleted row. They expire as the merger expires them
+(``merger.tombstone_retention_hours``; ``null`` keeps them): once the merger has merged
+bronze events ingested that many hours after the tombstone, counted in bronze's ingest
+time, not the wall clock, so a quiet or lagging pipeline keeps what its late events may
+still need. A retention given here may only lengthen the configured one.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import re
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cdc_merger.apply import expire_tombstones
-from cdc_shared.config import ChangeFeedConfig, EntityConfig, PipelineConfig, s3a_bucket
+from cdc_shared.config import (
+    ChangeFeedConfig,
+    EntityConfig,
+    PipelineConfig,
+    StreamingServiceConfig,
+    s3a_bucket,
+)
+from cdc_shared.jvm_bridge import hadoop_path
+from cdc_shared.layout import MERGER, SERVICES, display_name
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
 from cdc_cli.checkpoints import (
+    as_utc,
     commit_file_counter,
     data_commits_from,
     delta_position,
@@ -49,17 +70,36 @@ from cdc_cli.checkpoints import (
 
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 DEFAULT_RETENTION_HOURS = 168.0  # Delta's default deletedFileRetentionDuration: 7 days
+DEFAULT_QUIET = dt.timedelta(minutes=10)
 SILVER_READERS = ("publisher_kafka", "publisher_es")
+RETENTION_PROPERTY = "delta.deletedFileRetentionDuration"
+HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
+_INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+# Spark's interval units as Delta's table properties use them ("interval 7 days").
+_INTERVAL_UNITS = {
+    "week": 7 * 24.0,
+    "day": 24.0,
+    "hour": 1.0,
+    "minute": 1 / 60,
+    "second": 1 / 3600,
+    "millisecond": 1 / 3_600_000,
+    "microsecond": 1 / 3_600_000_000,
+}
 
 
 class RetentionTooShortError(RuntimeError):
-    """A requested retention would delete files (or tombstones) a stream still needs."""
+    """A requested retention would delete files (or tombstones) a table or stream still needs."""
 
 
 class WritersMayRunError(RuntimeError):
     """Maintenance would commit to object-storage tables another process may write."""
+
+
+class ServicesMayRunError(RuntimeError):
+    """A retention below Delta's minimum was forced while a service may still run."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +127,7 @@ class TableResult:
     vacuum_retention_hours: float | None = None
     vacuumed_files: int | None = None
     tombstones_expired: int | None = None
+    tombstones_note: str | None = None  # which tombstones expired, or why none did
 
 
 @dataclass(frozen=True)
@@ -228,23 +269,6 @@ def check_vacuum_retention(
         )
 
 
-def check_tombstone_retention(
-    needs: list[StreamNeed], hours: float, now: dt.datetime | None = None
-) -> None:
-    """Refuse expiring tombstones younger than the merger's lag (late events still unmerged)."""
-    now = now or dt.datetime.now(dt.UTC)
-    lagging = [n for n in needs if n.service == "merger" and hours < n.hours(now)]
-    if lagging:
-        n = lagging[0]
-        raise RetentionTooShortError(
-            f"refusing to expire tombstones older than {hours:g} hours: the merger has not "
-            f"merged {n.table} since version {n.version} (committed "
-            f"{n.since.isoformat(timespec='seconds')}); those events could resurrect keys "
-            f"whose tombstones would be gone. Use at least {math.ceil(n.hours(now))} hours "
-            "or let the merger catch up"
-        )
-
-
 @on_conflict_retry
 def compact(spark: SparkSession, path: str) -> tuple[int, int]:
     """OPTIMIZE (bin-packing) the table at ``path``: (files removed, files added).
@@ -258,10 +282,280 @@ def compact(spark: SparkSession, path: str) -> tuple[int, int]:
     return int(m["numFilesRemoved"]), int(m["numFilesAdded"])
 
 
-def _vacuum(spark: SparkSession, path: str, hours: float) -> int | None:
-    """VACUUM with Delta's own 7-day floor lifted (our stream check replaced it)."""
+def interval_hours(text: str) -> float:
+    """Hours in a Delta interval property such as ``interval 7 days`` or ``1 week 12 hours``.
+
+    Delta reads these with Spark's interval syntax and refuses months and years for
+    retentions; every other unit of that syntax is read here. Raises ValueError otherwise.
+    """
+    words = text.strip().lower().split()
+    if words[:1] == ["interval"]:
+        words = words[1:]
+    if not words or len(words) % 2:
+        raise ValueError(f"not an interval of <number> <unit> pairs: {text!r}")
+    hours = 0.0
+    for number, unit in zip(words[::2], words[1::2], strict=True):
+        per_unit = _INTERVAL_UNITS.get(unit.removesuffix("s"))
+        if per_unit is None or not re.fullmatch(r"[+-]?\d+(\.\d+)?", number):
+            raise ValueError(f"not an interval Delta accepts for a retention: {text!r}")
+        hours += float(number) * per_unit
+    return hours
+
+
+@dataclass(frozen=True)
+class RetentionMinimum:
+    """Delta's minimum VACUUM retention of one table, and where it comes from."""
+
+    table: str  # e.g. "bronze/customers"
+    hours: float
+    source: str  # the property's value, or that it is Delta's default
+
+    def __str__(self) -> str:
+        return f"{self.table}: {self.hours:g} hours ({RETENTION_PROPERTY} {self.source})"
+
+
+def retention_minimum(spark: SparkSession, table: str, path: str) -> RetentionMinimum:
+    """The table's ``delta.deletedFileRetentionDuration`` (unset: Delta's default).
+
+    Raises RetentionTooShortError when the property cannot be read as an interval: VACUUM
+    would not know how short is too short.
+    """
+    row = DeltaTable.forPath(spark, path).detail().select("properties").head()
+    properties = (row["properties"] if row is not None else None) or {}
+    value = properties.get(RETENTION_PROPERTY)
+    if value is None:
+        return RetentionMinimum(table, DEFAULT_RETENTION_HOURS, "not set: Delta's default")
+    try:
+        return RetentionMinimum(table, interval_hours(str(value)), f"= {value!r}")
+    except ValueError as exc:
+        raise RetentionTooShortError(
+            f"cannot tell Delta's minimum VACUUM retention of {table} ({path}): {exc}; set "
+            f"the table's {RETENTION_PROPERTY} to e.g. 'interval 7 days'"
+        ) from None
+
+
+def check_vacuum_minimum(minimums: list[RetentionMinimum], hours: float) -> None:
+    """Raise RetentionTooShortError naming every table ``hours`` is below Delta's minimum of."""
+    short = [m for m in minimums if hours < m.hours]
+    if short:
+        raise RetentionTooShortError(
+            f"refusing VACUUM with a retention of {hours:g} hours: below Delta's minimum of\n"
+            + "\n".join(f"  {m}" for m in short)
+            + "\nfiles younger than that may belong to a commit a running ingestor or merger "
+            "has not finished, or to a version a stream is still reading: deleting them "
+            "corrupts the table or fails the stream. Use --vacuum-hours "
+            f"{math.ceil(max(m.hours for m in short))} or more; only with every service "
+            "stopped, --force-short-retention"
+        )
+
+
+def health_endpoints(config: PipelineConfig) -> list[tuple[str, str]]:
+    """(service, ``/health`` URL) of every service the configuration gives a metrics port.
+
+    Each service's own port and the one of ``cdc run`` (the application), on the
+    configured ``metrics_host``; a wildcard bind address is probed on this host.
+    """
+    sections: list[tuple[str, StreamingServiceConfig | Any]] = [
+        (display_name(service), getattr(config, service)) for service in SERVICES
+    ]
+    sections.append(("cdc run", config.application))
+    endpoints = []
+    for name, section in sections:
+        if not section.metrics_port:
+            continue
+        host = section.metrics_host
+        host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        endpoints.append((name, f"http://{host}:{section.metrics_port}/health"))
+    return endpoints
+
+
+def health_answer(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """What ``url`` says about a service there; None when no service of ours answers.
+
+    A service's ``/health`` answers 200 or 503 (running, or starting or failing): both
+    are a running service. A refused connection, or another HTTP answer (some other
+    server on that port), is none. Anything else (a timeout, an unknown host) cannot
+    rule a service out, so it is reported too. Proxies from the environment are ignored.
+    """
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout_s) as answer:
+            status = int(answer.status)
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return None
+        return f"no clear answer ({exc.reason})"
+    except OSError as exc:  # a timeout or reset while reading the answer
+        return f"no clear answer ({exc})"
+    return f"answers {status}" if status in (200, 503) else None
+
+
+def _last_modified(spark: SparkSession, folder: str) -> dt.datetime | None:
+    """The newest modification time of a file in ``folder``; None when it has none."""
+    fs, path = hadoop_path(spark, folder)
+    if not fs.exists(path):
+        return None
+    times = [int(status.getModificationTime()) for status in fs.listStatus(path)]
+    return dt.datetime.fromtimestamp(max(times) / 1000, dt.UTC) if times else None
+
+
+def signs_of_life(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    spark: SparkSession,
+    quiet: dt.timedelta = DEFAULT_QUIET,
+    now: dt.datetime | None = None,
+) -> list[str]:
+    """What suggests a service may be running; empty when nothing does.
+
+    A configured ``/health`` endpoint that answers; a data commit on an entity's bronze
+    (the ingestor) or silver (the merger) within ``quiet``; a stream checkpoint of any
+    service for an entity that planned or committed a micro-batch within ``quiet``
+    (the publishers, which write no table). OPTIMIZE and VACUUM commits do not count: they
+    add no data and are maintenance's own. A service idle for longer than ``quiet`` whose
+    ``/health`` cannot be reached from here is not seen: that is what the operator's
+    ``--force-short-retention`` vouches for.
+    """
+    now = now or dt.datetime.now(dt.UTC)
+    since = now - quiet
+    signs = []
+    for service, url in health_endpoints(config):
+        answer = health_answer(url)
+        if answer is not None:
+            signs.append(f"{service}: {url} {answer}")
+    minutes = f"{quiet.total_seconds() / 60:g} minutes"
+    for entity in entities:
+        tables = {
+            f"bronze/{entity.name}": config.layout.bronze(entity.name),
+            f"silver/{entity.name}": config.layout.silver(entity.name),
+        }
+        for table, path in tables.items():
+            if not is_delta_table(spark, path):
+                continue
+            written = data_commits_from(table_history(spark, path), 0)
+            if written and written[-1].timestamp > since:
+                last = written[-1]
+                signs.append(
+                    f"{table}: {last.operation} committed version {last.version} at "
+                    f"{last.timestamp.isoformat(timespec='seconds')}, within {minutes}"
+                )
+        for service in SERVICES:
+            checkpoint = config.checkpoint_path(service, entity.name).rstrip("/")
+            progressed = [
+                _last_modified(spark, f"{checkpoint}/{d}") for d in ("offsets", "commits")
+            ]
+            latest = max((t for t in progressed if t is not None), default=None)
+            if latest is not None and latest > since:
+                signs.append(
+                    f"{display_name(service)}'s checkpoint for {entity.name} progressed at "
+                    f"{latest.isoformat(timespec='seconds')}, within {minutes}"
+                )
+    return signs
+
+
+def check_services_stopped(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    spark: SparkSession,
+    short: list[RetentionMinimum],
+    hours: float,
+    quiet: dt.timedelta,
+) -> None:
+    """Raise ServicesMayRunError, with every sign, if a service may run (forced VACUUM)."""
+    signs = signs_of_life(config, entities, spark, quiet)
+    if signs:
+        raise ServicesMayRunError(
+            f"refusing --force-short-retention (VACUUM {hours:g} hours, below Delta's "
+            f"minimum of {', '.join(str(m) for m in short)}): a service may be running:\n"
+            + "\n".join(f"  {s}" for s in signs)
+            + "\nstop every service (ingestor, merger, both publishers, `cdc run`) and retry "
+            "once the quiet period has passed, or VACUUM with the table's minimum"
+        )
+
+
+def tombstone_retention(configured: float | None, requested: float | None) -> float | None:
+    """The tombstone retention to expire by: the configured one, or a longer one asked for.
+
+    ``configured`` is ``merger.tombstone_retention_hours`` (None: kept forever). It is the
+    window the pipeline expects late events in, and the merger expires by it too, so a
+    shorter ``requested`` one is refused (RetentionTooShortError): change the configuration
+    to expire sooner. None: expire nothing.
+    """
+    if requested is None:
+        return configured
+    if configured is None or requested < configured:
+        kept = "null: tombstones are kept" if configured is None else f"{configured:g} hours"
+        raise RetentionTooShortError(
+            f"refusing to expire tombstones after {requested:g} hours: shorter than "
+            f"merger.tombstone_retention_hours ({kept}), the window in which late events "
+            "are expected and could resurrect deleted keys. --tombstone-retention-hours "
+            "may only lengthen it; to expire sooner, change the configuration (the merger "
+            "then does so too)"
+        )
+    return requested
+
+
+def merged_ingest_time(
+    config: PipelineConfig, entity: EntityConfig, spark: SparkSession
+) -> dt.datetime | None:
+    """The latest bronze ingest time among the events the merger has merged.
+
+    The clock the merger ages tombstones by (``EntityMerge.expire_tombstones``: the latest
+    ingest time of its batch). Bronze's snapshot just before the first data commit the
+    merger has not read completely holds exactly what it merged (the commits between add
+    no data), and VACUUM keeps that snapshot's files while the merger needs the next one.
+    The history is read before the checkpoint, so a commit landing meanwhile is not taken
+    for merged. None when the merger has merged nothing yet (or is still reading its first
+    snapshot).
+    """
+    bronze = config.layout.bronze(entity.name)
+    if not is_delta_table(spark, bronze):
+        return None
+    history = table_history(spark, bronze)
+    batch = last_committed_batch(spark, config.checkpoint_path(MERGER, entity.name))
+    if batch is None or not batch.sources:
+        return None
+    position = delta_position(batch.sources[0], commit_file_counter(spark, bronze, False))
+    if position.snapshot:
+        return None
+    unread = data_commits_from(history, position.next_version)
+    merged = unread[0].version - 1 if unread else max(history)
+    if merged < min(history):
+        return None
+    events = spark.read.format("delta").option("versionAsOf", merged).load(bronze)
+    row = events.agg(F.max(_INGESTED_AT)).head()
+    return None if row is None or row[0] is None else as_utc(row[0])
+
+
+def expire_by_ingest_time(
+    config: PipelineConfig, entity: EntityConfig, spark: SparkSession, hours: float | None
+) -> tuple[int, str]:
+    """Expire the entity's tombstones as the merger does: (how many, which and why).
+
+    A tombstone goes once the merger has merged events ingested ``hours`` after it was
+    recorded (:func:`merged_ingest_time`), through the merger's own ``expire_tombstones``.
+    """
+    if hours is None:
+        return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
+    until = merged_ingest_time(config, entity, spark)
+    if until is None:
+        return 0, "kept: the merger has merged nothing yet"
+    cutoff = until - dt.timedelta(hours=hours)
+    expired = expire_tombstones(spark, config.layout.tombstones(entity.name), cutoff)
+    return expired, (
+        f"expired those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "
+        f"hours of bronze ingest time before the last merged event's, "
+        f"{until.isoformat(timespec='seconds')}"
+    )
+
+
+def _vacuum(spark: SparkSession, path: str, hours: float, below_minimum: bool) -> int | None:
+    """VACUUM; Delta's own minimum check stays on unless a short retention was allowed."""
     previous = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _VACUUM_LOGGING)}
-    spark.conf.set(_RETENTION_CHECK, "false")
+    spark.conf.set(_RETENTION_CHECK, "false" if below_minimum else "true")
     spark.conf.set(_VACUUM_LOGGING, "true")
     try:
         table = DeltaTable.forPath(spark, path)
@@ -279,8 +573,13 @@ def _vacuum(spark: SparkSession, path: str, hours: float) -> int | None:
     return None if deleted is None else int(deleted)
 
 
-def _expire_tombstones(spark: SparkSession, path: str, hours: float) -> int:
-    return expire_tombstones(spark, path, dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours))
+def _tables(config: PipelineConfig, entity: EntityConfig) -> dict[str, str]:
+    """The tables maintenance touches for ``entity``, by name: bronze, silver, tombstones."""
+    return {
+        f"bronze/{entity.name}": config.layout.bronze(entity.name),
+        f"silver/{entity.name}": config.layout.silver(entity.name),
+        f"silver/_tombstones/{entity.name}": config.layout.tombstones(entity.name),
+    }
 
 
 def run_maintenance(
@@ -289,17 +588,25 @@ def run_maintenance(
     *,
     optimize: bool = True,
     vacuum_hours: float | None = DEFAULT_RETENTION_HOURS,
-    tombstone_retention_hours: float | None = DEFAULT_RETENTION_HOURS,
+    tombstones: bool = True,
+    tombstone_retention_hours: float | None = None,
     ignore_services: tuple[str, ...] = (),
     writers_stopped: bool = False,
+    force_short_retention: bool = False,
+    quiet: dt.timedelta = DEFAULT_QUIET,
     spark: SparkSession | None = None,
 ) -> MaintenanceReport:
-    """Check every retention against the streams first, then OPTIMIZE, VACUUM, expire.
+    """Check every retention first, then OPTIMIZE, VACUUM, expire tombstones.
 
-    ``None`` for a retention skips that step. Raises RetentionTooShortError, before
-    changing anything, when a retention would break a stream; the check is repeated right
-    before each VACUUM (OPTIMIZE may have taken long). On an ``s3a://`` root it needs
-    ``writers_stopped`` (else WritersMayRunError, before anything runs).
+    ``vacuum_hours`` None skips VACUUM; ``tombstones`` False skips the tombstone tables.
+    Tombstones expire by ``merger.tombstone_retention_hours`` or by a longer
+    ``tombstone_retention_hours``. Before changing anything it raises
+    RetentionTooShortError when a retention is below a table's Delta minimum (unless
+    ``force_short_retention``), would break a stream, or shortens the tombstone
+    retention; ServicesMayRunError when a forced short retention meets signs of a running
+    service. The stream and service checks are repeated right before each VACUUM
+    (OPTIMIZE may have taken long). On an ``s3a://`` root it needs ``writers_stopped``
+    (else WritersMayRunError, before anything runs).
     """
     from cdc_shared.spark import build_spark_session
 
@@ -312,44 +619,62 @@ def run_maintenance(
             "the storage root is on object storage, where maintenance must not commit "
             "beside the ingestor and merger: stop them, then pass --writers-stopped"
         )
+    expiry_hours = tombstone_retention(
+        config.merger.tombstone_retention_hours, tombstone_retention_hours
+    )
     spark = spark or build_spark_session(config.spark, "cdc-maintenance")
+    tables = {
+        name: path
+        for entity in entities
+        for name, path in _tables(config, entity).items()
+        if (tombstones or "/_tombstones/" not in name) and is_delta_table(spark, path)
+    }
+    short: list[RetentionMinimum] = []
+    if vacuum_hours is not None:
+        minimums = [retention_minimum(spark, name, path) for name, path in tables.items()]
+        short = [m for m in minimums if vacuum_hours < m.hours]
+        if not force_short_retention:
+            check_vacuum_minimum(minimums, vacuum_hours)
+        elif short:
+            check_services_stopped(config, entities, spark, short, vacuum_hours, quiet)
     needs = {e.name: stream_needs(config, e, spark, ignore_services) for e in entities}
     all_needs = [n for per_entity in needs.values() for n in per_entity]
     if vacuum_hours is not None:
         check_vacuum_retention(all_needs, vacuum_hours)
-    if tombstone_retention_hours is not None:
-        check_tombstone_retention(all_needs, tombstone_retention_hours)
+
+    below = {m.table for m in short}
+
+    def vacuum(entity: EntityConfig, table: str) -> int | None:
+        assert vacuum_hours is not None
+        if "/_tombstones/" not in table:  # the merger reads tombstones whole, never streamed
+            fresh = stream_needs(config, entity, spark, ignore_services)
+            check_vacuum_retention([n for n in fresh if n.table == table], vacuum_hours)
+        if table in below:
+            check_services_stopped(config, entities, spark, short, vacuum_hours, quiet)
+        return _vacuum(spark, tables[table], vacuum_hours, table in below)
 
     report = MaintenanceReport(needs=all_needs)
     for entity in entities:
-        tombstones = config.layout.tombstones(entity.name)
-        layers = {"bronze": config.layout.bronze, "silver": config.layout.silver}
-        for layer, path_of in layers.items():
-            path = path_of(entity.name)
-            if not is_delta_table(spark, path):
+        for table in (f"bronze/{entity.name}", f"silver/{entity.name}"):
+            if table not in tables:
                 continue
             removed = added = vacuumed = None
             if optimize:
-                removed, added = compact(spark, path)
+                removed, added = compact(spark, tables[table])
             if vacuum_hours is not None:
-                table = f"{layer}/{entity.name}"
-                fresh = stream_needs(config, entity, spark, ignore_services)
-                check_vacuum_retention([n for n in fresh if n.table == table], vacuum_hours)
-                vacuumed = _vacuum(spark, path, vacuum_hours)
-            report.tables.append(
-                TableResult(f"{layer}/{entity.name}", removed, added, vacuum_hours, vacuumed)
-            )
-        if tombstone_retention_hours is not None and is_delta_table(spark, tombstones):
-            expired = _expire_tombstones(spark, tombstones, tombstone_retention_hours)
-            vacuumed = None
-            if vacuum_hours is not None:
-                vacuumed = _vacuum(spark, tombstones, vacuum_hours)  # read whole, never streamed
+                vacuumed = vacuum(entity, table)
+            report.tables.append(TableResult(table, removed, added, vacuum_hours, vacuumed))
+        table = f"silver/_tombstones/{entity.name}"
+        if table in tables:
+            expired, note = expire_by_ingest_time(config, entity, spark, expiry_hours)
+            vacuumed = None if vacuum_hours is None else vacuum(entity, table)
             report.tables.append(
                 TableResult(
-                    f"silver/_tombstones/{entity.name}",
+                    table,
                     vacuum_retention_hours=vacuum_hours,
                     vacuumed_files=vacuumed,
                     tombstones_expired=expired,
+                    tombstones_note=note,
                 )
             )
     return report
@@ -374,4 +699,6 @@ def render(report: MaintenanceReport) -> str:
             files = "?" if t.vacuumed_files is None else str(t.vacuumed_files)
             parts.append(f"vacuum {t.vacuum_retention_hours:g} h: {files} files deleted")
         lines.append(f"{t.table:<30} {'; '.join(parts) or 'nothing to do'}")
+        if t.tombstones_note is not None:
+            lines.append(f"{'':<30} tombstones {t.tombstones_note}")
     return "\n".join(lines)
