@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,16 @@ def _row(values: dict[str, Any] | None, columns: list[str]) -> tuple[Any, ...] |
 
 
 def assert_change_topics_exactly_once(
-    spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig
+    spark: SparkSession,
+    pipeline: Pipeline,
+    kafka: KafkaConfig,
+    left_out: Mapping[str, set[tuple[tuple[Any, ...], int]]] | None = None,
 ) -> dict[str, int]:
     """Each change topic holds silver's change feed exactly once, in order per key, and
-    its last event per key is the oracle's final state. Returns events per entity."""
+    its last event per key is the oracle's final state. Returns events per entity.
+
+    ``left_out``: per entity, the (key, commit version) of changes that must not be in
+    its topic (quarantined instead)."""
     config = pipeline.config
     fingerprints = load_fingerprints([pipeline.schema_dir])
     counts = {}
@@ -57,6 +64,8 @@ def assert_change_topics_exactly_once(
                 None if r["_change_type"] == "delete" else _row(r.asDict(), columns),
             )
             for r in feed.collect()
+            if (tuple(r[k] for k in entity.key), r["_commit_version"])
+            not in (left_out or {}).get(entity.name, set())
         )
         records = [r for r in change_records(pipeline, kafka, entity.name) if r.event]
         got = [

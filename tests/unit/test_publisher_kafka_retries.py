@@ -1,9 +1,9 @@
-"""publisher-kafka's retry rule: which Kafka errors are waited out, which stop it."""
+"""publisher-kafka: which Kafka errors are waited out, which stop it; what its progress records."""
 
 from __future__ import annotations
 
 import pytest
-from cdc_publisher_kafka.transactions import TransactionalPublisher
+from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
 from confluent_kafka import KafkaError, KafkaException
 
@@ -58,3 +58,14 @@ def test_a_permanent_error_is_not_retried() -> None:
         assert problems and "failing" in str(problems[0])
     finally:
         publisher.close()
+
+
+def test_progress_records_the_change_topics_offsets() -> None:
+    progress = Progress(12, "query", 3, {2: 40, 0: 17})
+    assert Progress.from_metadata(progress.metadata()) == progress
+    # An older publisher's progress says nothing about the topic: no offsets to check.
+    older = '{"version": 12, "query_id": "query", "batch_id": 3}'
+    assert Progress.from_metadata(older).offsets is None
+    # Too many partitions for the broker's offset metadata: recorded without offsets.
+    wide = Progress(12, "query", 3, {p: 10**12 for p in range(1000)})
+    assert Progress.from_metadata(wide.metadata()) == wide.without_offsets()

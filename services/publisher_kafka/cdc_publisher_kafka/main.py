@@ -3,10 +3,14 @@
 Per entity: silver's change feed (source) -> change events encoded with the topic's
 registered schemas (transform) -> one Kafka transaction per micro-batch that also records
 how far it got (sink). A replayed micro-batch skips everything already published.
+An event larger than the change topic accepts goes to ``quarantine/publisher_kafka``
+instead (in the same batch, before its transaction commits); a change topic that went
+back (deleted and created again) stops the start, saying how to publish again.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import sys
 import time
@@ -18,30 +22,43 @@ from cdc_shared.avro import SchemaRegistry
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import PUBLISHER_KAFKA
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
     EntityStreamBase,
+    StreamFailedError,
     StreamRunner,
     StreamService,
     rebuilding_on_schema_change,
     start_service,
 )
-from cdc_shared.tables import wait_for_table
+from cdc_shared.tables import (
+    QUARANTINE_PROPERTIES,
+    QUARANTINE_SCHEMA,
+    app_id,
+    ensure_table,
+    idempotent_append,
+    wait_for_table,
+)
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from pyspark.sql import DataFrame, SparkSession
 
 from cdc_publisher_kafka.contract import ChangeTopicContract, encode_changes, register_contract
 from cdc_publisher_kafka.transactions import (
+    ChangeTopicResetError,
     Message,
+    Oversized,
     Progress,
     TransactionalPublisher,
     ensure_topics,
 )
 
 SERVICE = PUBLISHER_KAFKA
+#: The quarantine's ``error_kind`` of an event larger than its change topic accepts.
+OVERSIZED_EVENT = "oversized_event"
 log = logging.getLogger("cdc_publisher_kafka")
 
 
@@ -58,6 +75,7 @@ class EntityPublication(EntityStreamBase):
     def __post_init__(self) -> None:
         self.settings = self.config.publisher_kafka
         self.silver_path = self.config.layout.silver(self.entity.name)
+        self.quarantine_path = self.config.layout.quarantine(SERVICE)
         self.latest_version = LatestVersion(self.spark, self.silver_path)
         self.contract: ChangeTopicContract | None = None  # registered by prepare()
         self.publisher: TransactionalPublisher | None = None  # made by the first prepare()
@@ -66,10 +84,12 @@ class EntityPublication(EntityStreamBase):
         """Wait for silver, register the topic's schemas, make and start the producer once.
 
         Registered on every (re)build: after silver's schema changed, the rebuilt stream
-        publishes with the newest schemas.
+        publishes with the newest schemas. A change topic that lost what was published
+        to it stops the start (StreamFailedError), saying how to publish again.
         """
         hint = f"start the merger for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
+        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
         self.registry.refresh()
         schemas = entity_schemas(self.entity, self.registry)
         self.contract = register_contract(self.entity, schemas, self.registry)
@@ -80,7 +100,22 @@ class EntityPublication(EntityStreamBase):
                 self.contract.topic,
                 on_problem=self.set_problem,
             )
-            self.publisher.start()
+            try:
+                self.publisher.start()
+            except ChangeTopicResetError as exc:
+                raise StreamFailedError(f"{exc}. {self._republish_hint()}") from None
+
+    def _republish_hint(self) -> str:
+        """How to publish silver again into a change topic that was recreated."""
+        group = self.publisher.transactional_id if self.publisher else "?"
+        checkpoint = self.config.checkpoint_path(SERVICE, self.entity.name)
+        return (
+            f"To publish silver's changes into it again: stop publisher-kafka, delete the "
+            f"progress (kafka-consumer-groups --bootstrap-server <brokers> --delete "
+            f"--group {group}) and the checkpoint {checkpoint}, then start it: it "
+            "publishes from publisher_kafka.starting_version or starting_timestamp (unset: "
+            "from silver's version 0, as far as its change feed is retained)"
+        )
 
     def close(self) -> None:
         """Release the producer, if ``prepare`` made one (when the runner closes)."""
@@ -111,17 +146,29 @@ class EntityPublication(EntityStreamBase):
             # compile the encoding query again every batch.
             encoded = encoded.filter(pc.greater(encoded["commit_version"], published.version))
         encoded = encoded.sort_by("commit_version")  # per key: changes in commit order
-        messages, counts = self._messages(encoded)
+        messages, versions, counts = self._messages(encoded)
         extra: dict[str, object] = {}
+        oversized: list[Oversized] = []
         if messages:
             last_version = int(encoded.column("commit_version")[-1].as_py())
-            publisher.publish(messages, Progress(last_version, query_id, batch_id))
+
+            def quarantine(events: list[Oversized]) -> None:
+                self._quarantine(events, messages, versions, batch_id)
+
+            oversized = publisher.publish(
+                messages, Progress(last_version, query_id, batch_id), quarantine
+            )
             # The Delta source reports no latest offset: lag = silver versions not yet read.
             extra["lag"] = max(0, self.latest_version.get() - last_version)
         self.report(
             batch_id,
             BatchStats(
-                counts={"input_rows": encoded.num_rows, "published": len(messages), **counts},
+                counts={
+                    "input_rows": encoded.num_rows,
+                    "published": len(messages) - len(oversized),
+                    "quarantined": len(oversized),
+                    **counts,
+                },
                 extra={
                     **extra,
                     "publish_ms": int((time.monotonic() - started) * 1000),
@@ -138,19 +185,71 @@ class EntityPublication(EntityStreamBase):
             raise RuntimeError(f"the stream of {self.entity.name!r} was not prepared")
         return self.contract, self.publisher
 
-    def _messages(self, encoded: pa.Table) -> tuple[list[Message], dict[str, int]]:
+    def _messages(self, encoded: pa.Table) -> tuple[list[Message], list[int], dict[str, int]]:
+        """The batch's messages, the silver version of each, and the counts per operation."""
         keys = encoded.column("key").to_pylist()
         values = encoded.column("value").to_pylist()
         ops = encoded.column("op").to_pylist()
+        commit_versions = encoded.column("commit_version").to_pylist()
         counts = {"c": 0, "u": 0, "d": 0}
         messages: list[Message] = []
+        versions: list[int] = []
         tombstones = self.settings.delete_tombstones
-        for key, value, op in zip(keys, values, ops, strict=True):
+        for key, value, op, version in zip(keys, values, ops, commit_versions, strict=True):
             counts[op] += 1
             messages.append((key, value))
+            versions.append(version)
             if tombstones and op == "d":
                 messages.append((key, None))
-        return messages, {"inserts": counts["c"], "updates": counts["u"], "deletes": counts["d"]}
+                versions.append(version)
+        counts = {"inserts": counts["c"], "updates": counts["u"], "deletes": counts["d"]}
+        return messages, versions, counts
+
+    def _quarantine(
+        self,
+        events: list[Oversized],
+        messages: list[Message],
+        versions: list[int],
+        batch_id: int,
+    ) -> None:
+        """Quarantine the events too large for the change topic (idempotent per batch)."""
+        now = dt.datetime.now(dt.UTC)
+        topic = self.entity.change_topic_name
+        rows = [
+            (
+                SERVICE,
+                self.entity.name,
+                OVERSIZED_EVENT,
+                f"{e.describe()}; not published to {topic} (silver version {versions[e.index]})",
+                None,
+                None,
+                None,
+                None,
+                messages[e.index][0],
+                messages[e.index][1],
+                self.silver_path,
+                versions[e.index],
+                batch_id,
+                now,
+            )
+            for e in events
+        ]
+        idempotent_append(
+            frame_from_rows(self.spark, rows, QUARANTINE_SCHEMA),
+            self.quarantine_path,
+            app_id(SERVICE, self.entity.name, self.identity.get()),
+            batch_id,
+        )
+        log.warning(
+            "change events too large for the change topic: quarantined",
+            extra={
+                "service": SERVICE,
+                "entity": self.entity.name,
+                "batch_id": batch_id,
+                "count": len(events),
+                "first": events[0].describe(),
+            },
+        )
 
 
 def start(

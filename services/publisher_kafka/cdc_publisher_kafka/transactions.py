@@ -6,23 +6,35 @@ transaction as the events: either both become visible or neither does. After a c
 the new producer's ``init_transactions`` fences the old one and resolves its open
 transaction, and the progress read back tells which batches and versions are already
 out, so a replayed micro-batch publishes nothing twice.
+
+The progress also records the last offset written to each partition of the change
+topic: a topic whose end went back below it (deleted and created again) is found at
+start, instead of publishing on after a gap. An event larger than the topic accepts
+(``max.message.bytes``, read from the broker at start) is not sent but handed back to
+the caller, to quarantine, so that one event cannot stop the topic.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from cdc_shared.clients import kafka_client_config
+from cdc_shared.clients import kafka_client_config, make_admin
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.retry import retrying
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka import Message as KafkaMessage
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+)
 from tenacity import Retrying
 
 log = logging.getLogger(__name__)
@@ -46,6 +58,30 @@ INITIAL_BACKOFF_S = 0.5
 
 Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
 
+#: What a record batch holding one record adds to its key and value, at most: the batch
+#: header (61 bytes) and the record's framing (its length, attributes, timestamp and
+#: offset deltas, key and value lengths, header count; varints at their longest). The
+#: broker compares the batch with the topic's ``max.message.bytes``.
+RECORD_OVERHEAD_BYTES = 61 + 5 + 1 + 10 + 5 + 5 + 5 + 5
+
+#: The producer's batches at most (smaller when the topic accepts less).
+BATCH_BYTES = 1_000_000
+
+#: librdkafka's default ``message.max.bytes``: the largest message it sends.
+PRODUCER_MAX_MESSAGE_BYTES = 1_000_000
+
+#: A message too large: refused by librdkafka itself (on produce), or by the broker.
+_SIZE_CODES = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+    }
+)
+
+#: The consumer offset metadata a broker keeps by default (``offset.metadata.max.bytes``),
+#: less a margin: a progress longer than this is recorded without its offsets.
+_METADATA_MAX_CHARS = 3500
+
 
 class StuckProducerError(RuntimeError):
     """A producer call blocked past its deadline; a fresh producer replaced the stuck one."""
@@ -55,17 +91,90 @@ class PublisherFatalError(RuntimeError):
     """The producer cannot go on (fenced by another instance, or a fatal Kafka error)."""
 
 
+class ChangeTopicResetError(RuntimeError):
+    """The change topic holds less than the progress says was written to it.
+
+    It was deleted (and created again, e.g. by the publisher's start): the events
+    published before are gone, and publishing on would leave them missing for good.
+    """
+
+
+class _RefusedBySize(Exception):
+    """The broker refused messages of the open transaction as too large (by index)."""
+
+    def __init__(self, indexes: dict[int, str]) -> None:
+        super().__init__(f"{len(indexes)} messages too large")
+        self.indexes = indexes  # message index -> the broker's error
+
+
 @dataclass(frozen=True)
 class Progress:
-    """What the last committed transaction published: up to ``version``, by which batch."""
+    """What the last committed transaction published: up to ``version``, by which batch.
+
+    ``offsets``: the last offset written to each partition of the change topic, so far
+    (None when a publisher that did not record them wrote the progress).
+    """
 
     version: int
     query_id: str
     batch_id: int
+    offsets: Mapping[int, int] | None = None
 
     def covers(self, query_id: str, batch_id: int) -> bool:
         """Whether batch ``batch_id`` of query ``query_id`` was already published in full."""
         return query_id == self.query_id and batch_id <= self.batch_id
+
+    def metadata(self) -> str:
+        """The progress as the committed offset's metadata (JSON)."""
+        state: dict[str, object] = {
+            "version": self.version,
+            "query_id": self.query_id,
+            "batch_id": self.batch_id,
+        }
+        if self.offsets is not None:
+            state["offsets"] = {str(p): o for p, o in sorted(self.offsets.items())}
+        text = json.dumps(state, separators=(",", ":"))
+        if len(text) > _METADATA_MAX_CHARS:  # too many partitions: only the reset check loses
+            return self.without_offsets().metadata()
+        return text
+
+    def without_offsets(self) -> Progress:
+        """The same progress, not saying what the change topic holds."""
+        return replace(self, offsets=None)
+
+    @staticmethod
+    def from_metadata(text: str) -> Progress:
+        """The progress that ``metadata`` wrote."""
+        state = json.loads(text)
+        offsets = state.get("offsets")
+        return Progress(
+            int(state["version"]),
+            str(state["query_id"]),
+            int(state["batch_id"]),
+            None if offsets is None else {int(p): int(o) for p, o in offsets.items()},
+        )
+
+
+@dataclass(frozen=True)
+class Oversized:
+    """An event not sent because the change topic does not accept one that large."""
+
+    index: int  # its position in the messages given to ``publish``
+    size_bytes: int  # key + value + record framing
+    limit_bytes: int  # what the topic (or the producer) accepts
+    reason: str
+
+    def describe(self) -> str:
+        """Its size against the limit, and why."""
+        return (
+            f"change event of {self.size_bytes} bytes (key, value and record framing) is "
+            f"larger than the {self.limit_bytes} bytes the change topic accepts: {self.reason}"
+        )
+
+
+def event_size(key: bytes, value: bytes | None) -> int:
+    """The bytes an event takes in a record batch of its own, at most."""
+    return len(key) + len(value or b"") + RECORD_OVERHEAD_BYTES
 
 
 def ensure_topics(admin: AdminClient, topics: Sequence[NewTopic]) -> None:
@@ -96,6 +205,7 @@ class TransactionalPublisher:
         self.settings = settings
         self.change_topic = change_topic
         self.transactional_id = publisher_progress_group(change_topic)
+        self._kafka = kafka
         self._progress_partition = TopicPartition(settings.progress_topic, 0)
         self._on_problem = on_problem
         self._producer_config = kafka_client_config(
@@ -105,13 +215,14 @@ class TransactionalPublisher:
                 "transaction.timeout.ms": settings.transaction_timeout_ms,
                 "enable.idempotence": True,
                 "linger.ms": 20,
-                "batch.size": 1_000_000,
+                "batch.size": BATCH_BYTES,
                 "queue.buffering.max.messages": 1_000_000,
                 "queue.buffering.max.kbytes": 1_048_576,
             },
         )
         self._producer = Producer(self._producer_config)
-        # Only a holder of the group metadata; it never subscribes or polls.
+        # Only a holder of the group metadata (and a reader of the change topic's
+        # watermarks); it never subscribes or polls.
         self._group = Consumer(
             kafka_client_config(
                 kafka,
@@ -123,19 +234,76 @@ class TransactionalPublisher:
             )
         )
         self.progress: Progress | None = None
+        #: The largest event the change topic accepts (``event_size``); set by ``start``.
+        self.max_event_bytes = PRODUCER_MAX_MESSAGE_BYTES
+        self._limit_name = "the producer's message.max.bytes"  # what sets max_event_bytes
 
     def start(self) -> Progress | None:
-        """Fence any older instance, then read what is already published."""
+        """Read the topic's size limit, fence any older instance, read what is published.
+
+        Raises ChangeTopicResetError when the change topic holds less than the progress
+        says was written to it.
+        """
+        self._fit_to(self._read_size_limit(), started=False)
         self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
         self.progress = self._read_progress()
+        if self.progress is not None:
+            self._check_not_reset(self.progress)
         log.info(
             "publisher ready",
             extra={
                 "topic": self.change_topic,
                 "published_up_to_version": self.progress.version if self.progress else None,
+                "max_event_bytes": self.max_event_bytes,
             },
         )
         return self.progress
+
+    def _read_size_limit(self) -> int:
+        """The change topic's ``max.message.bytes``, as the broker applies it."""
+        admin = make_admin(self._kafka)
+        resource = ConfigResource("topic", self.change_topic)
+
+        def describe() -> int:
+            configs = admin.describe_configs([resource], request_timeout=30)[resource].result(60)
+            return int(configs["max.message.bytes"].value)
+
+        limit: int = self._with_retries("describe the change topic", describe)
+        return limit
+
+    def _fit_to(self, topic_limit: int, started: bool) -> None:
+        """Size events and batches to what the topic accepts (see ``_sizes``).
+
+        A new batch size needs a new producer (``started``: one that already ran
+        ``init_transactions``, which the new one repeats, fencing it).
+        """
+        self.max_event_bytes, batch_bytes = self._sizes(topic_limit)
+        self._limit_name = (
+            "the topic's max.message.bytes"
+            if topic_limit == self.max_event_bytes
+            else "the producer's message.max.bytes"
+        )
+        if batch_bytes != self._producer_config["batch.size"]:
+            self._producer_config["batch.size"] = batch_bytes
+            self._replace_producer(started)
+
+    def _sizes(self, topic_limit: int) -> tuple[int, int]:
+        """The largest event, and the largest batch, for a topic limit.
+
+        The broker refuses a whole batch larger than the topic's limit, so batches stay
+        below it; the producer's own ``message.max.bytes`` caps events too.
+        """
+        producer_limit = int(
+            self._producer_config.get("message.max.bytes", PRODUCER_MAX_MESSAGE_BYTES)
+        )
+        max_event = min(topic_limit, producer_limit)
+        return max_event, max(1, min(BATCH_BYTES, max_event - RECORD_OVERHEAD_BYTES))
+
+    def _replace_producer(self, started: bool) -> None:
+        """A new producer of the same transactional id (the old one is abandoned)."""
+        self._producer = Producer(self._producer_config)
+        if started:
+            self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
 
     def _read_progress(self) -> Progress | None:
         def read() -> list[TopicPartition]:
@@ -147,11 +315,69 @@ class TransactionalPublisher:
         (committed,) = self._with_retries("read progress", read)
         if committed.offset < 0 or not committed.metadata:
             return None
-        state = json.loads(committed.metadata)
-        return Progress(int(state["version"]), str(state["query_id"]), int(state["batch_id"]))
+        return Progress.from_metadata(committed.metadata)
 
-    def publish(self, messages: Sequence[Message], progress: Progress) -> None:
+    def _end_offsets(self) -> dict[int, int]:
+        """The change topic's end (high watermark) per partition."""
+
+        def read() -> dict[int, int]:
+            topic = self._group.list_topics(self.change_topic, timeout=30).topics[self.change_topic]
+            if topic.error is not None:
+                raise KafkaException(topic.error)
+            return {
+                p: int(
+                    self._group.get_watermark_offsets(
+                        TopicPartition(self.change_topic, p), timeout=30
+                    )[1]
+                )
+                for p in topic.partitions
+            }
+
+        ends: dict[int, int] = self._with_retries("read the change topic's offsets", read)
+        return ends
+
+    def _check_not_reset(self, progress: Progress) -> None:
+        """Raise ChangeTopicResetError if the change topic ends before what was written.
+
+        A progress without offsets (an older publisher's) can only tell an empty topic.
+        """
+        ends = self._end_offsets()
+        behind: dict[int, tuple[int | None, int | None]]
+        if progress.offsets is None:
+            behind = {p: (end, None) for p, end in ends.items()} if not any(ends.values()) else {}
+        else:
+            behind = {
+                p: (ends.get(p), offset)
+                for p, offset in progress.offsets.items()
+                if ends.get(p, 0) <= offset
+            }
+        if not behind:
+            return
+        where = ", ".join(
+            f"partition {p} ends at {'(none)' if end is None else end}"
+            + ("" if offset is None else f", offset {offset} was written")
+            for p, (end, offset) in sorted(behind.items())
+        )
+        raise ChangeTopicResetError(
+            f"change topic {self.change_topic} holds less than this publisher wrote to it "
+            f"({where}; up to silver version {progress.version}, as consumer group "
+            f"{self.transactional_id!r} on {self.settings.progress_topic} records): it was "
+            "deleted or recreated, and the events published before are gone"
+        )
+
+    def publish(
+        self,
+        messages: Sequence[Message],
+        progress: Progress,
+        set_aside: Callable[[list[Oversized]], None] = lambda _: None,
+    ) -> list[Oversized]:
         """Send ``messages`` in order and record ``progress``, all in one transaction.
+
+        Messages larger than the topic accepts are not sent: ``set_aside`` gets them
+        (e.g. to quarantine them) inside the transaction, before it commits, and they are
+        returned. Those the broker refuses as too large anyway abort the transaction,
+        which runs again without them (or, when the topic's limit changed, with events
+        and batches sized to the new one).
 
         Retries a transaction that must be aborted (e.g. the broker went away) with
         exponential backoff; raises PublisherFatalError when the producer is fenced or
@@ -176,38 +402,124 @@ class TransactionalPublisher:
                 self._abort_quietly()
             self._on_problem(problem)
 
-        try:
-            self._retrying(retriable, describe, before_retry)(
-                self._fatal_raised, lambda: self._transaction(messages, progress)
-            )
-        except KafkaException as exc:
-            self._on_problem(f"Kafka transaction failing: {exc.args[0].str()}")
-            raise
-        self.progress = progress
+        oversized = self._over_limit(messages, {})
+        while True:
+            try:
+                offsets: dict[int, int] = self._retrying(retriable, describe, before_retry)(
+                    self._fatal_raised,
+                    lambda: self._transaction(messages, oversized, progress, set_aside),
+                )
+                break
+            except _RefusedBySize as refused:
+                self._abort_quietly()
+                self._after_size_refusal(messages, oversized, refused.indexes)
+            except KafkaException as exc:
+                self._on_problem(f"Kafka transaction failing: {exc.args[0].str()}")
+                raise
+        self.progress = replace(progress, offsets=offsets)
         self._on_problem(None)
+        return sorted(oversized.values(), key=lambda o: o.index)
 
-    def _transaction(self, messages: Sequence[Message], progress: Progress) -> None:
+    def _over_limit(
+        self, messages: Sequence[Message], known: dict[int, Oversized]
+    ) -> dict[int, Oversized]:
+        """``known`` and the messages larger than ``max_event_bytes``, by index."""
+        limit = self.max_event_bytes
+        found = dict(known)
+        for index, (key, value) in enumerate(messages):
+            size = event_size(key, value)
+            if size > limit and index not in found:
+                found[index] = Oversized(index, size, limit, f"over {self._limit_name}")
+        return found
+
+    def _after_size_refusal(
+        self, messages: Sequence[Message], oversized: dict[int, Oversized], refused: dict[int, str]
+    ) -> None:
+        """After the broker refused messages as too large: what the next attempt leaves out.
+
+        If the topic's limit changed since it was read, events and batches are sized to
+        the new one; else the messages the broker refused are left out.
+        """
+        limit = self._read_size_limit()
+        log.warning(
+            "the broker refused messages as too large",
+            extra={
+                "topic": self.change_topic,
+                "count": len(refused),
+                "max_message_bytes": limit,
+                "error": next(iter(refused.values())),
+            },
+        )
+        if self._sizes(limit) != (self.max_event_bytes, self._producer_config["batch.size"]):
+            self._fit_to(limit, started=True)
+            oversized.update(self._over_limit(messages, oversized))
+            return
+        for index, error in refused.items():
+            key, value = messages[index]
+            oversized[index] = Oversized(
+                index, event_size(key, value), limit, f"the broker refused it: {error}"
+            )
+
+    def _transaction(
+        self,
+        messages: Sequence[Message],
+        oversized: dict[int, Oversized],
+        progress: Progress,
+        set_aside: Callable[[list[Oversized]], None],
+    ) -> dict[int, int]:
+        """One transaction: the messages not ``oversized``, then the progress.
+
+        Returns the last offset written to each partition, so far. Raises _RefusedBySize
+        (the transaction then needs an abort) when the broker refused messages as too
+        large; librdkafka's own refusal joins ``oversized`` at once.
+        """
         producer = self._producer
+        written = dict(self.progress.offsets or {}) if self.progress else {}
+        refused: dict[int, str] = {}
+
+        def delivered(index: int, error: KafkaError | None, message: KafkaMessage) -> None:
+            if error is None:
+                partition, offset = int(message.partition() or 0), int(message.offset() or 0)
+                written[partition] = max(offset, written.get(partition, -1))
+            elif error.code() in _SIZE_CODES:
+                refused[index] = error.str()
+
         producer.begin_transaction()
-        for key, value in messages:
+        for index, (key, value) in enumerate(messages):
+            if index in oversized:
+                continue
             while True:
                 try:
-                    producer.produce(self.change_topic, value=value, key=key)
+                    producer.produce(
+                        self.change_topic,
+                        value=value,
+                        key=key,
+                        on_delivery=functools.partial(delivered, index),
+                    )
                     break
                 except BufferError:
                     producer.poll(0.05)  # the local queue is full: let deliveries drain
+                except KafkaException as exc:
+                    if exc.args[0].code() not in _SIZE_CODES:
+                        raise
+                    oversized[index] = Oversized(
+                        index,
+                        event_size(key, value),
+                        self.max_event_bytes,
+                        f"the producer refused it: {exc.args[0].str()}",
+                    )
+                    break
             producer.poll(0)
+        # Every delivery reported: the offsets for the progress, and any size refusal.
+        # What is still out after the timeout (broker away) fails the commit below.
+        producer.flush(self.settings.transaction_timeout_ms / 1000)
+        if refused:
+            raise _RefusedBySize(refused)
+        if oversized:
+            set_aside(sorted(oversized.values(), key=lambda o: o.index))
+        recorded = replace(progress, offsets=written)
         marker = TopicPartition(
-            self.settings.progress_topic,
-            0,
-            progress.version + 1,
-            metadata=json.dumps(
-                {
-                    "version": progress.version,
-                    "query_id": progress.query_id,
-                    "batch_id": progress.batch_id,
-                }
-            ),
+            self.settings.progress_topic, 0, progress.version + 1, metadata=recorded.metadata()
         )
         group = self._group.consumer_group_metadata()
         self._within_deadline(
@@ -221,6 +533,7 @@ class TransactionalPublisher:
             "commit",
             lambda: producer.commit_transaction(self.settings.transaction_timeout_ms / 1000),
         )
+        return written
 
     def _within_deadline(self, what: str, call: Callable[[], object], deadline_s: float) -> None:
         """Run a producer call that librdkafka may block on past its own timeout.
@@ -247,8 +560,7 @@ class TransactionalPublisher:
                 "producer stuck: replacing it",
                 extra={"topic": self.change_topic, "call": what, "after_s": deadline_s},
             )
-            self._producer = Producer(self._producer_config)  # the stuck one is abandoned
-            self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
+            self._replace_producer(started=True)  # the stuck one is abandoned
             raise StuckProducerError(f"{what} blocked for {deadline_s} s; producer replaced")
         if "error" in outcome:
             raise outcome["error"]
