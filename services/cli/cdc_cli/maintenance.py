@@ -355,18 +355,20 @@ def health_endpoints(config: PipelineConfig) -> list[tuple[str, str]]:
     Each service's own port and the one of ``cdc run`` (the application), on the
     configured ``metrics_host``; a wildcard bind address is probed on this host.
     """
-    sections: list[tuple[str, StreamingServiceConfig | Any]] = [
-        (display_name(service), getattr(config, service)) for service in SERVICES
+    sections: list[StreamingServiceConfig] = [getattr(config, s) for s in SERVICES]
+    binds = [
+        (display_name(service), section.metrics_host, section.metrics_port)
+        for service, section in zip(SERVICES, sections, strict=True)
     ]
-    sections.append(("cdc run", config.application))
+    application = config.application
+    binds.append(("cdc run", application.metrics_host, application.metrics_port))
     endpoints = []
-    for name, section in sections:
-        if not section.metrics_port:
+    for name, bind, port in binds:
+        if not port:
             continue
-        host = section.metrics_host
-        host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+        host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
         host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        endpoints.append((name, f"http://{host}:{section.metrics_port}/health"))
+        endpoints.append((name, f"http://{host}:{port}/health"))
     return endpoints
 
 
