@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from cdc_shared.avro import REGISTRY_UNAVAILABLE
 from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.streaming import Failure, OnFailure
@@ -24,11 +25,21 @@ KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|Offs
 
 
 def kafka_failures(config: PipelineConfig) -> OnFailure:
-    """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop."""
+    """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop.
+
+    A schema registry that stayed unavailable past its retry budget stops the entity with
+    the registry's one line (nothing of the batch was written or quarantined).
+    """
 
     def read(entity: str, error: str) -> Failure | None:
         if incompatible := INCOMPATIBLE.search(error):
             return Failure(incompatible.group(1), entity_only=True)
+        if registry := REGISTRY_UNAVAILABLE.search(error):
+            return Failure(
+                f"stopped: {registry.group(1)}; nothing of the batch was written or "
+                "quarantined: restart once the registry answers",
+                entity_only=True,
+            )
         if KAFKA_DATA_LOSS.search(error):
             topic = config.entity(entity).source_topic
             partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
