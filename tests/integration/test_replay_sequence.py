@@ -1,10 +1,10 @@
-"""A replayed record keeps its change's sequence when ``sequence_by`` is Kafka coordinates.
+"""A replayed record keeps its change's sequence: it never overwrites a newer change.
 
 ``cdc quarantine replay`` produces a quarantined record again at a new, higher offset.
-Ordered by the default ``sequence_by`` (``kafka.partition``, ``kafka.offset``), the
-replayed old change must still order where it was first read, so it does not overwrite
-a newer change of its key that silver already holds. Replays under a source sequence
-(``source.lsn``) are checked in ``test_cli_ops.py``, whose pipeline orders by it.
+Ordered by the default ``sequence_by`` (``kafka.partition``, ``kafka.offset``) the
+replayed old change must still order where it was first read; ordered by a source field
+(``source.lsn``) it orders by its payload, which replay keeps. One pipeline holds both:
+customers by Kafka coordinates, orders by ``source.lsn``.
 
 The expected silver comes from the oracle fed every record of the topic at its own
 coordinates, except those carrying a ``cdc.replay.of`` header: a replay stands for its
@@ -14,6 +14,8 @@ original (which the oracle, knowing every schema, decodes), a forged header for 
 from __future__ import annotations
 
 import io
+import json
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -21,22 +23,23 @@ from typing import Any
 
 import fastavro
 import pytest
+import yaml
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_ingestor.replay_origin import REPLAY_HEADER
+from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
-from support.ingestion import bronze, generate_across_schema_change, ingest_once, quarantine
+from support.ingestion import bronze, generate, ingest_once, quarantine
 from support.ops import cdc_json
-from support.pipelines import PipelineFactory
+from support.pipelines import SCHEMAS, Pipeline, PipelineFactory
 from support.silver import assert_silver_equals, entity_oracle, merge_once
 
 pytestmark = pytest.mark.integration
 
-ENTITY = "customers"
-KAFKA_COORDINATES = ["kafka.partition", "kafka.offset"]
+SEQUENCE_BY = {"customers": ["kafka.partition", "kafka.offset"], "orders": ["source.lsn"]}
 
 
 def _first_reads(kafka: KafkaConfig, oracle: EntityOracle) -> EntityOracle:
@@ -74,10 +77,35 @@ def _decoded(data: bytes | None, fingerprints: dict[bytes, Any]) -> Any:
     return fastavro.schemaless_reader(io.BytesIO(data[10:]), fingerprints[data[2:10]], None)
 
 
+def _pipeline(make_pipeline: PipelineFactory) -> Pipeline:
+    """Both entities, each ordered by its ``SEQUENCE_BY``."""
+    pipeline = make_pipeline(ingestor={"metrics_port": 0}, merger={"metrics_port": 0})
+    document = yaml.safe_load(pipeline.path.read_text())
+    for entity in document["entities"]:
+        entity["sequence_by"] = SEQUENCE_BY[entity["name"]]
+    pipeline.path.write_text(yaml.safe_dump(document))
+    return pipeline
+
+
+def _producer_schemas(pipeline: Pipeline, folder: Path) -> Path:
+    """A value schema v2 of each entity that only the producer knows, until deployed."""
+    folder.mkdir()
+    shutil.copy(
+        SCHEMAS / "dbserver1.inventory.customers-value.v2.avsc",
+        folder / f"{pipeline.topic('customers')}-value.v2.avsc",
+    )
+    orders = json.loads((SCHEMAS / "dbserver1.inventory.orders-value.avsc").read_text())
+    row = orders["fields"][0]["type"][1]
+    assert row["name"] == "Value"
+    row["fields"].append({"name": "note", "type": ["null", "string"], "default": None})
+    (folder / f"{pipeline.topic('orders')}-value.v2.avsc").write_text(json.dumps(orders))
+    return folder
+
+
 def _forge(kafka: KafkaConfig, topic: str, message: GeneratedMessage) -> dict[str, str]:
     """``message`` produced once per bad ``cdc.replay.of`` header to partition 0.
 
-    Returns the error message each should be quarantined with (a part of it), by header.
+    Returns a part of the error message each should be quarantined with, by case.
     """
     cases: dict[str, tuple[list[tuple[str, bytes | None]], str]] = {
         "nonsense": ([(REPLAY_HEADER, b"not-coordinates")], "'not-coordinates' is not <topic>/"),
@@ -97,21 +125,15 @@ def _forge(kafka: KafkaConfig, topic: str, message: GeneratedMessage) -> dict[st
     return {name: expected for name, (_, expected) in cases.items()}
 
 
-def test_a_replayed_change_does_not_overwrite_a_newer_one_under_kafka_coordinates(
+def test_a_replayed_change_does_not_overwrite_a_newer_one(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
-    pipeline = make_pipeline(
-        ("customers",),
-        {"sequence_by": KAFKA_COORDINATES},
-        ingestor={"metrics_port": 0},
-        merger={"metrics_port": 0},
-    )
+    pipeline = _pipeline(make_pipeline)
     config = pipeline.config
-    topic = config.entity(ENTITY).source_topic
-    messages, switch = generate_across_schema_change(
+    producer_schemas = _producer_schemas(pipeline, tmp_path / "producer-schemas")
+    messages = generate(
         pipeline,
-        ENTITY,
-        tmp_path,
+        FileSchemaRegistry([pipeline.schema_dir, producer_schemas]),
         events=60,
         keys=8,
         poison_share=0,
@@ -119,67 +141,100 @@ def test_a_replayed_change_does_not_overwrite_a_newer_one_under_kafka_coordinate
         delete_share=0,
         schema_change_at=0.5,
     )
-    later = messages[switch:]  # written with value schema v2, which the pipeline lacks yet
-    # K's first v2 change, which fails (unknown schema); later changes of K follow it.
-    stale = next(m for i, m in enumerate(later) if any(n.key == m.key for n in later[i + 1 :]))
-    newer = [m for m in later if m is not stale]
-    last_of_key = {m.key: m for m in messages}
-    victim = next(m for m in reversed(newer) if m.key != stale.key and last_of_key[m.key] is m)
+    v2 = {
+        FileSchemaRegistry([producer_schemas]).latest(f"{pipeline.topic(name)}-value").fingerprint
+        for name in SEQUENCE_BY
+    }
+    switch = next(i for i, m in enumerate(messages) if m.value and m.value[2:10] in v2)
+    later = messages[switch:]  # written with the v2 schemas, which the pipeline lacks yet
+    assert all(m.value and m.value[2:10] in v2 for m in later)
+    # Per entity: its first v2 change of a key that changes again later; it fails.
+    stale = {
+        name: next(
+            m
+            for i, m in enumerate(later)
+            if m.entity == name and any(n.key == m.key for n in later[i + 1 :] if n.entity == name)
+        )
+        for name in SEQUENCE_BY
+    }
+    newer = [m for m in later if all(m is not s for s in stale.values())]
+    customers = config.entity("customers").source_topic
+    last_of_key = {(m.topic, m.key): m for m in messages}
+    victim = next(
+        m
+        for m in reversed(newer)
+        if m.topic == customers and m.key != stale["customers"].key
+        if last_of_key[(m.topic, m.key)] is m
+    )
 
-    produce(kafka_config, iter([*messages[:switch], stale]))
+    produce(kafka_config, iter([*messages[:switch], *stale.values()]))
     ingest_once(pipeline, spark)
-    (unknown,) = quarantine(spark, pipeline).collect()
-    assert unknown.error_kind == "unknown_schema"
+    unknown = {r.entity: r for r in quarantine(spark, pipeline).collect()}
+    assert {e: r.error_kind for e, r in unknown.items()} == dict.fromkeys(
+        SEQUENCE_BY, "unknown_schema"
+    )
 
-    # The fix is deployed; K's newer changes arrive and are applied.
-    pipeline.add_schema_version(ENTITY, 2)
+    # The fix is deployed; the keys' newer changes arrive and are applied.
+    for schema in producer_schemas.iterdir():
+        shutil.copy(schema, pipeline.schema_dir / schema.name)
     produce(kafka_config, iter(newer))
-    forged = _forge(kafka_config, topic, victim)  # the same bytes as the last change of a key
+    forged = _forge(kafka_config, customers, victim)  # the bytes of the last change of a key
     ingest_once(pipeline, spark)
     merge_once(pipeline, spark)
 
-    replayed = cdc_json(
-        "quarantine",
-        "replay",
-        "--config",
-        str(pipeline.path),
-        "--entity",
-        ENTITY,
-        "--where",
-        "error_kind = 'unknown_schema'",
-    )
-    assert (replayed["selected"], replayed["produced"]) == (1, 1)
+    for name in SEQUENCE_BY:
+        replayed = cdc_json(
+            "quarantine",
+            "replay",
+            "--config",
+            str(pipeline.path),
+            "--entity",
+            name,
+            "--where",
+            "error_kind = 'unknown_schema'",
+        )
+        assert (replayed["selected"], replayed["produced"]) == (1, 1)
     ingest_once(pipeline, spark)
     merge_once(pipeline, spark)
 
     fingerprints = load_fingerprints([pipeline.schema_dir])
-    oracle = _first_reads(
-        kafka_config, entity_oracle(pipeline, config.entity(ENTITY), fingerprints)
-    )
-    key = tuple(_decoded(stale.key, fingerprints)[k] for k in config.entity(ENTITY).key)
-    assert _decoded(stale.value, fingerprints)["after"] != oracle.rows[key]  # a stale change
-    assert_silver_equals(spark, pipeline, oracle)
+    ledger = spark.read.format("delta").load(config.layout.replay_ledger())
+    for name, message in stale.items():
+        entity = config.entity(name)
+        oracle = _first_reads(kafka_config, entity_oracle(pipeline, entity, fingerprints))
+        key = tuple(_decoded(message.key, fingerprints)[k] for k in entity.key)
+        envelope = _decoded(message.value, fingerprints)
+        assert envelope["after"] != oracle.rows[key]  # applied, the replay would change silver
+        assert_silver_equals(spark, pipeline, oracle)
 
-    # Bronze logs where the replay was read, and orders it where its change was first read.
-    (ledger,) = spark.read.format("delta").load(config.layout.replay_ledger()).collect()
-    assert (ledger.kafka_partition, ledger.kafka_offset) == (
-        unknown.kafka_partition,
-        unknown.kafka_offset,
-    )
-    (row,) = (
-        bronze(spark, pipeline, ENTITY)
-        .where(
-            f"kafka_partition = {ledger.replayed_partition} "
-            f"AND kafka_offset = {ledger.replayed_offset}"
+        # Bronze logs where the replay was read, ordered where its change was first read.
+        original = unknown[name]
+        (replay,) = ledger.where(f"entity = '{name}'").collect()
+        assert (replay.kafka_partition, replay.kafka_offset) == (
+            original.kafka_partition,
+            original.kafka_offset,
         )
-        .collect()
-    )
-    assert ledger.replayed_offset > unknown.kafka_offset
-    assert row.sequence == [unknown.kafka_partition, unknown.kafka_offset]
+        assert replay.replayed_offset > original.kafka_offset
+        (row,) = (
+            bronze(spark, pipeline, name)
+            .where(
+                f"kafka_partition = {replay.replayed_partition} "
+                f"AND kafka_offset = {replay.replayed_offset}"
+            )
+            .collect()
+        )
+        first_read = {
+            "kafka.partition": original.kafka_partition,
+            "kafka.offset": original.kafka_offset,
+        }
+        assert row.sequence == [
+            first_read[p] if p in first_read else envelope["source"]["lsn"]
+            for p in entity.sequence_by
+        ]
 
-    # A header that does not name an earlier record of the same topic and partition.
+    # A header that does not name one earlier record of the same topic and partition.
     bad = quarantine(spark, pipeline).where("error_kind = 'bad_replay_header'").collect()
-    messages_seen = sorted(r.error_message for r in bad)
-    assert len(bad) == len(forged), messages_seen
-    for name, expected in forged.items():
-        assert sum(expected in m for m in messages_seen) == 1, (name, messages_seen)
+    seen = sorted(r.error_message for r in bad)
+    assert len(bad) == len(forged), seen
+    for case, expected in forged.items():
+        assert sum(expected in m for m in seen) == 1, (case, seen)
