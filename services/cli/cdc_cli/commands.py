@@ -164,9 +164,10 @@ def quarantine_replay(
     topic/partition/offset, and never selected again. A run records its selection as
     pending before producing and marks it done after; a run that finds pending rows of a
     crashed run looks for them in the topic (by their header cdc.replay.of) and produces
-    only what is not there. Records go back to the partition they came from, so per-key
-    order is kept relative to later events. A record that fails again is quarantined anew
-    under its new offset.
+    only what is not there. Records go back to the partition they came from, with the
+    header naming where their change was first read: the ingestor orders them there, so a
+    replayed old change never overwrites a newer one. A record that fails again is
+    quarantined anew under its new offset.
     """
     from cdc_cli import quarantine
 
