@@ -16,8 +16,8 @@ PUBLISHER_ES = "publisher_es"
 #: The services, in pipeline order, by their configuration section (also their folder
 #: name under ``_checkpoints/`` and ``quarantine/``).
 SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
-#: The services that quarantine what they cannot process (publisher-kafka stops instead).
-QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_ES)
+#: The services that quarantine what they cannot process (publisher-kafka: oversized events).
+QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 
 
 def display_name(service: str) -> str:
