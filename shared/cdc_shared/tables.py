@@ -8,9 +8,11 @@ that loses a commit race with another writer of the table is retried (``on_confl
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from delta.exceptions import (
@@ -23,10 +25,12 @@ from delta.exceptions import (
     MetadataChangedException,
 )
 from delta.tables import DeltaTable
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_shared.config import ConfigError
+from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.retry import retrying
 
@@ -51,6 +55,51 @@ QUARANTINE_SCHEMA = T.StructType(
 )
 
 QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
+
+
+def quarantine_columns(service: str, entity: str, **given: Column) -> list[Column]:
+    """The quarantine table's columns, in its order, for a DataFrame of refused records.
+
+    ``given`` names the columns the caller has (``error_kind``, ``raw_value``, ...); the
+    others are typed nulls. ``service`` and ``entity`` are literals.
+    """
+    unknown = set(given) - set(QUARANTINE_SCHEMA.fieldNames()) - {"service", "entity"}
+    if unknown:
+        raise ValueError(f"not quarantine columns: {sorted(unknown)}")
+    fixed = {"service": F.lit(service), "entity": F.lit(entity)}
+    return [
+        fixed.get(f.name, given.get(f.name, F.lit(None))).cast(f.dataType).alias(f.name)
+        for f in QUARANTINE_SCHEMA.fields
+    ]
+
+
+@dataclass(frozen=True)
+class QuarantineRecord:
+    """One refused record built on the driver (publishers): a row of the quarantine table."""
+
+    service: str
+    entity: str
+    error_kind: str
+    error_message: str
+    batch_id: int
+    raw_key: bytes | None = None
+    raw_value: bytes | None = None
+    source_table: str | None = None
+    source_version: int | None = None
+    kafka_topic: str | None = None
+    kafka_partition: int | None = None
+    kafka_offset: int | None = None
+    kafka_timestamp: dt.datetime | None = None
+    quarantined_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+
+    def row(self) -> tuple[Any, ...]:
+        """The values in the table's column order."""
+        return tuple(getattr(self, name) for name in QUARANTINE_SCHEMA.fieldNames())
+
+
+def quarantine_frame(spark: SparkSession, records: Sequence[QuarantineRecord]) -> DataFrame:
+    """The records as a DataFrame of the quarantine table's schema."""
+    return frame_from_rows(spark, [r.row() for r in records], QUARANTINE_SCHEMA)
 
 
 #: Compact small files after a commit once enough have gathered (thresholds: the

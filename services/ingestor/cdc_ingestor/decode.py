@@ -19,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from cdc_shared import tables
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
 from cdc_shared.jvm_bridge import avro_compatibility, avro_schema
+from cdc_shared.layout import INGESTOR
 from cdc_shared.schemas import EntitySchemas
 from cdc_shared.spark import clock
 from cdc_shared.tables import AUTO_COMPACT
@@ -590,25 +592,22 @@ def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Colum
     caller to fill in on the driver: a per-batch literal would make the query compile
     anew every batch (see ``cdc_shared.spark.clock``).
     """
-    stamped = batch_id is not None
-    return [
-        F.lit("ingestor").alias("service"),
-        F.lit(entity.name).alias("entity"),
-        F.col("error_kind"),
-        F.col("error_message"),
-        F.col("kafka_topic"),
-        F.col("kafka_partition"),
-        F.col("kafka_offset"),
-        F.col("kafka_timestamp"),
-        F.col("raw_key"),
-        F.col("raw_value"),
-        F.lit(None).cast("string").alias("source_table"),
-        F.lit(None).cast("long").alias("source_version"),
-        (F.lit(batch_id) if stamped else F.lit(None)).cast("long").alias("batch_id"),
-        (F.current_timestamp() if stamped else F.lit(None).cast("timestamp")).alias(
-            "quarantined_at"
-        ),
-    ]
+    given = {
+        name: F.col(name)
+        for name in (
+            "error_kind",
+            "error_message",
+            "kafka_topic",
+            "kafka_partition",
+            "kafka_offset",
+            "kafka_timestamp",
+            "raw_key",
+            "raw_value",
+        )
+    }
+    if batch_id is not None:
+        given |= {"batch_id": F.lit(batch_id), "quarantined_at": F.current_timestamp()}
+    return tables.quarantine_columns(INGESTOR, entity.name, **given)
 
 
 def stamped(rows: Sequence[Row], batch_id: int) -> list[dict[str, Any]]:

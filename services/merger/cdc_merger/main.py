@@ -30,6 +30,7 @@ from cdc_shared.tables import (
     app_id,
     ensure_table,
     idempotent_append,
+    quarantine_columns,
     wait_for_table,
 )
 from pyspark.sql import DataFrame, SparkSession
@@ -69,20 +70,21 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
     """
     row = F.struct(*[F.col(c) for c in rejected.columns if c not in (ERROR_KIND, ERROR_MESSAGE)])
     return rejected.select(
-        F.lit("merger").alias("service"),
-        F.lit(entity).alias("entity"),
-        F.col(ERROR_KIND).alias("error_kind"),
-        F.col(ERROR_MESSAGE).alias("error_message"),
-        "kafka_topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
-        F.to_json(F.col("key")).cast("binary").alias("raw_key"),
-        F.to_json(row).cast("binary").alias("raw_value"),
-        F.lit(f"bronze/{entity}").alias("source_table"),
-        F.lit(None).cast("long").alias("source_version"),
-        F.lit(batch_id).cast("long").alias("batch_id"),
-        F.current_timestamp().alias("quarantined_at"),
+        *quarantine_columns(
+            SERVICE,
+            entity,
+            error_kind=F.col(ERROR_KIND),
+            error_message=F.col(ERROR_MESSAGE),
+            kafka_topic=F.col("kafka_topic"),
+            kafka_partition=F.col("kafka_partition"),
+            kafka_offset=F.col("kafka_offset"),
+            kafka_timestamp=F.col("kafka_timestamp"),
+            raw_key=F.to_json(F.col("key")),
+            raw_value=F.to_json(row),
+            source_table=F.lit(f"bronze/{entity}"),
+            batch_id=F.lit(batch_id),
+            quarantined_at=F.current_timestamp(),
+        )
     )
 
 

@@ -10,7 +10,6 @@ versions it already holds (409, counted as applied).
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import sys
 import time
@@ -22,7 +21,6 @@ import pyarrow as pa
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import PipelineConfig
-from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -36,9 +34,11 @@ from cdc_shared.streaming import (
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
+    QuarantineRecord,
     app_id,
     ensure_table,
     idempotent_append,
+    quarantine_frame,
     wait_for_table,
 )
 from prometheus_client import Histogram
@@ -207,27 +207,21 @@ class EntityPublisher(EntityStreamBase):
         By default ``txn`` is the stream's (query id, batch id): a replayed batch writes its
         rows once.
         """
-        now = dt.datetime.now(dt.UTC)
-        rows = [
-            (
+        records = [
+            QuarantineRecord(
                 SERVICE,
                 self.entity.name,
                 f.kind,
                 f"document {f.action.doc_id!r} (version {f.action.version}): {f.reason}",
-                None,
-                None,
-                None,
-                None,
-                f.action.doc_id.encode(),
-                f.action.source.encode() if f.action.source is not None else None,
-                self.silver_path,
-                f.action.commit_version,
                 batch_id,
-                now,
+                raw_key=f.action.doc_id.encode(),
+                raw_value=f.action.source.encode() if f.action.source is not None else None,
+                source_table=self.silver_path,
+                source_version=f.action.commit_version,
             )
             for f in failures
         ]
-        frame = frame_from_rows(self.spark, rows, QUARANTINE_SCHEMA)
+        frame = quarantine_frame(self.spark, records)
         app, version = txn or (app_id(SERVICE, self.entity.name, self.identity.get()), batch_id)
         idempotent_append(frame, self.quarantine_path, app, version)
         log.warning(

@@ -10,7 +10,6 @@ back (deleted and created again) stops the start, saying how to publish again.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import sys
 import time
@@ -22,7 +21,6 @@ from cdc_shared.avro import SchemaRegistry
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import PUBLISHER_KAFKA
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
@@ -38,9 +36,11 @@ from cdc_shared.streaming import (
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
+    QuarantineRecord,
     app_id,
     ensure_table,
     idempotent_append,
+    quarantine_frame,
     wait_for_table,
 )
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
@@ -213,29 +213,23 @@ class EntityPublication(EntityStreamBase):
         batch_id: int,
     ) -> None:
         """Quarantine the events too large for the change topic (idempotent per batch)."""
-        now = dt.datetime.now(dt.UTC)
         topic = self.entity.change_topic_name
-        rows = [
-            (
+        records = [
+            QuarantineRecord(
                 SERVICE,
                 self.entity.name,
                 OVERSIZED_EVENT,
                 f"{e.describe()}; not published to {topic} (silver version {versions[e.index]})",
-                None,
-                None,
-                None,
-                None,
-                messages[e.index][0],
-                messages[e.index][1],
-                self.silver_path,
-                versions[e.index],
                 batch_id,
-                now,
+                raw_key=messages[e.index][0],
+                raw_value=messages[e.index][1],
+                source_table=self.silver_path,
+                source_version=versions[e.index],
             )
             for e in events
         ]
         idempotent_append(
-            frame_from_rows(self.spark, rows, QUARANTINE_SCHEMA),
+            quarantine_frame(self.spark, records),
             self.quarantine_path,
             app_id(SERVICE, self.entity.name, self.identity.get()),
             batch_id,
