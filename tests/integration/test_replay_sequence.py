@@ -4,7 +4,9 @@
 Ordered by the default ``sequence_by`` (``kafka.partition``, ``kafka.offset``) the
 replayed old change must still order where it was first read; ordered by a source field
 (``source.lsn``) it orders by its payload, which replay keeps. One pipeline holds both:
-customers by Kafka coordinates, orders by ``source.lsn``.
+customers by Kafka coordinates, orders by ``source.lsn``. A change of each is quarantined
+(written with a value schema v2 the pipeline does not know yet), the key's newer changes
+(written with v1) are applied, v2 is deployed and the change replayed.
 
 The expected silver comes from the oracle fed every record of the topic at its own
 coordinates, except those carrying a ``cdc.replay.of`` header: a replay stands for its
@@ -13,23 +15,27 @@ original (which the oracle, knowing every schema, decodes), a forged header for 
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import shutil
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import fastavro
 import pytest
 import yaml
+from cdc_cli.quarantine import LEDGER_SCHEMA, Replay
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_ingestor.replay_origin import REPLAY_HEADER
-from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.avro import AvroEncoder, FileSchemaRegistry
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import KafkaConfig
+from cdc_shared.driver_frames import frame_from_rows
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, generate, ingest_once, quarantine
@@ -75,6 +81,17 @@ def _decoded(data: bytes | None, fingerprints: dict[bytes, Any]) -> Any:
     """A single-object encoded Avro datum, decoded with its writer schema."""
     assert data is not None
     return fastavro.schemaless_reader(io.BytesIO(data[10:]), fingerprints[data[2:10]], None)
+
+
+def _in_v1(message: GeneratedMessage, v1: AvroEncoder, fingerprints: dict[bytes, Any]) -> bytes:
+    """``message``'s value written with value schema v1 (its row images cut to v1's fields)."""
+    envelope = _decoded(message.value, fingerprints)
+    row = v1.schema.definition["fields"][0]["type"][1]
+    names = {f["name"] for f in row["fields"]}
+    for image in ("before", "after"):
+        if envelope[image] is not None:
+            envelope[image] = {k: v for k, v in envelope[image].items() if k in names}
+    return v1.encode(envelope)
 
 
 def _pipeline(make_pipeline: PipelineFactory) -> Pipeline:
@@ -157,9 +174,17 @@ def test_a_replayed_change_does_not_overwrite_a_newer_one(
         )
         for name in SEQUENCE_BY
     }
-    newer = [m for m in later if all(m is not s for s in stale.values())]
+    # The keys' newer changes come written with v1, which the pipeline reads.
+    fingerprints = load_fingerprints([pipeline.schema_dir, producer_schemas])
+    registry = FileSchemaRegistry([pipeline.schema_dir])
+    v1 = {n: AvroEncoder(registry.latest(f"{pipeline.topic(n)}-value")) for n in SEQUENCE_BY}
+    newer = [
+        replace(m, value=_in_v1(m, v1[m.entity], fingerprints))
+        for m in later
+        if all(m is not s for s in stale.values())
+    ]
     customers = config.entity("customers").source_topic
-    last_of_key = {(m.topic, m.key): m for m in messages}
+    last_of_key = {(m.topic, m.key): m for m in [*messages[:switch], *newer]}
     victim = next(
         m
         for m in reversed(newer)
@@ -167,20 +192,21 @@ def test_a_replayed_change_does_not_overwrite_a_newer_one(
         if last_of_key[(m.topic, m.key)] is m
     )
 
-    produce(kafka_config, iter([*messages[:switch], *stale.values()]))
+    produce(kafka_config, iter([*messages[:switch], *stale.values(), *newer]))
+    forged = _forge(kafka_config, customers, victim)  # the bytes of the last change of a key
     ingest_once(pipeline, spark)
-    unknown = {r.entity: r for r in quarantine(spark, pipeline).collect()}
+    merge_once(pipeline, spark)
+    unknown = {
+        r.entity: r
+        for r in quarantine(spark, pipeline).where("error_kind != 'bad_replay_header'").collect()
+    }
     assert {e: r.error_kind for e, r in unknown.items()} == dict.fromkeys(
         SEQUENCE_BY, "unknown_schema"
     )
 
-    # The fix is deployed; the keys' newer changes arrive and are applied.
+    # The fix is deployed: v2 is known; the quarantined changes are replayed.
     for schema in producer_schemas.iterdir():
         shutil.copy(schema, pipeline.schema_dir / schema.name)
-    produce(kafka_config, iter(newer))
-    forged = _forge(kafka_config, customers, victim)  # the bytes of the last change of a key
-    ingest_once(pipeline, spark)
-    merge_once(pipeline, spark)
 
     for name in SEQUENCE_BY:
         replayed = cdc_json(
@@ -197,14 +223,14 @@ def test_a_replayed_change_does_not_overwrite_a_newer_one(
     ingest_once(pipeline, spark)
     merge_once(pipeline, spark)
 
-    fingerprints = load_fingerprints([pipeline.schema_dir])
     ledger = spark.read.format("delta").load(config.layout.replay_ledger())
     for name, message in stale.items():
         entity = config.entity(name)
         oracle = _first_reads(kafka_config, entity_oracle(pipeline, entity, fingerprints))
         key = tuple(_decoded(message.key, fingerprints)[k] for k in entity.key)
         envelope = _decoded(message.value, fingerprints)
-        assert envelope["after"] != oracle.rows[key]  # applied, the replay would change silver
+        expected = oracle.rows[key]
+        assert {c: envelope["after"][c] for c in expected} != expected  # a stale change
         assert_silver_equals(spark, pipeline, oracle)
 
         # Bronze logs where the replay was read, ordered where its change was first read.
@@ -238,3 +264,32 @@ def test_a_replayed_change_does_not_overwrite_a_newer_one(
     assert len(bad) == len(forged), seen
     for case, expected in forged.items():
         assert sum(expected in m for m in seen) == 1, (case, seen)
+
+
+def test_a_replay_of_a_replay_names_where_the_change_was_first_read(
+    spark: SparkSession, make_pipeline: PipelineFactory
+) -> None:
+    """A replayed record that failed again is quarantined at its new offset; replayed once
+    more, its header still names the first read: the ledger leads back to it."""
+    config = make_pipeline(("customers",)).config
+    replay = Replay(config, "customers", spark)
+    replay.ensure_ledger()
+    now = dt.datetime.now(dt.UTC)
+
+    def row(topic: str, origin: tuple[int, int], landed: tuple[int, int] | None) -> tuple[Any, ...]:
+        state, at = ("pending", None) if landed is None else ("done", now)
+        place = landed or (None, None)
+        return ("ingestor", "customers", topic, *origin, "r", state, "{}", now, *place, at)
+
+    rows = [
+        row(replay.topic, (1, 5), (1, 40)),  # replayed to 40, which failed again ...
+        row(replay.topic, (1, 40), (1, 90)),  # ... and was replayed to 90
+        row(replay.topic, (1, 90), None),  # which is being replayed now
+        row(replay.topic, (2, 7), (2, 8)),
+        row("another.topic", (1, 3), (1, 90)),  # another topic's offsets say nothing here
+    ]
+    frame_from_rows(spark, rows, LEDGER_SCHEMA).write.format("delta").mode("append").save(
+        replay.ledger_path
+    )
+    asked = {(1, 90), (1, 40), (2, 8), (2, 9)}
+    assert replay.first_read(asked) == {(1, 90): 5, (1, 40): 5, (2, 8): 7, (2, 9): 9}
