@@ -8,7 +8,9 @@ merger's foreachBatch does. Three variants, each on its own fresh silver table:
   delete, no sequence checks, no tombstones) into a table with CDF, no deletion vectors;
 - before: the merger's batch before the lean path (``merger_before.py``), on silver as
   the merger creates it (CDF and deletion vectors on);
-- lean: the merger's ``apply_batch`` today, on the same kind of silver.
+- lean: the merger's ``apply_batch`` today, on the same kind of silver;
+- lean-off: the same with the unavailable-value check off (``placeholder=None``), for
+  what that check costs (``--variants baseline,lean-off,lean``).
 
 Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does not count
 (the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
@@ -43,6 +45,7 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402
+    DEFAULT_PLACEHOLDER,
     TRUNCATE_SCHEMA,
     MergeState,
     SilverLayout,
@@ -51,6 +54,7 @@ from cdc_merger.apply import (  # noqa: E402
     silver_schema,
     tombstone_schema,
 )
+from cdc_merger.unavailable import Placeholder  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import SparkConfig  # noqa: E402
 from cdc_shared.schemas import entity_schemas  # noqa: E402
@@ -272,8 +276,19 @@ def run_batches(
         print(json.dumps({"variant": variant.name, **batch.__dict__}), flush=True)
 
 
-def lean_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
-    """A fresh silver as the merger creates it, merged by today's ``apply_batch``."""
+def lean_variant(
+    spark: SparkSession,
+    root: Path,
+    bronze: T.StructType,
+    rows: int,
+    placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
+    name: str = "lean",
+) -> Variant:
+    """A fresh silver as the merger creates it, merged by today's ``apply_batch``.
+
+    ``placeholder``: the unavailable-value placeholder it looks for (None: the path
+    without that check, for its cost).
+    """
     layout = SilverLayout(
         str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
     )
@@ -285,9 +300,14 @@ def lean_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: in
         raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
 
     def merge(s: SparkSession, e: DataFrame) -> dict[str, int]:
-        return apply_batch(s, e, layout, refuse, state).step_ms
+        return apply_batch(s, e, layout, refuse, state, placeholder).step_ms
 
-    return Variant("lean", merge, layout.silver_path)
+    return Variant(name, merge, layout.silver_path)
+
+
+def unaware_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
+    """Today's path without the unavailable-value check (``placeholder=None``)."""
+    return lean_variant(spark, root, bronze, rows, placeholder=None, name="lean-off")
 
 
 def before_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
@@ -394,7 +414,12 @@ def main() -> None:
     bronze = bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
     plan = [10_000] * args.repeats + [100_000] * args.repeats
     workdir = Path(tempfile.mkdtemp(prefix="bench-merger-"))
-    makers = {"baseline": baseline_variant, "before": before_variant, "lean": lean_variant}
+    makers = {
+        "baseline": baseline_variant,
+        "before": before_variant,
+        "lean": lean_variant,
+        "lean-off": unaware_variant,
+    }
 
     variants = []
     for name in args.variants.split(","):
