@@ -1,7 +1,11 @@
 """Kafka and Elasticsearch clients built from the pipeline configuration.
 
-Security options (``security.*``, ``sasl.*``, API keys) pass through unchanged; they are
-never logged: use :func:`cdc_shared.config.redact` for anything printed.
+The Kafka security of the configuration (``kafka.security_protocol``, ``kafka.sasl``,
+``kafka.tls``) is rendered here for both kinds of client, whose settings differ:
+librdkafka (confluent-kafka) takes ``sasl.username``/``sasl.password`` and PEM file
+locations; the Java client (Spark's Kafka source and sink) takes a JAAS line and PEM
+trust and key stores. Both renderings hold secrets: never log them (use
+:func:`cdc_shared.config.redact` for anything printed).
 """
 
 from __future__ import annotations
@@ -14,17 +18,105 @@ from elasticsearch import Elasticsearch
 
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
 
+#: The Java client's login module per SASL mechanism (for ``sasl.jaas.config``).
+JAAS_LOGIN_MODULES = {
+    "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
+    "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
+    "SCRAM-SHA-512": "org.apache.kafka.common.security.scram.ScramLoginModule",
+}
+
+
+def librdkafka_security(config: KafkaConfig) -> dict[str, str]:
+    """The typed security as librdkafka settings (holds the password); none for PLAINTEXT."""
+    if config.security_protocol == "PLAINTEXT":
+        return {}
+    settings: dict[str, str] = {"security.protocol": config.security_protocol}
+    if config.sasl is not None:
+        settings["sasl.mechanisms"] = config.sasl.mechanism
+        settings["sasl.username"] = config.sasl.username
+        settings["sasl.password"] = config.sasl.password.get_secret_value()
+    tls = config.tls
+    if tls is not None:
+        settings["ssl.endpoint.identification.algorithm"] = (
+            "https" if tls.verify_hostname else "none"
+        )
+        if tls.ca_file is not None:
+            settings["ssl.ca.location"] = str(tls.ca_file)
+        if tls.certificate_file is not None and tls.key_file is not None:
+            settings["ssl.certificate.location"] = str(tls.certificate_file)
+            settings["ssl.key.location"] = str(tls.key_file)
+        if tls.key_password is not None:
+            settings["ssl.key.password"] = tls.key_password.get_secret_value()
+    return settings
+
+
+def _jaas_quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def java_security(config: KafkaConfig) -> dict[str, str]:
+    """The typed security as Java client settings, without Spark's ``kafka.`` prefix.
+
+    The PEM files are read here, on the driver, and passed by content
+    (``ssl.truststore.certificates``, ``ssl.keystore.certificate.chain``/``.key``): Spark
+    ships source options to its executors, so workers need no copy of the files. (A
+    PEM key store by location would also need an encrypted key: the client refuses a
+    PEM ``ssl.keystore.location`` without ``ssl.key.password``.) Holds the password and
+    the private key: Spark redacts both in plans and its UI (:mod:`cdc_shared.spark`).
+    None for PLAINTEXT.
+    """
+    if config.security_protocol == "PLAINTEXT":
+        return {}
+    settings: dict[str, str] = {"security.protocol": config.security_protocol}
+    if config.sasl is not None:
+        module = JAAS_LOGIN_MODULES[config.sasl.mechanism]
+        username = _jaas_quoted(config.sasl.username)
+        password = _jaas_quoted(config.sasl.password.get_secret_value())
+        settings["sasl.mechanism"] = config.sasl.mechanism
+        settings["sasl.jaas.config"] = f"{module} required username={username} password={password};"
+    tls = config.tls
+    if tls is not None:
+        settings["ssl.endpoint.identification.algorithm"] = "https" if tls.verify_hostname else ""
+        if tls.ca_file is not None:
+            settings["ssl.truststore.type"] = "PEM"
+            settings["ssl.truststore.certificates"] = tls.ca_file.read_text(encoding="ascii")
+        if tls.certificate_file is not None and tls.key_file is not None:
+            settings["ssl.keystore.type"] = "PEM"
+            settings["ssl.keystore.certificate.chain"] = tls.certificate_file.read_text(
+                encoding="ascii"
+            )
+            settings["ssl.keystore.key"] = tls.key_file.read_text(encoding="ascii")
+        if tls.key_password is not None:
+            settings["ssl.key.password"] = tls.key_password.get_secret_value()
+    return settings
+
 
 def kafka_client_config(config: KafkaConfig, **overrides: Any) -> dict[str, Any]:
-    """librdkafka settings: bootstrap servers, the pass-through options, then overrides."""
-    return {"bootstrap.servers": config.bootstrap_servers, **config.options, **overrides}
+    """librdkafka settings: bootstrap servers, security, the pass-through maps, overrides.
+
+    ``options`` then ``librdkafka_options``, so the client-specific map wins.
+    """
+    return {
+        "bootstrap.servers": config.bootstrap_servers,
+        **librdkafka_security(config),
+        **config.options,
+        **config.librdkafka_options,
+        **overrides,
+    }
 
 
 def spark_kafka_options(config: KafkaConfig) -> dict[str, str]:
-    """Options for Spark's Kafka source and sink (``kafka.``-prefixed client settings)."""
-    options = {"kafka.bootstrap.servers": config.bootstrap_servers}
-    options.update({f"kafka.{k}": v for k, v in config.options.items()})
-    return options
+    """Options for Spark's Kafka source and sink (``kafka.``-prefixed client settings).
+
+    Security, then ``options``, then ``java_options`` (the client-specific map wins).
+    """
+    settings = {
+        "bootstrap.servers": config.bootstrap_servers,
+        **java_security(config),
+        **config.options,
+        **config.java_options,
+    }
+    return {f"kafka.{k}": v for k, v in settings.items()}
 
 
 def make_producer(config: KafkaConfig, **overrides: Any) -> Producer:

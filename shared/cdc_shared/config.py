@@ -62,7 +62,11 @@ class ConfigError(ValueError):
 def is_secret_option(name: str) -> bool:
     """Whether a pass-through option (e.g. ``sasl.password``) holds a secret."""
     lowered = name.lower()
-    return any(word in lowered for word in _SECRET_WORDS) or lowered.endswith(".jaas.config")
+    return (
+        any(word in lowered for word in _SECRET_WORDS)
+        or lowered.endswith(".jaas.config")
+        or lowered.endswith("keystore.key")
+    )
 
 
 def redact(options: dict[str, Any]) -> dict[str, Any]:
@@ -168,20 +172,174 @@ class SparkConfig(_Section):
         return dict(self._hadoop)
 
 
+#: Kafka's ``security.protocol`` values (the same names in librdkafka and the Java client).
+SecurityProtocol = Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+#: The SASL mechanisms both clients take with a username and password.
+SaslMechanism = Literal["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"]
+#: Client settings the typed security renders; a pass-through map may not set them too.
+KAFKA_SECURITY_KEYS = frozenset(
+    {
+        "security.protocol",
+        "sasl.mechanism",
+        "sasl.mechanisms",
+        "sasl.username",
+        "sasl.password",
+        "sasl.jaas.config",
+        "ssl.ca.location",
+        "ssl.certificate.location",
+        "ssl.key.location",
+        "ssl.key.password",
+        "ssl.endpoint.identification.algorithm",
+        "ssl.truststore.type",
+        "ssl.truststore.location",
+        "ssl.truststore.certificates",
+        "ssl.keystore.type",
+        "ssl.keystore.location",
+        "ssl.keystore.certificate.chain",
+        "ssl.keystore.key",
+    }
+)
+
+
+def _pem_file(path: Path, kind: str) -> Path:
+    """``path``, checked to be a readable PEM file holding a ``kind`` block.
+
+    Keys must be PKCS#8 (``PRIVATE KEY``, or ``ENCRYPTED PRIVATE KEY`` with
+    ``key_password``): the one PEM key form both librdkafka and the Java client read.
+    """
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    if kind == "PRIVATE KEY" and re.search(r"-----BEGIN (RSA|EC|DSA) PRIVATE KEY-----", text):
+        raise ValueError(
+            f"{path} holds a key in its algorithm's own PEM form, which the Java client "
+            "refuses: convert it to PKCS#8 (openssl pkcs8 -topk8 -nocrypt -in KEY -out NEW)"
+        )
+    if f"-----BEGIN {kind}-----" not in text and f"-----BEGIN ENCRYPTED {kind}-----" not in text:
+        raise ValueError(f"{path} is not a PEM file with a {kind.lower()} block")
+    return path
+
+
+class KafkaSaslConfig(_Section):
+    """SASL credentials: a mechanism, a username and a password (a secret)."""
+
+    mechanism: SaslMechanism = "SCRAM-SHA-512"
+    username: str = Field(min_length=1)
+    password: SecretStr
+
+    @field_validator("username", "password", mode="before")
+    @classmethod
+    def _resolve_secret(cls, value: object) -> object:
+        return _resolve_reference(value) if isinstance(value, str) else value
+
+    @field_validator("password")
+    @classmethod
+    def _not_empty(cls, password: SecretStr) -> SecretStr:
+        if not password.get_secret_value():
+            raise ValueError("must not be empty")
+        return password
+
+
+class KafkaTlsConfig(_Section):
+    """TLS to the brokers: the CA bundle to trust and, for mutual TLS, a client cert + key.
+
+    All files are PEM, the key PKCS#8. Without ``ca_file`` the system's trust store
+    applies (librdkafka) or the JVM's (the Java client). The key may be encrypted
+    (``key_password``, a secret).
+    """
+
+    ca_file: Path | None = None
+    certificate_file: Path | None = None
+    key_file: Path | None = None
+    key_password: SecretStr | None = None
+    verify_hostname: bool = True
+
+    @field_validator("key_password", mode="before")
+    @classmethod
+    def _resolve_secret(cls, value: object) -> object:
+        return _resolve_reference(value) if isinstance(value, str) else value
+
+    @field_validator("ca_file", "certificate_file")
+    @classmethod
+    def _certificates(cls, path: Path | None) -> Path | None:
+        return None if path is None else _pem_file(path.expanduser(), "CERTIFICATE")
+
+    @field_validator("key_file")
+    @classmethod
+    def _key(cls, path: Path | None) -> Path | None:
+        return None if path is None else _pem_file(path.expanduser(), "PRIVATE KEY")
+
+    @model_validator(mode="after")
+    def _certificate_with_key(self) -> Self:
+        if (self.certificate_file is None) != (self.key_file is None):
+            raise ValueError("set both certificate_file and key_file (mutual TLS), or neither")
+        if self.key_password is not None and self.key_file is None:
+            raise ValueError("key_password is set but key_file is not")
+        return self
+
+
 class KafkaConfig(_Section):
-    """Kafka connection; ``options`` pass through to every client (security.*, sasl.*)."""
+    """Kafka connection and security, rendered for both kinds of client.
+
+    The typed part (``security_protocol``, ``sasl``, ``tls``) is rendered by
+    :mod:`cdc_shared.clients` for librdkafka (confluent-kafka: admin, producers,
+    consumers) and for the Java client (Spark's Kafka source and sink), whose settings
+    differ. Pass-through for what it lacks: ``options`` go to both clients,
+    ``librdkafka_options`` only to librdkafka, ``java_options`` (without Spark's
+    ``kafka.`` prefix) only to the Java client; once security is on, none of them may
+    set a key the typed part renders.
+    """
 
     bootstrap_servers: str = "localhost:9092"
+    security_protocol: SecurityProtocol = "PLAINTEXT"
+    sasl: KafkaSaslConfig | None = None
+    tls: KafkaTlsConfig | None = None
     options: dict[str, str] = Field(default_factory=dict, repr=False)
+    librdkafka_options: dict[str, str] = Field(default_factory=dict, repr=False)
+    java_options: dict[str, str] = Field(default_factory=dict, repr=False)
 
-    @field_validator("options")
+    @field_validator("options", "librdkafka_options", "java_options")
     @classmethod
     def _resolve_secrets(cls, options: dict[str, str]) -> dict[str, str]:
         return {k: _resolve_reference(str(v)) for k, v in options.items()}
 
+    @model_validator(mode="after")
+    def _security_consistent(self) -> Self:
+        protocol = self.security_protocol
+        uses_sasl = protocol.startswith("SASL_")
+        uses_tls = protocol.endswith("SSL")
+        if uses_sasl and self.sasl is None:
+            raise ValueError(f"security_protocol {protocol} needs kafka.sasl (mechanism, ...)")
+        if not uses_sasl and self.sasl is not None:
+            raise ValueError(
+                f"kafka.sasl is set but security_protocol is {protocol}: use SASL_SSL "
+                "(or SASL_PLAINTEXT) to authenticate with it"
+            )
+        if not uses_tls and self.tls is not None:
+            raise ValueError(
+                f"kafka.tls is set but security_protocol is {protocol}: use SSL or SASL_SSL"
+            )
+        if protocol != "PLAINTEXT":
+            for name in ("options", "librdkafka_options", "java_options"):
+                clash = sorted(KAFKA_SECURITY_KEYS.intersection(getattr(self, name)))
+                if clash:
+                    raise ValueError(
+                        f"kafka.{name} sets {', '.join(clash)}, which the typed security "
+                        "(security_protocol, sasl, tls) renders: remove it there"
+                    )
+        return self
+
     def redacted_options(self) -> dict[str, str]:
         """The options with secrets masked, for logs and ``cdc status``."""
         return redact(self.options)
+
+    def describe(self) -> str:
+        """Where and how the clients connect, for one-line errors (no secret)."""
+        how: str = self.security_protocol
+        if self.sasl is not None:
+            how += f" {self.sasl.mechanism} as {self.sasl.username!r}"
+        return f"{self.bootstrap_servers} ({how})"
 
 
 class SchemaRegistryConfig(_Section):

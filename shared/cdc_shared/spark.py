@@ -28,6 +28,14 @@ DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 LOCAL_DRIVER_GC = "-XX:+UseParallelGC"
 _NAMES_A_COLLECTOR = re.compile(r"-XX:[+-]Use\w*GC\b")
 
+#: Spark's setting for the data source options it masks in plans, the SQL tab of its UI
+#: and event logs (keys or values matching it; ``spark.redaction.regex`` applies too).
+OPTIONS_REDACTION = "spark.sql.redaction.options.regex"
+#: Spark's default (``url``), plus the Kafka client's secrets that Spark's other pattern
+#: misses by name: the JAAS line (its password) and a PEM key store's private key
+#: (``kafka.ssl.keystore.key``, see :func:`cdc_shared.clients.java_security`).
+OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\.key\.password"
+
 
 def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     """The Spark configuration for ``config``: project defaults, then the user's ``conf``.
@@ -36,7 +44,8 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     named in ``spark.jars.packages`` for Spark to download, which needs Maven Central.
     The storage root's Hadoop settings (``object_storage``: S3A endpoint, credentials)
     become ``spark.hadoop.*`` entries, which executors receive too; Spark's own
-    ``spark.redaction.regex`` hides the secret ones in its UI and event logs. The driver
+    ``spark.redaction.regex`` hides the secret ones in its UI and event logs, and
+    ``OPTIONS_REDACTION`` the Kafka secrets among the source options in plans. The driver
     starts with the class archive of ``make jvm`` when there is one (see
     :mod:`cdc_shared.class_archive`) and, on a local master, the parallel garbage
     collector (``LOCAL_DRIVER_GC``).
@@ -79,6 +88,7 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # file and refuses every restart. Each (service, entity) has its own checkpoint
         # path, so the check guards against nothing here.
         "spark.sql.streaming.verifyCheckpointDirectoryEmptyOnStart": "false",
+        OPTIONS_REDACTION: OPTIONS_REDACTION_PATTERN,
     }
     jars = jvm.spark_jars()
     if jars:
@@ -122,10 +132,13 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
 def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
     """Create (or return the running) SparkSession configured for Delta and Kafka."""
     builder = SparkSession.builder
-    for key, value in spark_conf(config, app_name).items():
+    conf = spark_conf(config, app_name)
+    for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
+    # A running session keeps its SQL settings: the Kafka secrets must be masked there too.
+    session.conf.set(OPTIONS_REDACTION, conf[OPTIONS_REDACTION])
     # A session that was already running (tests, `cdc run`) ignores new spark.hadoop.*
     # entries: set the root's settings on its Hadoop configuration (per bucket, so
     # settings of other roots in the same session stay as they are).
