@@ -8,6 +8,7 @@ exactly what the database's tables hold at the end, key by key and column by col
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from cdc_devkit import infra
 from cdc_devkit.checks import Difference, change_topic_state, compare, index_rows, silver_rows
 from cdc_devkit.debezium import Capture, entity_settings
 from cdc_devkit.local_run import write_pipeline_config
-from cdc_devkit.postgres import TABLES, Database, Table
+from cdc_devkit.postgres import MARKER, TABLES, Database, Table
 
 
 def entity_name(capture: Capture, table: Table) -> str:
@@ -34,16 +35,24 @@ def table_of(entity: EntityConfig) -> Table:
 
 
 def write_postgres_pipeline(
-    workdir: Path, served: infra.Endpoints, registry_url: str, captures: list[Capture], run: str
+    workdir: Path,
+    served: infra.Endpoints,
+    registry_url: str,
+    captures: list[Capture],
+    run: str,
+    avro_as_entity_set: bool = False,
 ) -> Path:
     """The pipeline file: every table of every capture, the registry at ``registry_url``.
 
     Based on the demo's pipeline (loopback servers, free metrics ports, small Spark), with
-    its entities replaced; change topics and indexes are named after ``run``.
+    its entities replaced; change topics and indexes are named after ``run``. With
+    ``avro_as_entity_set``, each Avro capture's tables are one entity set over its
+    topics instead (same entity names, keys taken from Debezium's key schemas).
     """
     path = write_pipeline_config(workdir, served, prefix=run)
     document: dict[str, Any] = yaml.safe_load(path.read_text())
     document["schema_registry"] = {"url": registry_url, "dirs": []}
+    as_set = [c for c in captures if avro_as_entity_set and c.source_format == "avro"]
     document["entities"] = [
         {
             **entity_settings(capture, table, entity_name(capture, table)),
@@ -51,10 +60,24 @@ def write_postgres_pipeline(
             "es_index": f"{run}-{entity_name(capture, table)}".replace("_", "-"),
         }
         for capture in captures
+        if capture not in as_set
         for table in capture.tables
     ]
+    document["entity_sets"] = [_entity_set(capture, run) for capture in as_set]
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def _entity_set(capture: Capture, run: str) -> dict[str, Any]:
+    """Every table ``capture`` writes but the marker, named as ``entity_name`` names them."""
+    return {
+        "topics_regex": re.escape(f"{capture.topic_prefix}.public.") + "(?P<table>.+)",
+        "exclude": [re.escape(capture.topic(MARKER))],
+        "name": f"{capture.label}_{{table}}",
+        "sequence_by": ["source.lsn"],
+        "change_topic": f"{run}.cdc.{{table}}",
+        "es_index": f"{run}-{{table}}",
+    }
 
 
 def outputs_against_database(

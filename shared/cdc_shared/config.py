@@ -609,6 +609,117 @@ class EntityConfig(_Section):
         return self.es_index or self.name
 
 
+#: EntityConfig fields an entity set's ``overrides`` may set per table.
+ENTITY_OVERRIDABLE = frozenset(EntityConfig.model_fields) - {"name", "source_topic"}
+_TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
+
+
+def entity_name_from(raw: str) -> str:
+    """An entity name made of any text: lower case, other characters than ``[a-z0-9_]`` as ``_``.
+
+    A name that would start with a digit or ``_`` gets a ``t`` in front.
+    """
+    name = re.sub(r"[^a-z0-9_]", "_", raw.lower())
+    return name if _IDENTIFIER.match(name) else f"t{name}"
+
+
+def entity_conflict(entities: list[EntityConfig]) -> str | None:
+    """Why ``entities`` cannot run side by side (a shared name, topic, index...), or None."""
+    for attribute in (
+        "name",
+        "source_topic",
+        "change_topic_name",
+        "change_event_namespace",
+        "es_index_name",
+    ):
+        seen: set[str] = set()
+        for entity in entities:
+            value = getattr(entity, attribute)
+            if value in seen:
+                return f"two entities share the {attribute} {value!r}"
+            seen.add(value)
+    return None
+
+
+class EntitySetConfig(_Section):
+    """Many tables at once: the source topics a pattern selects (``entity_sets`` in the file).
+
+    Each selected topic becomes an entity (cdc_shared.entity_sets resolves them at start,
+    from the broker's topic list). Templates (``name``, ``change_topic``, ``es_index``)
+    take ``{table}`` (the entity name), ``{topic}`` and the pattern's named groups.
+    """
+
+    topics_regex: str | None = None  # full match over topic names
+    topics: list[str] = Field(default_factory=list)  # topics selected by name
+    exclude: list[str] = Field(default_factory=list)  # topic names or full-match patterns
+    name: str | None = None  # template; default: the `table` group, the first, the last segment
+    key: list[str] | None = Field(default=None, min_length=1)  # default: the key schema's fields
+    sequence_by: list[str] = Field(
+        default_factory=lambda: list(KAFKA_COORDINATE_SEQUENCE), min_length=1
+    )
+    change_topic: str = "cdc.{table}"
+    es_index: str = "{table}"
+    value_format: Format = "avro"
+    key_format: Format = "avro"
+    decimal_handling: DecimalHandling = "precise"
+    overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per table name
+
+    @field_validator("topics_regex")
+    @classmethod
+    def _compiles(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression ({exc}): {pattern!r}") from None
+        return pattern
+
+    @field_validator("exclude")
+    @classmethod
+    def _excludes_compile(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            cls._compiles(pattern)
+        return patterns
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_override_fields(cls, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        for table, fields in overrides.items():
+            unknown = sorted(set(fields) - ENTITY_OVERRIDABLE)
+            if unknown:
+                raise ValueError(
+                    f"{table}: cannot override {unknown}; a table may override: "
+                    f"{', '.join(sorted(ENTITY_OVERRIDABLE))}"
+                )
+        return overrides
+
+    @model_validator(mode="after")
+    def _selects_and_templates(self) -> Self:
+        if self.topics_regex is None and not self.topics:
+            raise ValueError("give topics_regex, topics, or both")
+        groups = set(re.compile(self.topics_regex).groupindex) if self.topics_regex else set()
+        for attribute, known in (
+            ("name", groups | {"topic"}),
+            ("change_topic", groups | {"topic", "table"}),
+            ("es_index", groups | {"topic", "table"}),
+        ):
+            template = getattr(self, attribute)
+            if template is None:
+                continue
+            unknown = sorted(set(_TEMPLATE_FIELD.findall(template)) - known)
+            if unknown:
+                raise ValueError(
+                    f"{attribute} template {template!r} names {unknown}; it may use: "
+                    f"{', '.join('{' + k + '}' for k in sorted(known))}"
+                )
+        return self
+
+    @property
+    def label(self) -> str:
+        """How errors name this set: its pattern, else its first topics."""
+        return repr(self.topics_regex) if self.topics_regex else repr(self.topics[:3])
+
+
 class PipelineConfig(BaseSettings):
     """The whole pipeline configuration (docs/design.md, "Pipeline configuration")."""
 
@@ -623,6 +734,7 @@ class PipelineConfig(BaseSettings):
     schema_registry: SchemaRegistryConfig = Field(default_factory=SchemaRegistryConfig)
     elasticsearch: ElasticsearchConfig = Field(default_factory=ElasticsearchConfig)
     entities: list[EntityConfig] = Field(default_factory=list)
+    entity_sets: list[EntitySetConfig] = Field(default_factory=list)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
@@ -670,19 +782,9 @@ class PipelineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _entities_distinct(self) -> Self:
-        for attribute in (
-            "name",
-            "source_topic",
-            "change_topic_name",
-            "change_event_namespace",
-            "es_index_name",
-        ):
-            seen: set[str] = set()
-            for entity in self.entities:
-                value = getattr(entity, attribute)
-                if value in seen:
-                    raise ValueError(f"two entities share the {attribute} {value!r}")
-                seen.add(value)
+        problem = entity_conflict(self.entities)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def entity(self, name: str) -> EntityConfig:
@@ -731,7 +833,9 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
     """Read, resolve and validate the pipeline configuration.
 
     ``path`` defaults to ``$CDC_CONFIG``; with neither, only defaults and ``CDC_*``
-    environment variables apply.
+    environment variables apply. With ``entity_sets``, the entities they select are
+    resolved here, once: the broker lists its topics and the registry gives key schemas
+    (cdc_shared.entity_sets).
     """
     chosen = path if path is not None else os.environ.get(CONFIG_ENV_VAR)
     data: dict[str, Any] = {}
@@ -749,6 +853,11 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
             raise ConfigError(f"configuration file {file} must hold a mapping at the top level")
         data = loaded or {}
     try:
-        return PipelineConfig(**data)
+        config = PipelineConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(source, exc)) from None
+    if not config.entity_sets:
+        return config
+    from cdc_shared.entity_sets import with_discovered_entities  # it imports this module
+
+    return with_discovered_entities(config)

@@ -1,0 +1,154 @@
+"""Tables by pattern: which topics an entity set selects and the entities it makes of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from cdc_shared.config import ConfigError, PipelineConfig, entity_name_from
+from cdc_shared.entity_sets import resolve_entity_sets, with_discovered_entities
+
+BROKER_TOPICS = [
+    "dbserver1.inventory.customers",
+    "dbserver1.inventory.orders",
+    "dbserver1.inventory.order_lines",
+    "dbserver1.inventory.audit_log",
+    "dbserver1.inventory.tmp_import_2024",
+    "dbserver1.other.customers",
+    "connect-configs",
+    "cdc.inventory.customers",  # this pipeline's own change topic
+    "_cdc_publisher_progress",
+]
+KEYS = {
+    "dbserver1.inventory.customers": ["id"],
+    "dbserver1.inventory.orders": ["order_id"],
+    "dbserver1.inventory.order_lines": ["order_id", "line_no"],
+}
+
+
+def config(*sets: dict[str, Any], entities: list[dict[str, Any]] | None = None) -> PipelineConfig:
+    return PipelineConfig(entity_sets=list(sets), entities=entities or [])
+
+
+def resolved(cfg: PipelineConfig, topics: list[str] = BROKER_TOPICS) -> dict[str, Any]:
+    return {e.name: e for e in resolve_entity_sets(cfg, topics, KEYS.get)}
+
+
+def test_a_pattern_selects_topics_names_tables_and_takes_keys_from_key_schemas() -> None:
+    cfg = config(
+        {
+            "topics_regex": r"dbserver1\.inventory\.(?P<table>.+)",
+            "exclude": ["dbserver1.inventory.audit_log", r".*\.tmp_.*"],
+            "change_topic": "cdc.inventory.{table}",
+            "es_index": "inventory-{table}",
+            "sequence_by": ["source.lsn"],
+            "overrides": {"orders": {"sequence_by": ["source.ts_ms", "source.lsn"]}},
+        }
+    )
+    entities = resolved(cfg)
+    assert sorted(entities) == ["customers", "order_lines", "orders"]
+    lines = entities["order_lines"]
+    assert lines.source_topic == "dbserver1.inventory.order_lines"
+    assert lines.key == ["order_id", "line_no"]
+    assert lines.sequence_by == ["source.lsn"]
+    assert lines.change_topic_name == "cdc.inventory.order_lines"
+    assert lines.es_index_name == "inventory-order_lines"
+    assert entities["orders"].sequence_by == ["source.ts_ms", "source.lsn"]
+    # The pipeline's own outputs and other schemas' topics are never selected.
+    assert all(e.source_topic.startswith("dbserver1.inventory.") for e in entities.values())
+
+
+def test_an_entity_listed_by_hand_wins_over_a_set_and_keeps_its_settings() -> None:
+    cfg = config(
+        {"topics_regex": r"dbserver1\.inventory\.(customers|orders)"},
+        entities=[
+            {
+                "name": "clients",
+                "source_topic": "dbserver1.inventory.customers",
+                "key": ["id"],
+                "change_topic": "cdc.clients",
+            }
+        ],
+    )
+    entities = resolved(cfg)
+    assert sorted(entities) == ["orders"]  # customers is the hand-listed `clients`
+    assert entities["orders"].change_topic_name == "cdc.orders"
+
+
+def test_listed_topics_take_the_last_segment_or_a_name_template() -> None:
+    plain = config({"topics": ["dbserver1.other.customers"], "key": ["id"]})
+    assert sorted(resolved(plain)) == ["customers"]
+    templated = config(
+        {
+            "topics": ["dbserver1.inventory.orders", "dbserver1.other.customers"],
+            "key": ["id"],
+            "name": "{topic}",
+        }
+    )
+    assert sorted(resolved(templated)) == [
+        "dbserver1_inventory_orders",
+        "dbserver1_other_customers",
+    ]
+
+
+def test_a_topic_without_key_schema_or_configured_key_is_refused_by_name() -> None:
+    cfg = config({"topics_regex": r"dbserver1\.inventory\.(.+)"})
+    with pytest.raises(ConfigError, match=r"'dbserver1\.inventory\.audit_log'.*no key schema"):
+        resolved(cfg)
+    keyed = config(
+        {"topics_regex": r"dbserver1\.inventory\.(.+)", "overrides": {"audit_log": {"key": ["at"]}}}
+    )
+    with pytest.raises(ConfigError, match="tmp_import_2024"):
+        resolved(keyed)
+
+
+def test_two_sets_selecting_one_topic_and_two_topics_making_one_table_are_errors() -> None:
+    overlapping = config(
+        {"topics_regex": r"dbserver1\.inventory\.(.+)", "key": ["id"]},
+        {"topics": ["dbserver1.inventory.orders"], "key": ["id"]},
+    )
+    with pytest.raises(ConfigError, match="selected by two entity sets"):
+        resolved(overlapping)
+    same_name = config({"topics_regex": r"dbserver1\.\w+\.(customers)", "key": ["id"]})
+    with pytest.raises(ConfigError, match="share the name 'customers'"):
+        resolved(same_name)
+
+
+def test_a_catch_all_pattern_does_not_feed_on_its_own_change_topics() -> None:
+    cfg = config({"topics_regex": r"dbserver1\.inventory\.(orders)|cdc\.(.+)", "key": ["id"]})
+    topics = ["dbserver1.inventory.orders", "cdc.orders"]
+    assert [e.source_topic for e in resolve_entity_sets(cfg, topics, KEYS.get)] == [
+        "dbserver1.inventory.orders"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("entity_set", "message"),
+    [
+        ({}, "give topics_regex, topics, or both"),
+        ({"topics_regex": "db.(unclosed"}, "not a regular expression"),
+        ({"topics": ["a"], "change_topic": "cdc.{schema}.{table}"}, r"names \['schema'\]"),
+        ({"topics_regex": r"(?P<db>\w+)\.(?P<table>\w+)", "name": "{schema}"}, "names"),
+        ({"topics": ["a"], "overrides": {"a": {"source_topic": "b"}}}, "cannot override"),
+    ],
+)
+def test_a_wrong_entity_set_fails_at_load_with_its_path(
+    entity_set: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as caught:
+        config(entity_set)
+    assert "entity_sets" in str(caught.value)
+
+
+def test_discovery_adds_the_selected_entities_and_leaves_configs_without_sets_alone() -> None:
+    cfg = config({"topics_regex": r"dbserver1\.inventory\.(orders)", "key": ["order_id"]})
+    found = with_discovered_entities(cfg, topics=lambda _config: BROKER_TOPICS)
+    assert [e.name for e in found.entities] == ["orders"]
+    assert found.entity("orders").key == ["order_id"]
+    bare = PipelineConfig()
+    assert with_discovered_entities(bare, topics=lambda _config: BROKER_TOPICS) is bare
+
+
+def test_entity_names_are_made_from_any_text() -> None:
+    assert entity_name_from("Order-Lines") == "order_lines"
+    assert entity_name_from("2024_sales") == "t2024_sales"
