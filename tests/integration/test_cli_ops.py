@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -141,6 +143,26 @@ def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -
     text = cdc("status", *world.config_args)
     assert text.exit_code == 0, text.output
     assert "publisher_es" in text.stdout and "not started" in text.stdout
+
+
+def test_status_without_a_jvm_reads_what_spark_reads(world: World, spark: SparkSession) -> None:
+    """The default engine (delta-rs, checkpoint files read directly) reports exactly what
+    the Spark engine reads of the same tables and checkpoints (silver with deletion
+    vectors and a change feed), in a process that never imports PySpark."""
+    through_spark = collect_status(world.pipeline.config, spark=spark, engine="spark")
+    script = (
+        "import json, sys\n"
+        "from cdc_cli.status import collect_status\n"
+        "from cdc_shared.config import load_config\n"
+        f"report = collect_status(load_config({str(world.pipeline.path)!r}))\n"
+        "assert 'pyspark' not in sys.modules, 'PySpark was imported'\n"
+        "print(json.dumps(report.to_dict()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == json.loads(json.dumps(through_spark.to_dict()))
 
 
 def test_a_publisher_caught_up_on_a_version_with_cdc_files_shows_no_lag(

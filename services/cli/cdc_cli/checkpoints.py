@@ -5,8 +5,17 @@ Structured Streaming checkpoint records, per micro-batch ``n``, the end offsets 
 sources in ``offsets/<n>`` and marks the batch done with ``commits/<n>``; the offsets of the
 last committed batch are where the stream resumes; telling whether a Delta source read
 the version its offset names to the end can take one commit file of the table's log
-(:func:`delta_position`). Files are read through Spark's Hadoop FileSystem, so the same
-code serves a local storage root and object storage.
+(:func:`delta_position`).
+
+Files and tables are read through a :class:`StateReader`, so the same rules serve two
+ways of reading, each for a local storage root and object storage alike:
+:class:`SparkState`, through Spark's Hadoop FileSystem and Delta Lake (the services' own
+view, for commands that hold a session anyway), and
+:class:`cdc_cli.delta_log.DeltaLogState`, without a JVM (delta-rs and plain file reads),
+for read-only commands that must answer in a second. The functions that take a
+SparkSession instead of a reader read through :class:`SparkState`. Nothing here imports
+PySpark until a Spark reader is used: importing it alone costs a read-only command a
+noticeable part of its time.
 """
 
 from __future__ import annotations
@@ -15,11 +24,10 @@ import datetime as dt
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cdc_shared.jvm_bridge import hadoop_path, read_text, read_text_if_exists
-from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 # Delta's END_INDEX (Long.MaxValue - 100) marks "every file of this version was read".
 _END_INDEX_THRESHOLD = 1 << 62
@@ -33,30 +41,75 @@ class CommittedBatch:
     sources: tuple[Any, ...]
 
 
-def list_names(spark: SparkSession, path: str) -> list[str] | None:
+@runtime_checkable
+class StateReader(Protocol):
+    """Read access to the files and Delta tables under a storage root (paths as configured)."""
+
+    def list_names(self, path: str) -> list[str] | None:
+        """Names of the entries in the folder ``path``; None when it does not exist."""
+        ...
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        """The file ``path`` as UTF-8 text; None when there is no such file."""
+        ...
+
+    def table_version(self, path: str) -> int | None:
+        """The latest version of the Delta table at ``path``; None when there is no table."""
+        ...
+
+    def history(self, path: str, since: int = 0) -> dict[int, Commit]:
+        """The versions at or after ``since`` still in the history of the table at ``path``.
+
+        The table must exist (see :meth:`table_version`).
+        """
+        ...
+
+    def count_by(self, path: str, column: str) -> dict[str, int] | None:
+        """Rows per value of ``column`` in the table at ``path``; None when there is no table."""
+        ...
+
+
+def state_reader(source: StateReader | SparkSession) -> StateReader:
+    """``source`` itself when it is a reader, else a :class:`SparkState` on the session."""
+    return source if isinstance(source, StateReader) else SparkState(source)
+
+
+def list_names(source: StateReader | SparkSession, path: str) -> list[str] | None:
     """Names of the entries in the folder ``path``; None when it does not exist."""
-    fs, folder = hadoop_path(spark, path)
-    if not fs.exists(folder):
-        return None
-    return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
+    return state_reader(source).list_names(path)
 
 
-def last_committed_batch(spark: SparkSession, checkpoint: str) -> CommittedBatch | None:
+def last_committed_batch(
+    source: StateReader | SparkSession, checkpoint: str
+) -> CommittedBatch | None:
     """The last committed batch of the stream checkpointed at ``checkpoint``; None if none.
 
     A batch planned but not committed (``offsets/<n>`` without ``commits/<n>``) is run again
     from the previous batch's end on restart, so it is ignored here.
     """
-    commits = list_names(spark, f"{checkpoint.rstrip('/')}/commits")
+    reader = state_reader(source)
+    folder = checkpoint.rstrip("/")
+    commits = reader.list_names(f"{folder}/commits")
     done = [int(name) for name in commits or [] if name.isdigit()]
     if not done:
         return None
     batch_id = max(done)
-    text = read_text(spark, f"{checkpoint.rstrip('/')}/offsets/{batch_id}")
+    text = reader.read_text_if_exists(f"{folder}/offsets/{batch_id}")
+    if text is None:
+        raise FileNotFoundError(
+            f"the stream checkpoint {checkpoint} committed batch {batch_id} but has no "
+            f"offsets/{batch_id}: the checkpoint is damaged; restore it or rebuild the stream"
+        )
+    return CommittedBatch(batch_id, parse_offsets(text))
+
+
+def parse_offsets(text: str) -> tuple[Any, ...]:
+    """The sources' end offsets in an ``offsets/<n>`` file (None for a source without one).
+
+    Line 1 is the format version, line 2 the batch metadata, then one line per source.
+    """
     lines = text.splitlines()
-    # Line 1 is the format version, line 2 the batch metadata, then one line per source.
-    sources = tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])
-    return CommittedBatch(batch_id, sources)
+    return tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])
 
 
 @dataclass(frozen=True)
@@ -126,15 +179,16 @@ def indexed_file_count(commit: str, change_feed: bool) -> int:
 
 
 def commit_file_counter(
-    spark: SparkSession, path: str, change_feed: bool
+    source: StateReader | SparkSession, path: str, change_feed: bool
 ) -> Callable[[int], int | None]:
     """``files_in_version`` for :func:`delta_position` on the Delta table at ``path``.
 
     Each call reads one commit file of the table's log; None when that file is gone.
     """
+    reader = state_reader(source)
 
     def files_in_version(version: int) -> int | None:
-        commit = read_text_if_exists(spark, f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
+        commit = reader.read_text_if_exists(f"{path.rstrip('/')}/_delta_log/{version:020d}.json")
         return None if commit is None else indexed_file_count(commit, change_feed)
 
     return files_in_version
@@ -170,17 +224,8 @@ NO_DATA_OPERATIONS = frozenset(
 
 
 def table_history(spark: SparkSession, path: str) -> dict[int, Commit]:
-    """Every version still in the history of the Delta table at ``path``."""
-    rows = (
-        DeltaTable.forPath(spark, path)
-        .history()
-        .select("version", "timestamp", "operation")
-        .collect()
-    )
-    return {
-        int(r["version"]): Commit(int(r["version"]), as_utc(r["timestamp"]), str(r["operation"]))
-        for r in rows
-    }
+    """Every version still in the history of the Delta table at ``path`` (through Spark)."""
+    return SparkState(spark).history(path)
 
 
 def data_commits_from(history: dict[int, Commit], version: int) -> list[Commit]:
@@ -190,15 +235,14 @@ def data_commits_from(history: dict[int, Commit], version: int) -> list[Commit]:
 
 def is_delta_table(spark: SparkSession, path: str) -> bool:
     """Whether ``path`` holds a Delta table."""
+    from delta.tables import DeltaTable
+
     return bool(DeltaTable.isDeltaTable(spark, path))
 
 
 def table_version(spark: SparkSession, path: str) -> int | None:
     """The latest version of the Delta table at ``path``; None when there is no table."""
-    if not is_delta_table(spark, path):
-        return None
-    row = DeltaTable.forPath(spark, path).history(1).select("version").head()
-    return None if row is None else int(row["version"])
+    return SparkState(spark).table_version(path)
 
 
 def as_utc(value: dt.datetime) -> dt.datetime:
@@ -208,3 +252,63 @@ def as_utc(value: dt.datetime) -> dt.datetime:
     which ``astimezone`` assumes for naive values.
     """
     return value.astimezone(dt.UTC)
+
+
+class SparkState:
+    """A :class:`StateReader` through a SparkSession: Hadoop's file systems and Delta Lake.
+
+    Timestamps are those of Delta Lake's history: the commit file's modification time,
+    unless the table has in-commit timestamps.
+    """
+
+    def __init__(self, spark: SparkSession) -> None:
+        self.spark = spark
+
+    def list_names(self, path: str) -> list[str] | None:
+        """Names of the entries in the folder ``path``; None when it does not exist."""
+        from cdc_shared.jvm_bridge import hadoop_path
+
+        fs, folder = hadoop_path(self.spark, path)
+        if not fs.exists(folder):
+            return None
+        return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        """The file ``path`` as UTF-8 text; None when there is no such file."""
+        from cdc_shared.jvm_bridge import read_text_if_exists
+
+        return read_text_if_exists(self.spark, path)
+
+    def table_version(self, path: str) -> int | None:
+        """The latest version of the Delta table at ``path``; None when there is no table."""
+        from delta.tables import DeltaTable
+
+        if not is_delta_table(self.spark, path):
+            return None
+        row = DeltaTable.forPath(self.spark, path).history(1).select("version").head()
+        return None if row is None else int(row["version"])
+
+    def history(self, path: str, since: int = 0) -> dict[int, Commit]:
+        """The versions at or after ``since`` still in the history of the table at ``path``."""
+        from delta.tables import DeltaTable
+
+        rows = (
+            DeltaTable.forPath(self.spark, path)
+            .history()
+            .where(f"version >= {int(since)}")
+            .select("version", "timestamp", "operation")
+            .collect()
+        )
+        return {
+            int(r["version"]): Commit(
+                int(r["version"]), as_utc(r["timestamp"]), str(r["operation"])
+            )
+            for r in rows
+        }
+
+    def count_by(self, path: str, column: str) -> dict[str, int] | None:
+        """Rows per value of ``column`` in the table at ``path``; None when there is no table."""
+        if not is_delta_table(self.spark, path):
+            return None
+        rows = self.spark.read.format("delta").load(path).groupBy(column).count().collect()
+        return {str(r[column]): int(r["count"]) for r in rows}

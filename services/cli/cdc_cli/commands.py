@@ -61,6 +61,12 @@ def status_command(
     config: Path = ConfigPath,
     entity: list[str] = Entities,
     as_json: bool = AsJson,
+    engine: str = typer.Option(
+        "delta-rs",
+        "--engine",
+        hidden=True,
+        help="How to read tables and checkpoints: delta-rs (no JVM) or spark.",
+    ),
 ) -> None:
     """Per entity: table versions, each service's lag, and quarantine counts.
 
@@ -71,9 +77,11 @@ def status_command(
     """
     from cdc_cli import status
 
+    if engine not in status.ENGINES:
+        _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
     pipeline = _config(config)
     with _problems():
-        report = status.collect_status(pipeline, entity or None)
+        report = status.collect_status(pipeline, entity or None, engine=engine)
     _emit(as_json, report.to_dict, lambda: status.render(report))
 
 

@@ -14,32 +14,41 @@ service would resume from, so it is right whether the services run or not.
 Versions count only when they change data: an OPTIMIZE or VACUUM commit is skipped by
 streams, so it is not lag. A table or checkpoint that does not exist yet shows as "not
 started", never as an error.
+
+Tables and checkpoints are read without a JVM (delta-rs, :mod:`cdc_cli.delta_log`), so
+the command answers in about a second; the Spark engine (``--engine spark``, a hidden
+option) reads the same state through a Spark session, for comparison.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import QUARANTINE_WRITERS, publisher_progress_group
 from confluent_kafka import KafkaException, TopicPartition
-from pyspark.sql import SparkSession
 
 from cdc_cli.checkpoints import (
-    Commit,
+    StateReader,
     commit_file_counter,
     data_commits_from,
     delta_position,
-    is_delta_table,
     last_committed_batch,
-    table_history,
 )
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 NOT_STARTED = "not started"
 KAFKA_TIMEOUT_S = 10.0
+#: How ``cdc status`` reads tables and checkpoints: delta-rs and plain file reads (the
+#: default, no JVM), or a Spark session (the services' own view; ``--engine spark``).
+DELTA_RS = "delta-rs"
+SPARK = "spark"
+ENGINES = (DELTA_RS, SPARK)
 
 
 @dataclass(frozen=True)
@@ -90,11 +99,15 @@ class StatusReport:
         }
 
 
+def _data_versions_from(reader: StateReader, path: str, version: int) -> int:
+    """How many versions of the table at ``path``, from ``version`` on, change data."""
+    return len(data_commits_from(reader.history(path, version), version))
+
+
 def _delta_stream_lag(
-    spark: SparkSession,
+    reader: StateReader,
     service: str,
     checkpoint: str,
-    history: dict[int, Commit] | None,
     table: str,
     path: str,
     change_feed: bool,
@@ -103,13 +116,13 @@ def _delta_stream_lag(
 
     ``path`` is the table's; ``change_feed``: the stream reads its Change Data Feed.
     """
-    batch = last_committed_batch(spark, checkpoint)
+    batch = last_committed_batch(reader, checkpoint)
     if batch is None or not batch.sources:
         return StreamLag(service, None, "versions", NOT_STARTED)
-    if history is None:
+    if reader.table_version(path) is None:
         return StreamLag(service, None, "versions", f"{table} table is missing")
-    position = delta_position(batch.sources[0], commit_file_counter(spark, path, change_feed))
-    lag = len(data_commits_from(history, position.next_version))
+    position = delta_position(batch.sources[0], commit_file_counter(reader, path, change_feed))
+    lag = _data_versions_from(reader, path, position.next_version)
     note = f"batch {batch.batch_id}, next {table} version {position.next_version}"
     return StreamLag(service, lag, "versions", note)
 
@@ -131,14 +144,14 @@ def kafka_end_offsets(config: PipelineConfig, topic: str) -> dict[int, tuple[int
         consumer.close()
 
 
-def ingestor_lag(config: PipelineConfig, entity: EntityConfig, spark: SparkSession) -> StreamLag:
+def ingestor_lag(config: PipelineConfig, entity: EntityConfig, reader: StateReader) -> StreamLag:
     """Records in the source topic after the offsets of the ingestor's last committed batch."""
     service = "ingestor"
     try:
         watermarks = kafka_end_offsets(config, entity.source_topic)
     except KafkaException as exc:
         return StreamLag(service, None, "records", f"Kafka unavailable: {exc.args[0].str()}")
-    batch = last_committed_batch(spark, config.checkpoint_path(service, entity.name))
+    batch = last_committed_batch(reader, config.checkpoint_path(service, entity.name))
     waiting = sum(high - low for low, high in watermarks.values())
     if batch is None or not batch.sources:
         return StreamLag(service, None, "records", f"{NOT_STARTED} ({waiting} records in topic)")
@@ -166,92 +179,101 @@ def published_version(config: PipelineConfig, entity: EntityConfig) -> int | Non
 
 
 def publisher_kafka_lag(
-    config: PipelineConfig,
-    entity: EntityConfig,
-    spark: SparkSession,
-    silver: dict[int, Commit] | None,
+    config: PipelineConfig, entity: EntityConfig, reader: StateReader
 ) -> StreamLag:
     """Silver versions after the furthest of the published progress and the checkpoint."""
     service = "publisher_kafka"
+    silver = config.layout.silver(entity.name)
     checkpointed = _delta_stream_lag(
-        spark,
+        reader,
         service,
         config.checkpoint_path(service, entity.name),
-        silver,
         "silver",
-        config.layout.silver(entity.name),
+        silver,
         change_feed=True,
     )
     try:
         published = published_version(config, entity)
     except KafkaException as exc:
         return StreamLag(service, None, "versions", f"Kafka unavailable: {exc.args[0].str()}")
-    if published is None or silver is None:
+    if published is None or reader.table_version(silver) is None:
         return checkpointed
-    lag = len(data_commits_from(silver, published + 1))
+    lag = _data_versions_from(reader, silver, published + 1)
     if checkpointed.lag is not None:
         lag = min(lag, checkpointed.lag)
     return StreamLag(service, lag, "versions", f"published up to silver version {published}")
 
 
-def quarantine_counts(config: PipelineConfig, spark: SparkSession) -> dict[str, dict[str, int]]:
+def quarantine_counts(config: PipelineConfig, reader: StateReader) -> dict[str, dict[str, int]]:
     """Rows per entity in each service's quarantine table that exists."""
     counts: dict[str, dict[str, int]] = {}
     for service in QUARANTINE_WRITERS:
-        path = config.layout.quarantine(service)
-        if not is_delta_table(spark, path):
-            continue
-        rows = spark.read.format("delta").load(path).groupBy("entity").count().collect()
-        counts[service] = {str(r["entity"]): int(r["count"]) for r in rows}
+        per_entity = reader.count_by(config.layout.quarantine(service), "entity")
+        if per_entity is not None:
+            counts[service] = per_entity
     return counts
 
 
-def _history(spark: SparkSession, path: str) -> dict[int, Commit] | None:
-    return table_history(spark, path) if is_delta_table(spark, path) else None
+def state_reader(
+    config: PipelineConfig, engine: str = DELTA_RS, spark: SparkSession | None = None
+) -> StateReader:
+    """The reader of tables and checkpoints for ``engine`` (one of ``ENGINES``).
 
+    The Spark engine reads through ``spark``, or a session built from the configuration.
+    """
+    if engine == DELTA_RS:
+        from cdc_cli.delta_log import DeltaLogState
 
-def _latest(history: dict[int, Commit] | None) -> int | None:
-    return max(history) if history else None
+        return DeltaLogState(config)
+    if engine == SPARK:
+        from cdc_shared.spark import build_spark_session
+
+        from cdc_cli.checkpoints import SparkState
+
+        return SparkState(spark or build_spark_session(config.spark, "cdc-status"))
+    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
 
 
 def collect_status(
-    config: PipelineConfig, entity_names: list[str] | None = None, spark: SparkSession | None = None
+    config: PipelineConfig,
+    entity_names: list[str] | None = None,
+    spark: SparkSession | None = None,
+    engine: str = DELTA_RS,
 ) -> StatusReport:
-    """Versions, lags and quarantine counts for the selected entities (default: all)."""
-    from cdc_shared.spark import build_spark_session
+    """Versions, lags and quarantine counts for the selected entities (default: all).
 
+    ``engine`` says how tables and checkpoints are read (:func:`state_reader`); ``spark``
+    serves only the Spark engine.
+    """
     entities = config.select_entities(entity_names)
-    spark = spark or build_spark_session(config.spark, "cdc-status")
+    reader = state_reader(config, engine, spark)
     statuses = []
     for entity in entities:
         bronze_path = config.layout.bronze(entity.name)
         silver_path = config.layout.silver(entity.name)
-        bronze = _history(spark, bronze_path)
-        silver = _history(spark, silver_path)
         streams = (
-            ingestor_lag(config, entity, spark),
+            ingestor_lag(config, entity, reader),
             _delta_stream_lag(
-                spark,
+                reader,
                 "merger",
                 config.checkpoint_path("merger", entity.name),
-                bronze,
                 "bronze",
                 bronze_path,
                 change_feed=False,
             ),
-            publisher_kafka_lag(config, entity, spark, silver),
+            publisher_kafka_lag(config, entity, reader),
             _delta_stream_lag(
-                spark,
+                reader,
                 "publisher_es",
                 config.checkpoint_path("publisher_es", entity.name),
-                silver,
                 "silver",
                 silver_path,
                 change_feed=True,
             ),
         )
-        statuses.append(EntityStatus(entity.name, _latest(bronze), _latest(silver), streams))
-    return StatusReport(tuple(statuses), quarantine_counts(config, spark))
+        versions = (reader.table_version(bronze_path), reader.table_version(silver_path))
+        statuses.append(EntityStatus(entity.name, *versions, streams))
+    return StatusReport(tuple(statuses), quarantine_counts(config, reader))
 
 
 def render(report: StatusReport) -> str:

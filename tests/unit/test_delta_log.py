@@ -1,0 +1,145 @@
+"""Reading the storage root without a JVM (cdc_cli.delta_log): storage options, tables, files.
+
+Tables here are written by delta-rs itself (no Spark in unit tests); the integration
+tests (test_cli_ops, test_object_storage) read what the services' Delta Lake wrote, on
+local disk and on S3, and compare with the Spark engine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from cdc_cli.checkpoints import last_committed_batch
+from cdc_cli.delta_log import DeltaLogState, delta_storage_options, table_uri
+from cdc_shared.config import PipelineConfig
+from deltalake import DeltaTable, write_deltalake
+
+
+def _s3_config(**storage: object) -> PipelineConfig:
+    return PipelineConfig(storage_root="s3a://cdc-bucket/prod", object_storage=storage)
+
+
+def test_an_s3a_root_maps_to_the_same_storage_for_delta_rs() -> None:
+    config = _s3_config(
+        endpoint="http://127.0.0.1:9000/",
+        path_style_access=True,
+        region="eu-west-1",
+        access_key="AKIA-local",
+        secret_key="s3cr3t",
+    )
+    assert delta_storage_options(config) == {
+        "AWS_REGION": "eu-west-1",
+        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_ACCESS_KEY_ID": "AKIA-local",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+    }
+    assert table_uri(config.layout.silver("customers")) == "s3://cdc-bucket/prod/silver/customers"
+
+
+def test_without_keys_or_path_style_delta_rs_uses_the_default_chain_and_virtual_hosts() -> None:
+    options = delta_storage_options(
+        _s3_config(endpoint="https://minio.internal:9000", region="us-east-1")
+    )
+    assert options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] == "true"
+    assert options["AWS_ALLOW_HTTP"] == "false"
+    assert "AWS_ACCESS_KEY_ID" not in options and "AWS_SECRET_ACCESS_KEY" not in options
+
+
+def test_a_local_root_needs_no_options(tmp_path: Path) -> None:
+    config = PipelineConfig(storage_root=str(tmp_path))
+    assert delta_storage_options(config) == {}
+    assert table_uri(config.layout.bronze("orders")) == str(tmp_path / "bronze" / "orders")
+
+
+def _write(path: str, operations: list[tuple[str, list[str]]]) -> None:
+    """One delta-rs commit per (mode, entities) pair: rows with those entity values."""
+    for mode, entities in operations:
+        rows = pa.table({"entity": pa.array(entities, pa.string())})
+        write_deltalake(path, rows, mode=mode)  # type: ignore[arg-type]
+
+
+def test_versions_history_and_counts_of_a_table(tmp_path: Path) -> None:
+    config = PipelineConfig(storage_root=str(tmp_path))
+    path = config.layout.quarantine("ingestor")
+    _write(path, [("append", ["a", "b"]), ("append", ["a"]), ("append", ["c", "a"])])
+    DeltaTable(path).optimize.compact()  # version 3: no data change
+
+    state = DeltaLogState(config)
+    assert state.table_version(path) == 3
+    assert sorted(state.history(path)) == [0, 1, 2, 3]
+    newest = state.history(path, since=2)
+    assert sorted(newest) == [2, 3]
+    assert [c.changes_data for _, c in sorted(newest.items())] == [True, False]
+    assert sorted(state.history(path, since=1)) == [1, 2, 3]  # further back than read before
+    assert state.history(path, since=9) == {}
+    assert state.count_by(path, "entity") == {"a": 3, "b": 1, "c": 1}
+
+
+def test_a_missing_table_or_folder_is_none_not_an_error(tmp_path: Path) -> None:
+    config = PipelineConfig(storage_root=str(tmp_path))
+    state = DeltaLogState(config)
+    missing = config.layout.silver("customers")
+    assert state.table_version(missing) is None
+    assert state.count_by(missing, "entity") is None
+    assert state.list_names(config.checkpoint_path("merger", "customers")) is None
+    assert state.read_text_if_exists(f"{missing}/_delta_log/{0:020d}.json") is None
+    with pytest.raises(FileNotFoundError, match="no Delta table"):
+        state.history(missing)
+
+
+def test_the_last_committed_batch_of_a_checkpoint(tmp_path: Path) -> None:
+    config = PipelineConfig(storage_root=str(tmp_path))
+    checkpoint = Path(config.checkpoint_path("merger", "customers"))
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "commits").mkdir()
+    offsets = {
+        0: {"reservoirVersion": 1, "index": -1, "isStartingVersion": False},
+        1: {"reservoirVersion": 4, "index": -1, "isStartingVersion": False},
+        2: {"reservoirVersion": 6, "index": -1, "isStartingVersion": False},
+    }
+    for batch, offset in offsets.items():
+        metadata = {"batchWatermarkMs": 0, "batchTimestampMs": 1}
+        text = f"v1\n{json.dumps(metadata)}\n{json.dumps(offset)}"
+        (checkpoint / "offsets" / str(batch)).write_text(text)
+    for batch in (0, 1):  # batch 2 planned, not committed
+        (checkpoint / "commits" / str(batch)).write_text('v1\n{"nextBatchWatermarkMs":0}')
+    (checkpoint / "commits" / ".1.crc").write_bytes(b"\0")
+
+    state = DeltaLogState(config)
+    batch = last_committed_batch(state, str(checkpoint))
+    assert batch is not None
+    assert (batch.batch_id, batch.sources) == (1, (offsets[1],))
+
+    (checkpoint / "offsets" / "1").unlink()
+    with pytest.raises(FileNotFoundError, match="committed batch 1 but has no offsets/1"):
+        last_committed_batch(state, str(checkpoint))
+
+
+def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
+    """The JVM-free reader imports neither PySpark nor Delta Lake's Python package."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    _write(config.layout.bronze("customers"), [("append", ["a"])])
+    script = (
+        "import sys\n"
+        "from cdc_shared.config import PipelineConfig\n"
+        "from cdc_cli.status import collect_status\n"
+        f"config = PipelineConfig(storage_root={str(tmp_path)!r}, entities=[{{"
+        "'name': 'customers', 'source_topic': 't', 'key': ['id'], 'sequence_by': ['lsn']}])\n"
+        "from cdc_cli.status import quarantine_counts, state_reader\n"
+        "reader = state_reader(config)\n"
+        "print(reader.table_version(config.layout.bronze('customers')))\n"
+        "print(quarantine_counts(config, reader))\n"
+        "print(sorted(m for m in ('pyspark', 'delta', 'py4j') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["0", "{}", "[]"]
