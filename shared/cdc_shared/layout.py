@@ -76,6 +76,10 @@ class StorageLayout:
         """The streaming checkpoint of ``service``'s query for ``entity``."""
         return self._under("_checkpoints", service, entity)
 
+    def writer_lease(self, service: str, entity: str) -> str:
+        """The lease of ``service``'s one writer for ``entity`` (``cdc_shared.writer_lease``)."""
+        return self._under("_leases", service, f"{entity}.json")
+
     def change_schemas(self) -> str:
         """Change-event schemas publisher-kafka derives when no registry is set."""
         return self._under("_schemas")

@@ -10,6 +10,7 @@ from cdc_shared.config import ConfigError, PipelineConfig, load_config
 from cdc_shared.layout import command_name
 from cdc_shared.observability import configure_logging
 from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
+from cdc_shared.writer_lease import WriterRunningError
 
 StartStreams = Callable[[PipelineConfig, list[str] | None, bool], StreamRunner]
 
@@ -42,8 +43,8 @@ def run_to_exit_code(
     """Load the configuration, ``run`` with it, and turn how it ended into an exit code.
 
     0 done or stopped, 1 a stream failed (or the disk under the storage root is full: one
-    line instead of the JVM's trace), 2 bad configuration or schemas. Shared by each
-    service's command and ``cdc run``.
+    line instead of the JVM's trace; or another instance holds a writer lease), 2 bad
+    configuration or schemas. Shared by each service's command and ``cdc run``.
     """
     log = logging.getLogger(f"cdc_{service}")
     config: PipelineConfig | None = None
@@ -54,6 +55,9 @@ def run_to_exit_code(
         log.error("cannot start: %s", exc, extra={"service": service})
         return 2
     except StreamFailedError as exc:
+        log.error("%s", exc, extra={"service": service})
+        return 1
+    except WriterRunningError as exc:  # another instance writes the same tables
         log.error("%s", exc, extra={"service": service})
         return 1
     except Exception as exc:  # e.g. creating a table at start on a full disk

@@ -31,6 +31,7 @@ from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
 from cdc_shared.spark import build_spark_session, side_by_side
 from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.writer_lease import refuse_if_running
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 
@@ -294,7 +295,12 @@ def run_application(
 
     def run(config: PipelineConfig) -> None:
         chosen = select_services(services)
-        config.select_entities(entity_names)  # unknown names fail here, not in a service
+        entities = config.select_entities(entity_names)  # unknown names fail here
+        # Each service takes its writer leases as it starts; an instance already
+        # writing any of them is named before anything runs (``--once`` starts late ones).
+        refuse_if_running(
+            config.storage_root, [s.replace("-", "_") for s in chosen], [e.name for e in entities]
+        )
         application = Application(config, chosen, entity_names, once)
         application.install_signal_handlers()
         log.info("starting", extra={"service": APPLICATION, "services": chosen, "once": once})

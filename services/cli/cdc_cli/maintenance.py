@@ -54,6 +54,7 @@ from cdc_shared.config import (
 from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.layout import MERGER, SERVICES, display_name
 from cdc_shared.tables import on_conflict_retry
+from cdc_shared.writer_lease import live_leases
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -413,8 +414,9 @@ def signs_of_life(
 ) -> list[str]:
     """What suggests a service may be running; empty when nothing does.
 
-    A configured ``/health`` endpoint that answers; a data commit on an entity's bronze
-    (the ingestor) or silver (the merger) within ``quiet``; a stream checkpoint of any
+    A live writer lease (``cdc_shared.writer_lease``); a configured ``/health`` endpoint
+    that answers; a data commit on an entity's bronze (the ingestor) or silver (the
+    merger) within ``quiet``; a stream checkpoint of any
     service for an entity that planned or committed a micro-batch within ``quiet``
     (the publishers, which write no table). OPTIMIZE and VACUUM commits do not count: they
     add no data and are maintenance's own. A service idle for longer than ``quiet`` whose
@@ -423,7 +425,7 @@ def signs_of_life(
     """
     now = now or dt.datetime.now(dt.UTC)
     since = now - quiet
-    signs = []
+    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities])
     for service, url in health_endpoints(config):
         answer = health_answer(url)
         if answer is not None:

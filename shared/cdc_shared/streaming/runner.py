@@ -93,6 +93,7 @@ class StreamRunner:
         # entity -> (failures since its last progress, restart time or None once restarted, why)
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
         self._on_close: list[Callable[[], object]] = []
+        self._failed: str | None = None  # why the service as a whole must stop (``fail``)
         self._listener: _ProgressLogger | None = _ProgressLogger(self)
         _ProgressDispatch.attach(spark, self._listener)
         self._server = (
@@ -208,6 +209,18 @@ class StreamRunner:
                 query.stop()
         self.close()
 
+    def fail(self, reason: str) -> None:
+        """Stop every query now, not after its batch: ``run()`` raises StreamFailedError.
+
+        For a service that must not write another batch (e.g. its writer lease was taken
+        over); may be called from any thread.
+        """
+        self._failed = f"{self.service} stopped: {reason}"
+        self._stop.set()
+        for query in list(self.queries.values()):
+            if query.isActive:
+                query.stop()
+
     def run(self) -> None:
         """Wait until every query ends (``--once``) or a stop is requested, then stop them.
 
@@ -220,6 +233,9 @@ class StreamRunner:
                 if not self._restarts_due() and all(not q.isActive for q in self.queries.values()):
                     break
                 self._stop.wait(0.5)
+            if self._failed is not None:
+                self.stop_now()  # also any query started after ``fail``
+                raise StreamFailedError(self._failed)
             self._stop_gracefully()
             for entity, query in self.queries.items():
                 self._raise_if_failed(entity, query)

@@ -24,6 +24,7 @@ from cdc_shared.spark import build_spark_session
 from cdc_shared.streaming.failures import OnFailure, recognising_full_storage
 from cdc_shared.streaming.progress import BatchStats, LagReader, source_metric
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.writer_lease import acquire_writer_leases
 
 #: How long a continuous service waits for its source table (the upstream service
 #: creates it); ``--once`` waits for nothing.
@@ -122,20 +123,45 @@ def start_service(
     Each entity's stream is opened, prepared, and written with ``foreachBatch`` to its
     checkpoint (``config.checkpoint_path``); the runner opens it again to rebuild the
     query. If any entity fails to start, the ones started are stopped.
+
+    First the service takes its writer lease on each entity (``cdc_shared.writer_lease``):
+    WriterRunningError when another instance writes them. The leases are renewed while
+    it runs and released when its runner closes; a lease taken over fails the runner.
     """
     entities = config.select_entities(entity_names)
     if not entities:
         raise ConfigError(f"the configuration defines no entities for the {service.name}")
-    session = spark or build_spark_session(config.spark, command_name(service.name))
-    lag = service.lag
-    runner = StreamRunner(
-        session,
-        service.name,
-        service.settings.metrics_host,
-        service.settings.metrics_port,
-        source_metric(lag) if isinstance(lag, str) else lag,
-        recognising_full_storage(config.storage_root, service.on_failure),
+    runner_of: list[StreamRunner] = []  # the runner, once made
+    lost_before: list[str] = []  # a lease lost before the runner was made
+
+    def lost(reason: str) -> None:
+        lost_before.append(reason)
+        for made in runner_of:
+            made.fail(reason)
+
+    leases = acquire_writer_leases(
+        config.storage_root, service.name, [e.name for e in entities], lost
     )
+    try:
+        session = spark or build_spark_session(config.spark, command_name(service.name))
+        lag = service.lag
+        runner = StreamRunner(
+            session,
+            service.name,
+            service.settings.metrics_host,
+            service.settings.metrics_port,
+            source_metric(lag) if isinstance(lag, str) else lag,
+            recognising_full_storage(config.storage_root, service.on_failure),
+        )
+    except BaseException:
+        if leases is not None:
+            leases.release()
+        raise
+    if leases is not None:
+        runner.on_close(leases.release)
+        runner_of.append(runner)
+        if lost_before:
+            runner.fail(lost_before[0])
 
     def open_query(entity: EntityConfig) -> tuple[DataStreamWriter, QueryIdentity]:
         stream = service.open_entity(session, config, entity, runner)

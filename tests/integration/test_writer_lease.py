@@ -1,0 +1,83 @@
+"""One writer per table, between real processes: a second instance is refused.
+
+A continuous ``cdc-merger`` takes its writer lease and waits for bronze; a second
+``cdc-merger`` and a ``cdc run`` on the same root exit 1 naming it. SIGKILLed, it leaves
+its lease behind, and its restart takes the lease over at once, not after the expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cdc_shared.layout import MERGER
+from cdc_shared.writer_lease import LEASE_TTL_S
+from support.cluster import command_path, launch_service, log_tail, service_env, sigkill_group
+from support.pipelines import PipelineFactory
+
+pytestmark = pytest.mark.integration
+
+
+def _holder_pid(lease: Path, timeout_s: float, not_pid: int | None = None) -> int:
+    """The pid holding ``lease`` once there is one (other than ``not_pid``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if lease.exists():
+            document = json.loads(lease.read_text())
+            if not document["released"] and document["holder"]["pid"] != not_pid:
+                return int(document["holder"]["pid"])
+        time.sleep(0.1)
+    raise AssertionError(f"no new holder of {lease} within {timeout_s:.0f} s")
+
+
+def _refused(command: list[str], log: Path) -> str:
+    """Run ``command`` to its end: it must exit 1 at once; its log."""
+    with log.open("ab") as out:
+        code = subprocess.run(
+            command,
+            check=False,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=service_env(),
+            timeout=120,
+        ).returncode
+    assert code == 1, f"{command[0]} exited {code}, not 1:\n{log_tail(log)}"
+    return log.read_text()
+
+
+def test_a_second_writer_is_refused_and_a_killed_one_is_taken_over(
+    make_pipeline: PipelineFactory, tmp_path: Path
+) -> None:
+    pipeline = make_pipeline(entities=("customers",), merger={"metrics_port": 0})
+    lease = Path(pipeline.config.layout.writer_lease(MERGER, "customers"))
+    first = launch_service("cdc-merger", pipeline, tmp_path / "first.log")
+    try:
+        pid = _holder_pid(lease, 60)
+        assert pid == first.pid
+        assert first.poll() is None, log_tail(tmp_path / "first.log")
+
+        second = _refused(
+            [command_path("cdc-merger"), "--config", str(pipeline.path)], tmp_path / "second.log"
+        )
+        refusal = next(line for line in second.splitlines() if "cannot start" in line)
+        for part in ("merger cannot start", f"pid {pid}", "cdc-merger", str(lease), "since"):
+            assert part in refusal, refusal
+        application = _refused(
+            [command_path("cdc"), "run", "--config", str(pipeline.path)], tmp_path / "run.log"
+        )
+        assert f"pid {pid}" in application and str(lease) in application
+        assert first.poll() is None  # the holder runs on, untouched
+    finally:
+        sigkill_group(first)
+
+    started = time.monotonic()
+    restart = launch_service("cdc-merger", pipeline, tmp_path / "restart.log")
+    try:
+        _holder_pid(lease, LEASE_TTL_S / 2, not_pid=pid)  # its lease is still unexpired
+        assert time.monotonic() - started < LEASE_TTL_S / 2
+        assert restart.poll() is None, log_tail(tmp_path / "restart.log")
+    finally:
+        sigkill_group(restart)
