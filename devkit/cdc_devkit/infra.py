@@ -416,6 +416,184 @@ def start_kafka(settings: InfraSettings) -> None:
     _wait_ready(settings, "kafka", pid, lambda: _kafka_ready(bootstrap))
 
 
+#: The one SASL mechanism of the secured broker (SCRAM users are made at format time).
+SECURED_KAFKA_MECHANISM = "SCRAM-SHA-512"
+#: Kafka's authorizer for KRaft clusters: ACLs live in the metadata log.
+KAFKA_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+
+
+@dataclass(frozen=True)
+class SecuredKafka:
+    """A second, secured broker: one SASL_SSL listener, SCRAM users, ACLs enforced.
+
+    TLS material is PEM: ``ca_file`` (what clients trust), the broker's certificate
+    chain and its PKCS#8 key, whose names must match ``127.0.0.1``. ``users`` maps
+    each SCRAM-SHA-512 username to its password (written into the metadata log when
+    the storage is formatted); ``admin`` among them is the super user, and the broker
+    talks to itself as ``admin``. Nothing else is allowed without an ACL. The
+    controller listener is plaintext on loopback; its principal (``ANONYMOUS``) is a
+    super user too, since the broker reaches its own controller through it: fine for
+    tests and demos, not for production.
+    """
+
+    port: int
+    controller_port: int
+    ca_file: Path
+    certificate_file: Path
+    key_file: Path
+    users: dict[str, str]
+    admin: str = "admin"
+    name: str = "kafka-secured"  # its state folder, PID file and log in the state dir
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """Where clients connect (the SASL_SSL listener)."""
+        return f"127.0.0.1:{self.port}"
+
+    def client_settings(self, user: str, password: str | None = None) -> dict[str, str]:
+        """librdkafka settings to connect as ``user`` (its own password unless given)."""
+        return {
+            "bootstrap.servers": self.bootstrap_servers,
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanisms": SECURED_KAFKA_MECHANISM,
+            "sasl.username": user,
+            "sasl.password": self.users[user] if password is None else password,
+            "ssl.ca.location": str(self.ca_file),
+        }
+
+
+def _property_value(text: str) -> str:
+    """``text`` escaped for a Java properties file (PEM blocks span lines)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _secured_kafka_properties(secured: SecuredKafka, data_dir: Path) -> str:
+    admin_jaas = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{secured.admin}" password="{secured.users[secured.admin]}";'
+    )
+    mechanism = SECURED_KAFKA_MECHANISM.lower()
+    settings = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{secured.controller_port}",
+        "listeners": (
+            f"SASL_SSL://127.0.0.1:{secured.port},CONTROLLER://127.0.0.1:{secured.controller_port}"
+        ),
+        "advertised.listeners": f"SASL_SSL://127.0.0.1:{secured.port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "SASL_SSL",
+        "listener.security.protocol.map": "SASL_SSL:SASL_SSL,CONTROLLER:PLAINTEXT",
+        "sasl.enabled.mechanisms": SECURED_KAFKA_MECHANISM,
+        "sasl.mechanism.inter.broker.protocol": SECURED_KAFKA_MECHANISM,
+        f"listener.name.sasl_ssl.{mechanism}.sasl.jaas.config": admin_jaas,
+        "ssl.keystore.type": "PEM",
+        "ssl.keystore.certificate.chain": secured.certificate_file.read_text(),
+        "ssl.keystore.key": secured.key_file.read_text(),
+        "ssl.truststore.type": "PEM",
+        "ssl.truststore.location": str(secured.ca_file),
+        "authorizer.class.name": KAFKA_AUTHORIZER,
+        "super.users": f"User:{secured.admin};User:ANONYMOUS",
+        "allow.everyone.if.no.acl.found": "false",
+        "log.dirs": str(data_dir),
+        # One node: every internal topic has one replica (as the plain broker's template).
+        "offsets.topic.replication.factor": "1",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "min.insync.replicas": "1",
+        "default.replication.factor": "1",
+        "num.partitions": "1",
+        # Topics are made by whoever owns them (an admin), never by a reader's request.
+        "auto.create.topics.enable": "false",
+        "group.initial.rebalance.delay.ms": "0",
+    }
+    return "".join(f"{key}={_property_value(value)}\n" for key, value in settings.items())
+
+
+def _secured_kafka_ready(secured: SecuredKafka) -> bool:
+    if not _port_taken(secured.port):
+        return False
+    admin = AdminClient({**secured.client_settings(secured.admin), "log_level": 0})
+    try:
+        metadata = admin.list_topics(timeout=3)
+    except Exception:  # not answering yet
+        return False
+    return bool(metadata.brokers)
+
+
+def start_secured_kafka(settings: InfraSettings, secured: SecuredKafka) -> str:
+    """Start the secured broker (see :class:`SecuredKafka`) unless it runs; its bootstrap.
+
+    Its data, configuration (holding the admin's password and the broker's key) and log
+    live in ``<state_dir>/<name>``; stop it with :func:`stop_secured_kafka`.
+    """
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    if (pid := _read_pid(settings, secured.name)) is not None:
+        _wait_ready(settings, secured.name, pid, lambda: _secured_kafka_ready(secured))
+        return secured.bootstrap_servers
+    classpath = jvm.kafka_classpath()
+    if not classpath:
+        raise InfraError("the Kafka broker is not in the JVM cache; run `make jvm` first")
+    if secured.admin not in secured.users:
+        raise InfraError(f"the admin {secured.admin!r} needs a password in users")
+    _check_ports_free(
+        "the secured Kafka",
+        {"secured_port": secured.port, "secured_controller_port": secured.controller_port},
+    )
+    java = _find_java_home(17, "CDC_KAFKA_JAVA_HOME") / "bin" / "java"
+    folder = settings.state_dir / secured.name
+    data_dir = folder / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    properties = folder / "server.properties"
+    properties.touch(mode=0o600)
+    properties.write_text(_secured_kafka_properties(secured, data_dir))
+    base = [
+        str(java),
+        f"-Dlog4j2.configurationFile={_deploy_local() / 'kafka' / 'log4j2.yaml'}",
+        "-cp",
+        ":".join(str(p) for p in classpath),
+    ]
+    if not (data_dir / "meta.properties").exists():
+        scram = [
+            f"--add-scram={SECURED_KAFKA_MECHANISM}=[name={user},password={password}]"
+            for user, password in secured.users.items()
+        ]
+        formatted = subprocess.run(
+            [
+                *base,
+                "kafka.tools.StorageTool",
+                "format",
+                f"--cluster-id={_kafka_cluster_id()}",
+                "-c",
+                str(properties),
+                *scram,
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if formatted.returncode != 0:
+            raise InfraError(
+                f"formatting the secured Kafka's storage failed:\n{formatted.stdout}"
+                f"{formatted.stderr}"
+            )
+    heap = settings.kafka_heap
+    pid = _start(
+        settings,
+        secured.name,
+        [*base[:1], f"-Xms{heap}", f"-Xmx{heap}", *base[1:], "kafka.Kafka", str(properties)],
+    )
+    _wait_ready(settings, secured.name, pid, lambda: _secured_kafka_ready(secured))
+    return secured.bootstrap_servers
+
+
+def stop_secured_kafka(settings: InfraSettings, secured: SecuredKafka) -> bool:
+    """Stop the secured broker; True if it ran. Its data stay (start resumes)."""
+    return _stop(settings, secured.name)
+
+
 # --- Elasticsearch ------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ trust and key stores. Both renderings hold secrets: never log them (use
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from confluent_kafka import Consumer, Producer
@@ -89,6 +90,33 @@ def java_security(config: KafkaConfig) -> dict[str, str]:
         if tls.key_password is not None:
             settings["ssl.key.password"] = tls.key_password.get_secret_value()
     return settings
+
+
+#: How the Java client says the broker refused it: SASL credentials, or the TLS handshake
+#: (a CA that does not sign the broker's certificate, an expired or unknown client one).
+KAFKA_AUTHENTICATION_FAILED = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.(SaslAuthenticationException|SslAuthenticationException)"
+)
+
+
+def kafka_authentication_failure(config: KafkaConfig, error: str) -> str | None:
+    """One line for a Kafka authentication failure found in ``error``; None if there is none.
+
+    Names the brokers and the mechanism (:meth:`KafkaConfig.describe`), never a secret.
+    Not a fault to wait out: the same credentials fail again, so the service stops.
+    """
+    found = KAFKA_AUTHENTICATION_FAILED.search(error)
+    if found is None:
+        return None
+    what = (
+        "the SASL credentials (username or password)"
+        if found.group(1).startswith("Sasl")
+        else "the TLS handshake (CA bundle, or an expired or untrusted certificate)"
+    )
+    return (
+        f"stopped: Kafka at {config.describe()} refused {what}; nothing was read. "
+        "Fix kafka.sasl / kafka.tls (or the secret they name) and restart"
+    )
 
 
 def kafka_client_config(config: KafkaConfig, **overrides: Any) -> dict[str, Any]:

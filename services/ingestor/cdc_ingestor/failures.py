@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from cdc_shared.avro import REGISTRY_UNAVAILABLE
+from cdc_shared.clients import kafka_authentication_failure
 from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.streaming import Failure, OnFailure
@@ -56,6 +57,8 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
                 "does not happen again. Spark: "
                 + (spark_reason.group(1) if spark_reason else error.partition("\n")[0])[:600]
             )
+        if (refused := kafka_authentication_failure(config.kafka, error)) is not None:
+            return Failure(refused)  # the same credentials would fail again
         if KAFKA_UNAVAILABLE.search(error):
             return Failure(
                 f"Kafka unavailable ({config.kafka.bootstrap_servers}): "

@@ -1,0 +1,116 @@
+"""The ingestor against a secured broker: SASL_SSL (SCRAM-SHA-512), a PEM CA, ACLs.
+
+Debezium-style records produced by the admin land in bronze exactly once through the
+ingestor's own principal, which may only read its source topics; a wrong password stops
+the service at start with one line naming the broker and the mechanism; the password
+shows in no log and no Spark plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import yaml
+from cdc_devkit.workload import ensure_topics, produce
+from cdc_ingestor.main import SERVICE, start
+from cdc_shared.clients import spark_kafka_options
+from cdc_shared.service import run_to_exit_code
+from confluent_kafka.admin import AclOperation, ResourceType
+from pyspark.sql import SparkSession
+from support.ingestion import assert_bronze_exactly_once, generate
+from support.pipelines import Pipeline, PipelineFactory
+from support.secured_kafka import ADMIN, INGESTOR, PASSWORD_ENV, SecuredBroker, secured_broker
+
+pytestmark = [pytest.mark.integration]
+
+__all__ = ["secured_broker"]
+
+
+def run_ingestor(pipeline: Pipeline) -> int:
+    """The ingestor's ``--once`` run, in this process (its SparkSession is the test's):
+    ``cdc-ingestor``'s own path from configuration to exit code."""
+    return run_to_exit_code(
+        SERVICE, str(pipeline.path), lambda config: start(config, once=True).run()
+    )
+
+
+@pytest.fixture
+def secured_pipeline(
+    make_pipeline: PipelineFactory, secured_broker: SecuredBroker, monkeypatch: pytest.MonkeyPatch
+) -> Pipeline:
+    """One entity on the secured broker; the ingestor's principal reads its topic only."""
+    monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(INGESTOR))
+    pipeline = make_pipeline(entities=("customers",))
+    document = yaml.safe_load(pipeline.path.read_text())
+    document["kafka"] = secured_broker.kafka_section(INGESTOR)
+    pipeline.path.write_text(yaml.safe_dump(document))
+    topic = pipeline.topic("customers")
+    ensure_topics(secured_broker.kafka_config(ADMIN), [topic])
+    secured_broker.allow(
+        INGESTOR,
+        ResourceType.TOPIC,
+        topic,
+        (AclOperation.READ, AclOperation.DESCRIBE),
+    )
+    return pipeline
+
+
+def test_ingestor_reads_through_sasl_ssl_exactly_once(
+    spark: SparkSession,
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    caplog.set_level(logging.INFO)
+    admin = secured_broker.kafka_config(ADMIN)
+    report = produce(admin, iter(generate(secured_pipeline, events=600, keys=60)))
+    password = secured_broker.password(INGESTOR)
+    assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+    assert_bronze_exactly_once(spark, secured_pipeline, admin, report)
+
+    # The password reaches Spark only in the JAAS line: masked in the query's plans.
+    kafka = secured_pipeline.config.kafka
+    query = (
+        spark.readStream.format("kafka")
+        .options(**spark_kafka_options(kafka))
+        .option("subscribe", secured_pipeline.topic("customers"))
+        .option("startingOffsets", "earliest")
+        .load()
+        .writeStream.format("noop")
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    plans = query._jsq.explainInternal(True)
+    assert "StreamingDataSourceV2" in plans or "MicroBatchScan" in plans or "kafka" in plans
+    assert password not in plans
+    logged = caplog.text + "".join(capfd.readouterr())  # the JVM's output too
+    assert "batch" in caplog.text
+    assert password not in logged
+    assert secured_broker.password(ADMIN) not in logged
+
+
+def test_wrong_password_stops_at_start_with_one_line(
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    wrong = "wrong-" + secured_broker.password(INGESTOR)
+    monkeypatch.setenv(PASSWORD_ENV, wrong)
+    started = time.monotonic()
+    assert run_ingestor(secured_pipeline) == 1
+    assert time.monotonic() - started < 60
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    line = errors[0].getMessage()
+    assert "\n" not in line
+    assert secured_broker.bootstrap_servers in line and "SCRAM-SHA-512" in line
+    assert "refused the SASL credentials" in line
+    logged = caplog.text + "".join(capfd.readouterr())
+    assert wrong not in logged and secured_broker.password(INGESTOR) not in logged
