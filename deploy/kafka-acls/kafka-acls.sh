@@ -38,9 +38,9 @@ acl --allow-principal "$INGESTOR" --operation Read --operation Describe \
 
 # cdc-publisher-kafka: writes its change topics and the progress topic in transactions
 # under its own transactional ids, commits its progress groups, reads back the last
-# offsets of its change topics.
+# offsets of its change topics and their max.message.bytes (DescribeConfigs).
 acl --allow-principal "$PUBLISHER" --operation Write --operation Describe --operation Read \
-    --topic "$CHANGE_TOPIC_PREFIX" --resource-pattern-type prefixed
+    --operation DescribeConfigs --topic "$CHANGE_TOPIC_PREFIX" --resource-pattern-type prefixed
 acl --allow-principal "$PUBLISHER" --operation Write --operation Describe --operation Read \
     --topic "$PROGRESS_TOPIC"
 acl --allow-principal "$PUBLISHER" --operation Write --operation Describe \

@@ -1,27 +1,40 @@
-"""The ingestor against a secured broker: SASL_SSL (SCRAM-SHA-512), a PEM CA, ACLs.
+"""The services against a secured broker: SASL_SSL (SCRAM-SHA-512), a PEM CA, ACLs.
 
 Debezium-style records produced by the admin land in bronze exactly once through the
 ingestor's own principal, which may only read its source topics; a wrong password stops
 the service at start with one line naming the broker and the mechanism; the password
-shows in no log and no Spark plan.
+shows in no log and no Spark plan. publisher-kafka's transactions run with only its rows
+of the ACL table (deploy/kafka-acls/README.md).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import pytest
 import yaml
 from cdc_devkit.workload import ensure_topics, produce
 from cdc_ingestor.main import SERVICE, start
+from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
+from cdc_shared.config import PublisherKafkaConfig
+from cdc_shared.layout import publisher_progress_group
 from cdc_shared.service import run_to_exit_code
-from confluent_kafka.admin import AclOperation, ResourceType
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession
 from support.ingestion import assert_bronze_exactly_once, generate
 from support.pipelines import Pipeline, PipelineFactory
-from support.secured_kafka import ADMIN, INGESTOR, PASSWORD_ENV, SecuredBroker, secured_broker
+from support.secured_kafka import (
+    ADMIN,
+    INGESTOR,
+    PASSWORD_ENV,
+    PUBLISHER,
+    SecuredBroker,
+    secured_broker,
+)
 
 pytestmark = [pytest.mark.integration]
 
@@ -114,3 +127,68 @@ def test_wrong_password_stops_at_start_with_one_line(
     assert "refused the SASL credentials" in line
     logged = caplog.text + "".join(capfd.readouterr())
     assert wrong not in logged and secured_broker.password(INGESTOR) not in logged
+
+
+def test_publisher_transactions_with_only_their_acls(secured_broker: SecuredBroker) -> None:
+    """publisher-kafka's transactional producer, as its own principal with the grants of
+    deploy/kafka-acls: a transaction commits events and progress; a restart reads the
+    progress back, fencing the first instance."""
+    run = uuid.uuid4().hex[:8]
+    prefix = f"pytest-{run}."
+    topic, progress_topic = f"{prefix}changes", f"pytest-{run}-progress"
+    admin = secured_broker.kafka_config(ADMIN)
+    ensure_topics(admin, [topic], partitions=1)
+    ensure_topics(admin, [progress_topic], partitions=1)
+    read_write = (AclOperation.WRITE, AclOperation.DESCRIBE, AclOperation.READ)
+    prefixed = ResourcePatternType.PREFIXED
+    grants = [
+        (ResourceType.TOPIC, prefix, (*read_write, AclOperation.DESCRIBE_CONFIGS), prefixed),
+        (ResourceType.TOPIC, progress_topic, read_write, ResourcePatternType.LITERAL),
+        (
+            ResourceType.TRANSACTIONAL_ID,
+            publisher_progress_group(prefix),
+            (AclOperation.WRITE, AclOperation.DESCRIBE),
+            prefixed,
+        ),
+        (
+            ResourceType.GROUP,
+            publisher_progress_group(prefix),
+            (AclOperation.READ, AclOperation.DESCRIBE),
+            prefixed,
+        ),
+    ]
+    for resource, name, operations, pattern in grants:
+        secured_broker.allow(PUBLISHER, resource, name, operations, pattern)
+    kafka = secured_broker.kafka_config(PUBLISHER)
+    settings = PublisherKafkaConfig(progress_topic=progress_topic, retry_attempts=2)
+    messages = [(b"k1", b"v1"), (b"k2", None), (b"k3", b"v3")]
+    publisher = TransactionalPublisher(kafka, settings, topic)
+    try:
+        assert publisher.start() is None
+        assert publisher.publish(messages, Progress(5, "q", 0)) == []
+    finally:
+        publisher.close()
+    again = TransactionalPublisher(kafka, settings, topic)
+    try:
+        progress = again.start()
+        assert progress is not None and progress.version == 5 and progress.offsets == {0: 2}
+    finally:
+        again.close()
+    consumer = Consumer(
+        {
+            **secured_broker.server.client_settings(ADMIN),
+            "group.id": f"pytest-{run}",
+            "isolation.level": "read_committed",
+        }
+    )
+    got: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        deadline = time.monotonic() + 30
+        while len(got) < len(messages) and time.monotonic() < deadline:
+            for m in consumer.consume(10, timeout=0.5):
+                assert m.error() is None, m.error()
+                got.append((m.key(), m.value()))
+    finally:
+        consumer.close()
+    assert got == messages

@@ -31,6 +31,7 @@ from support.waiting import free_ports
 
 ADMIN = "admin"
 INGESTOR = "cdc-ingestor"
+PUBLISHER = "cdc-publisher-kafka"
 #: The environment variable a pipeline file names for its Kafka password.
 PASSWORD_ENV = "CDC_TEST_KAFKA_PASSWORD"
 
@@ -126,7 +127,7 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured
         ca_file=ca_file,
         certificate_file=certificate_file,
         key_file=key_file,
-        users={user: secrets.token_urlsafe(18) for user in (ADMIN, INGESTOR)},
+        users={user: secrets.token_urlsafe(18) for user in (ADMIN, INGESTOR, PUBLISHER)},
         admin=ADMIN,
     )
     settings = TEST_INFRA.model_copy(update={"state_dir": folder / "state", "kafka_heap": "384m"})
