@@ -79,7 +79,7 @@ def test_ingestor_reads_through_sasl_ssl_exactly_once(
 ) -> None:
     caplog.set_level(logging.INFO)
     admin = secured_broker.kafka_config(ADMIN)
-    report = produce(admin, iter(generate(secured_pipeline, events=600, keys=60)))
+    report = produce(admin, iter(generate(secured_pipeline, events=200, keys=40)))
     password = secured_broker.password(INGESTOR)
     assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
     assert_bronze_exactly_once(spark, secured_pipeline, admin, report)
