@@ -198,40 +198,61 @@ def _with_replayed(frame: DataFrame, ledger: DataFrame) -> DataFrame:
     )
 
 
+#: Quarantined rows per service, entity and error kind, and how many of them the ledger
+#: marks replayed ({join}: the ledger's done rows joined on the coordinates, or nothing).
+_GROUPS_SQL = """
+SELECT q.service, q.entity, q.error_kind, count(*) AS n_rows, {done} AS n_done
+FROM quarantine q {join}
+{where}
+GROUP BY q.service, q.entity, q.error_kind
+ORDER BY q.service, q.entity, q.error_kind
+"""
+_DONE_JOIN = (
+    f"LEFT JOIN (SELECT {', '.join(_COORDINATES)} FROM ledger WHERE state = '{DONE}') d ON "
+    + " AND ".join(f"q.{name} = d.{name}" for name in _COORDINATES)
+)
+
+
+def _sql_text(value: str) -> str:
+    """``value`` as an SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
 def list_groups(
-    config: PipelineConfig,
-    service: str | None = None,
-    entity: str | None = None,
-    spark: SparkSession | None = None,
+    config: PipelineConfig, service: str | None = None, entity: str | None = None
 ) -> list[QuarantineGroup]:
-    """Row counts by service, entity and error kind (and how many were replayed)."""
+    """Row counts by service, entity and error kind (and how many were replayed).
+
+    Read without a JVM (delta-rs, :class:`cdc_cli.delta_log.DeltaLogState`): counting
+    needs no Spark session, so the command answers in about a second.
+    """
+    from cdc_cli.delta_log import DeltaLogState
+
     if service is not None:
         _check_service(service)
     if entity is not None:
         config.entity(entity)
-    spark = _spark(config, spark)
-    ledger = _ledger(config, spark)
+    reader = DeltaLogState(config)
+    ledger = _ledger_path(config)
+    replays = reader.table_version(ledger) is not None
+    sql = _GROUPS_SQL.format(
+        done="sum(CASE WHEN d.service IS NULL THEN 0 ELSE 1 END)" if replays else "0",
+        join=_DONE_JOIN if replays else "",
+        where="" if entity is None else f"WHERE q.entity = {_sql_text(entity)}",
+    )
     groups: list[QuarantineGroup] = []
     for name in [service] if service else QUARANTINE_WRITERS:
-        frame = _quarantine(config, spark, name, entity)
-        if frame is None:
-            continue
-        rows = (
-            _with_replayed(frame, ledger)
-            .groupBy("service", "entity", "error_kind")
-            .agg(F.count("*").alias("rows"), F.sum(F.col("replayed").cast("int")).alias("done"))
-            .orderBy("service", "entity", "error_kind")
-            .collect()
-        )
+        tables = {"quarantine": config.layout.quarantine(name)}
+        rows = reader.query(sql, **tables, **({"ledger": ledger} if replays else {}))
         groups.extend(
             QuarantineGroup(
                 str(r["service"]),
                 str(r["entity"]),
                 str(r["error_kind"]),
-                int(r["rows"]),
-                int(r["done"] or 0),
+                int(r["n_rows"]),
+                int(r["n_done"] or 0),
             )
-            for r in rows
+            for r in rows or []
         )
     return groups
 
