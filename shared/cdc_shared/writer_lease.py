@@ -18,11 +18,14 @@ the version read (compare-and-swap), so a holder whose lease was taken over noti
 its next renewal and its service stops loudly (``on_lost``) instead of writing on.
 
 Where: local disk (a root without a scheme) through :class:`LocalLeaseStore`. Object
-storage has no store yet: the local S3 server the tests use (S3Proxy 2.6.0) answers
-conditional PUTs (``If-None-Match``) with 501 Not Implemented, so such a store could not
-be tested here. On such a root no lease is taken and the service says so at start
-(:func:`acquire_writer_leases`); the deployment must keep one instance per service
-(Kubernetes: one replica, ``strategy: Recreate``).
+storage has no store yet. Hadoop's S3A (3.5) can write conditionally (the create
+options ``fs.option.create.conditional.overwrite`` and ``...overwrite.etag``; a refused
+write raises RemoteFileChangedException), but the local S3 server the tests use,
+S3Proxy 2.6.0, accepts such writes without checking them (boto3's ``If-None-Match``
+gets 501 Not Implemented), so a store on it could neither be tested nor trusted; S3Proxy
+4.1.0 refuses them with 412 as S3 does. On an object-storage root no lease is taken and
+the service says so at start (:func:`acquire_writer_leases`); the deployment must keep
+one instance per service (Kubernetes: one replica, ``strategy: Recreate``).
 """
 
 from __future__ import annotations

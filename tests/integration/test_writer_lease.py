@@ -3,6 +3,7 @@
 A continuous ``cdc-merger`` takes its writer lease and waits for bronze; a second
 ``cdc-merger`` and a ``cdc run`` on the same root exit 1 naming it. SIGKILLed, it leaves
 its lease behind, and its restart takes the lease over at once, not after the expiry.
+A service whose lease another instance took over stops at its next heartbeat.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_shared.layout import MERGER
-from cdc_shared.writer_lease import LEASE_TTL_S
+from cdc_shared.layout import MERGER, StorageLayout
+from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.streaming.runner import QueryIdentity
+from cdc_shared.writer_lease import LEASE_TTL_S, LeaseKeeper, LocalLeaseStore, WriterLease
+from pyspark.sql import SparkSession
 from support.cluster import command_path, launch_service, log_tail, service_env, sigkill_group
 from support.pipelines import PipelineFactory
 
@@ -81,3 +85,33 @@ def test_a_second_writer_is_refused_and_a_killed_one_is_taken_over(
         assert restart.poll() is None, log_tail(tmp_path / "restart.log")
     finally:
         sigkill_group(restart)
+
+
+def test_a_lease_taken_over_stops_the_running_service_at_once(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """The holder's heartbeat finds its lease taken: its runner stops, ``run()`` raises."""
+    runner = StreamRunner(spark, MERGER)
+    store = LocalLeaseStore()
+    lease = WriterLease(
+        store, StorageLayout(str(tmp_path)).writer_lease(MERGER, "customers"), MERGER
+    )
+    lease.acquire()
+    keeper = LeaseKeeper([lease], runner.fail, heartbeat_s=0.2).start()
+    runner.on_close(keeper.release)
+    writer = (
+        spark.readStream.format("rate")
+        .option("rowsPerSecond", 5)
+        .load()
+        .writeStream.foreachBatch(lambda batch, batch_id: None)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="200 milliseconds")
+    )
+    runner.start("customers", writer, QueryIdentity())
+    document = json.loads(Path(lease.path).read_text())
+    document["holder"] |= {"host": "node-b", "token": "another instance"}
+    Path(lease.path).write_text(json.dumps(document))  # what a takeover writes
+    with pytest.raises(StreamFailedError, match=r"writer lease .* was taken over"):
+        runner.run()
+    assert not runner.queries["customers"].isActive
+    assert json.loads(Path(lease.path).read_text())["holder"]["host"] == "node-b"
