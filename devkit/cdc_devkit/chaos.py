@@ -66,6 +66,7 @@ from cdc_devkit.processes import (
     RunMode,
     ServiceProcess,
     launch,
+    stop_all,
     wait_a_little,
 )
 from cdc_devkit.workload import (
@@ -488,9 +489,8 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
         if injector.is_alive():  # interrupted: let the fault in progress finish first
             injector.join(options.window_timeout_s + options.outage_s + 120)
         progress.done.set()
-        for name, service in services.items():
-            result.exit_codes[name] = service.stop()
-            result.peak_rss[name] = service.peak_rss
+        result.exit_codes = stop_all(list(services.values()))
+        result.peak_rss = {name: service.peak_rss for name, service in services.items()}
         if spark is not None:
             spark.stop()
     result.leaked_secrets = _logs_with(secrets, [options.workdir])

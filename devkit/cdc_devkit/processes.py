@@ -110,6 +110,7 @@ class ServiceProcess:
     errors: list[str] = field(default_factory=list)
     peak_rss: int = 0
     _read_upto: int = 0
+    _signalled: subprocess.Popen[bytes] | None = None  # the process SIGTERM went to
 
     @property
     def command(self) -> list[str]:
@@ -179,16 +180,24 @@ class ServiceProcess:
         lag_text = "?" if lag is None else f"{lag:,.0f}"
         return f"{self.name:<16} {len(self.batches):>4} batches {rows:>9,} rows  lag {lag_text}"
 
-    def stop(self, grace_s: float = 120.0) -> int | None:
-        """SIGTERM (the service finishes its batch), SIGKILL after ``grace_s``; exit code.
+    def request_stop(self) -> None:
+        """SIGTERM, once, to the service's own process if it runs; returns at once.
 
         SIGTERM goes to the service's own process, as a container runtime sends it: the
         JVM it drives must stay up while the batch in flight finishes.
         """
+        if self.process is None or self.process.poll() is not None:
+            return
+        if self._signalled is not self.process:
+            self.process.send_signal(signal.SIGTERM)
+            self._signalled = self.process
+
+    def stop(self, grace_s: float = 120.0) -> int | None:
+        """SIGTERM (the service finishes its batch), SIGKILL after ``grace_s``; exit code."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.request_stop()
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -196,6 +205,17 @@ class ServiceProcess:
                 self.process.wait(30)
         self.poll()
         return self.process.returncode
+
+
+def stop_all(processes: list[ServiceProcess], grace_s: float = 120.0) -> dict[str, int | None]:
+    """SIGTERM every process at once, then wait for each; exit codes by process name.
+
+    So a container runtime stops a deployment; the stops then take as long as the
+    slowest one, not as long as all of them together (SIGKILL after ``grace_s``).
+    """
+    for process in processes:
+        process.request_stop()
+    return {process.name: process.stop(grace_s) for process in processes}
 
 
 def batches_by_service(processes: list[ServiceProcess]) -> dict[str, list[dict[str, Any]]]:

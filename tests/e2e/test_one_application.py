@@ -21,7 +21,7 @@ from cdc_devkit.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
-from cdc_devkit.processes import RunMode, launch, wait_a_little
+from cdc_devkit.processes import RunMode, launch, stop_all, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.config import load_config
 from cdc_shared.schemas import make_registry
@@ -57,7 +57,7 @@ def test_services_switch_between_one_application_and_four_processes(
                     break
                 wait_a_little(processes, 5)
         finally:
-            exit_codes = {p.name: p.stop() for p in processes}
+            exit_codes = stop_all(processes)
         described = "\n".join(d.describe() for d in differences)
         assert all(d.agrees for d in differences), f"phase {number} ({mode}):\n{described}"
         assert exit_codes == dict.fromkeys(exit_codes, 0), f"phase {number} ({mode})"
