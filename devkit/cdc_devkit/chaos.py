@@ -274,16 +274,9 @@ class FaultInjector(threading.Thread):
         self.done = 0  # faults injected (or given up on) so far
         self.current = 0  # the fault being injected
         self.armed = 0  # the last fault armed: waiting for its moment, or under way
-        self._es_start: threading.Thread | None = None  # Elasticsearch coming back
 
     def run(self) -> None:
-        """Inject every planned fault, with random pauses between them; then wait for ES."""
-        try:
-            self._run_plan()
-        finally:
-            self._wait_for_elasticsearch()
-
-    def _run_plan(self) -> None:
+        """Inject every planned fault, with random pauses between them."""
         for number, fault in enumerate(self.plan, 1):
             pause = self.rng.uniform(0.5, 1.5) * self.options.pause_s
             if self.stopping.wait(pause):
@@ -308,33 +301,13 @@ class FaultInjector(threading.Thread):
             infra.start_kafka(self.settings)
             self.record.broker_restarts += 1
         elif fault == "es outage":
-            self._wait_for_elasticsearch()
             infra.stop(self.settings, "elasticsearch")
             time.sleep(self.options.outage_s)
-            # Elasticsearch takes a minute or more to start here: the next faults go on
-            # meanwhile (the outage lasts until it answers, as before), and only a fault
-            # on Elasticsearch itself, or the end of the plan, waits for it.
-            self._es_start = threading.Thread(target=self._start_elasticsearch, daemon=True)
-            self._es_start.start()
-        else:
-            self._wait_for_elasticsearch()
-            self._slow_down_elasticsearch(self.options.outage_s)
-            self.record.es_slowdowns += 1
-
-    def _start_elasticsearch(self) -> None:
-        """Start Elasticsearch after an outage and wait until it answers."""
-        try:
             infra.start_elasticsearch(self.settings)
             self.record.es_outages += 1
-        except Exception as exc:
-            self.record.problems.append(f"es outage: {type(exc).__name__}: {exc}")
-            self.echo(f"Elasticsearch could not be started again: {exc}")
-
-    def _wait_for_elasticsearch(self) -> None:
-        """Until Elasticsearch is back from an outage under way, if one is."""
-        if self._es_start is not None:
-            self._es_start.join()
-            self._es_start = None
+        else:
+            self._slow_down_elasticsearch(self.options.outage_s)
+            self.record.es_slowdowns += 1
 
     def _kill(self, name: str) -> None:
         """SIGKILL the process running service ``name`` (the application, if it is one)."""
