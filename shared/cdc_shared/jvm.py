@@ -14,7 +14,7 @@ SCALA_BINARY = "2.13"
 KAFKA_VERSION = "4.4.0"
 ELASTICSEARCH_VERSION = "9.2.4"
 APICURIO_VERSION = "3.3.3"
-S3PROXY_VERSION = "2.6.0"
+S3PROXY_VERSION = "4.1.0"
 # Kafka Connect and its plugins (deploy/jvm/connect). Connect stays on 4.3.0: 4.4.0
 # breaks Debezium 3.6.1. Apicurio's converter is the 2.x line (3.x is not on Maven Central).
 CONNECT_VERSION = "4.3.0"
