@@ -11,13 +11,15 @@ trust and key stores. Both renderings hold secrets: never log them (use
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
-from elasticsearch import Elasticsearch
 
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig
+
+if TYPE_CHECKING:  # the client costs a third of a second to import: only when used
+    from elasticsearch import Elasticsearch
 
 #: The Java client's login module per SASL mechanism (for ``sasl.jaas.config``).
 JAAS_LOGIN_MODULES = {
@@ -165,6 +167,8 @@ def make_admin(config: KafkaConfig, **overrides: Any) -> AdminClient:
 
 def make_elasticsearch(config: ElasticsearchConfig) -> Elasticsearch:
     """An Elasticsearch client; API key or basic auth when configured."""
+    from elasticsearch import Elasticsearch
+
     kwargs: dict[str, Any] = {
         "hosts": list(config.hosts),
         "request_timeout": config.request_timeout_s,
