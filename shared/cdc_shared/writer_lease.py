@@ -17,15 +17,16 @@ another host is waited out: its lease must expire first. Every write is conditio
 the version read (compare-and-swap), so a holder whose lease was taken over notices at
 its next renewal and its service stops loudly (``on_lost``) instead of writing on.
 
-Where: local disk (a root without a scheme) through :class:`LocalLeaseStore`. Object
-storage has no store yet. Hadoop's S3A (3.5) can write conditionally (the create
-options ``fs.option.create.conditional.overwrite`` and ``...overwrite.etag``; a refused
-write raises RemoteFileChangedException), but the local S3 server the tests use,
-S3Proxy 2.6.0, accepts such writes without checking them (boto3's ``If-None-Match``
-gets 501 Not Implemented), so a store on it could neither be tested nor trusted; S3Proxy
-4.1.0 refuses them with 412 as S3 does. On an object-storage root no lease is taken and
-the service says so at start (:func:`acquire_writer_leases`); the deployment must keep
-one instance per service (Kubernetes: one replica, ``strategy: Recreate``).
+Where: local disk (a root without a scheme) through :class:`LocalLeaseStore`; S3
+(``s3a://``) through :class:`S3LeaseStore`, Hadoop's S3A file system of the service's
+SparkSession, whose conditional writes (``If-None-Match: *`` to create, ``If-Match`` with
+the ETag read to replace) make each write a compare-and-swap. Those leases are taken once
+the session is built. A store that accepts conditional writes without checking them
+(S3Proxy before 4.x, some S3-compatible servers) would make a lease a false promise, so
+the service first probes it (:meth:`S3LeaseStore.enforces_conditions`). On a root whose
+store does not enforce them, or has no store (other schemes), no lease is taken and the
+service says so at start (:func:`acquire_writer_leases`); the deployment must keep one
+instance per service (Kubernetes: one replica, ``strategy: Recreate``).
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from py4j.protocol import Py4JError
+from pyspark.errors.exceptions.captured import CapturedException
 
 from cdc_shared.layout import StorageLayout, display_name
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger("cdc_shared.writer_lease")
 
@@ -189,6 +196,132 @@ class LocalLeaseStore:
             if current is None or current[1] != version:
                 raise LeaseConflictError(path)
             return self._write(path, data)
+
+
+#: Hadoop's create options (``Options.CreateFileOptionKeys``) that S3A turns into
+#: conditional PUTs: create only if absent, or replace only the object with this ETag.
+CONDITIONAL_CREATE = "fs.option.create.conditional.overwrite"
+CONDITIONAL_REPLACE_ETAG = "fs.option.create.conditional.overwrite.etag"
+#: What S3A raises when the store refuses a conditional write (HTTP 412 or 409).
+_REFUSED = frozenset(
+    {
+        "org.apache.hadoop.fs.s3a.RemoteFileChangedException",
+        "org.apache.hadoop.fs.FileAlreadyExistsException",
+    }
+)
+#: What a call into the JVM raises when Java throws: Py4J's error, or PySpark's wrapper
+#: for the exceptions it knows (IllegalArgumentException among them).
+_JVM_ERRORS: tuple[type[Exception], ...] = (Py4JError, CapturedException)
+#: What a file system without conditional creates raises for the mandatory options.
+_UNSUPPORTED = frozenset(
+    {"java.lang.IllegalArgumentException", "java.lang.UnsupportedOperationException"}
+)
+
+
+class S3LeaseStore:
+    """Leases on S3 through Hadoop's S3A: every write a conditional PUT.
+
+    A create sends ``If-None-Match: *`` and a replace ``If-Match`` with the ETag read
+    (``S3AFileStatus.getEtag``); the store refuses either, atomically, when the object
+    is there or has changed (``LeaseConflictError``). The version is the ETag: every
+    write holds a new expiry, so it changes with each. The status is read before the
+    content, so a write between the two leaves a version older than the content and the
+    replace that follows is refused, never applied to a document not read; each write
+    reads its own version back the same way. Java I/O failures come out as OSError, as
+    on local disk, so a renewal retries them.
+    """
+
+    def __init__(self, spark: SparkSession) -> None:
+        self._spark = spark
+
+    def _fs(self, path: str) -> tuple[Any, Any]:
+        from cdc_shared import jvm_bridge
+
+        return jvm_bridge.hadoop_path(self._spark, path)
+
+    @staticmethod
+    def _java(exc: BaseException) -> Any:
+        """The Java exception behind a failed call (PySpark wraps some it knows)."""
+        return getattr(exc, "java_exception", None) or getattr(exc, "_origin", None)
+
+    def _java_class(self, exc: BaseException) -> str:
+        java = self._java(exc)
+        return str(java.getClass().getName()) if java is not None else ""
+
+    def _failed(self, exc: BaseException, what: str, path: str) -> Exception:
+        """The error to raise for a failed JVM call: a conflict, or an OSError."""
+        if self._java_class(exc) in _REFUSED:
+            return LeaseConflictError(path)
+        java = self._java(exc)
+        detail = str(java.toString()) if java is not None else str(exc)
+        return OSError(f"could not {what} the writer lease {path}: {detail}")
+
+    def read(self, path: str) -> tuple[bytes, str] | None:
+        """The document and its ETag; None when there is none."""
+        from cdc_shared import jvm_bridge
+
+        fs, file = self._fs(path)
+        try:
+            etag = fs.getFileStatus(file).getEtag()
+            data = jvm_bridge.read_text(self._spark, path).encode()
+        except _JVM_ERRORS as exc:
+            if self._java_class(exc) == "java.io.FileNotFoundException":
+                return None
+            raise self._failed(exc, "read", path) from None
+        if etag is None:
+            raise OSError(f"the store of {path} gives no ETag: it cannot hold writer leases")
+        return data, str(etag)
+
+    def _put(self, path: str, data: bytes, option: str, value: object) -> str:
+        fs, file = self._fs(path)
+        try:
+            builder = fs.createFile(file).overwrite(option != CONDITIONAL_CREATE)
+            stream = builder.must(option, value).build()
+            try:
+                stream.write(bytearray(data))
+            finally:
+                stream.close()  # the PUT, and its refusal, happen here
+        except _JVM_ERRORS as exc:
+            raise self._failed(exc, "write", path) from None
+        # The PUT's own ETag is not returned: read it back, with the content, which is
+        # unique to this write (its token and expiry). Still ours, the ETag read before
+        # it is ours; another's, the lease was taken in between.
+        current = self.read(path)
+        if current is None or current[0] != data:
+            raise LeaseConflictError(path)
+        return current[1]
+
+    def create(self, path: str, data: bytes) -> str:
+        """Write a new document; LeaseConflictError if one exists. Returns its ETag."""
+        return self._put(path, data, CONDITIONAL_CREATE, True)
+
+    def replace(self, path: str, data: bytes, version: str) -> str:
+        """Overwrite the document if its ETag is still ``version``."""
+        return self._put(path, data, CONDITIONAL_REPLACE_ETAG, version)
+
+    def enforces_conditions(self, folder: str) -> bool:
+        """Whether the store refuses a second create of one object (a probe under ``folder``).
+
+        False when the file system has no conditional create or the store accepts the
+        second write: its leases would not exclude anyone.
+        """
+        probe = f"{folder}/_probe-{secrets.token_hex(8)}"
+        try:
+            self.create(probe, b"probe\n")
+        except OSError as exc:
+            if any(name in str(exc) for name in _UNSUPPORTED):
+                return False
+            raise
+        try:
+            self.create(probe, b"probe again\n")
+        except LeaseConflictError:
+            return True
+        else:
+            return False
+        finally:
+            fs, file = self._fs(probe)
+            with contextlib.suppress(*_JVM_ERRORS):
+                fs.delete(file, False)
 
 
 # --- who is this process, and does a holder still live ------------------------------
@@ -421,29 +554,52 @@ class LeaseKeeper:
             lease.release()
 
 
-def lease_store(root: str) -> LeaseStore | None:
-    """The lease store for a storage root; None where leases are not kept (object storage)."""
-    return LocalLeaseStore() if "://" not in root else None
+def lease_store(root: str, spark: SparkSession | None = None) -> LeaseStore | None:
+    """The lease store for a storage root; None where leases are not kept.
+
+    Local disk always has one; an ``s3a://`` root has one through ``spark``'s S3A file
+    system (none without a session); other schemes have none.
+    """
+    if "://" not in root:
+        return LocalLeaseStore()
+    if spark is not None and root.split("://", 1)[0] == "s3a":
+        return S3LeaseStore(spark)
+    return None
+
+
+def _no_lease(service: str, root: str, why: str) -> None:
+    log.warning(
+        f"no writer lease on this storage root: {why}, so a second instance of the "
+        "service would not be refused; run one instance per service (Kubernetes: "
+        "replicas 1, strategy Recreate)",
+        extra={"service": service, "storage_root": root},
+    )
 
 
 def acquire_writer_leases(
-    root: str, service: str, entities: list[str], on_lost: Callable[[str], object]
+    root: str,
+    service: str,
+    entities: list[str],
+    on_lost: Callable[[str], object],
+    spark: SparkSession | None = None,
 ) -> LeaseKeeper | None:
     """Take ``service``'s lease on each entity's tables and keep them renewed.
 
-    WriterRunningError (releasing any taken) when another instance holds one. None, with
-    a warning, on a root without a lease store: one writer is then not enforced.
+    WriterRunningError (releasing any taken) when another instance holds one. On S3 the
+    leases go through ``spark``'s file system, after a probe that the store enforces
+    conditional writes. None, with a warning, on a root without a lease store or whose
+    store does not enforce them: one writer is then not enforced.
     """
-    store = lease_store(root)
-    if store is None:
-        log.warning(
-            "no writer lease on this storage root: object storage has no lease store yet, "
-            "so a second instance of the service would not be refused; run one instance "
-            "per service (Kubernetes: replicas 1, strategy Recreate)",
-            extra={"service": service, "storage_root": root},
-        )
-        return None
+    store = lease_store(root, spark)
     layout = StorageLayout(root)
+    if store is None:
+        _no_lease(service, root, "this kind of storage has no lease store")
+        return None
+    if isinstance(store, S3LeaseStore):
+        folder = layout.writer_lease(service, "probe").rsplit("/", 1)[0]
+        if not store.enforces_conditions(folder):
+            _no_lease(service, root, "the store does not enforce conditional writes")
+            return None
     taken: list[WriterLease] = []
     try:
         for entity in entities:
@@ -457,13 +613,16 @@ def acquire_writer_leases(
     return LeaseKeeper(taken, on_lost).start()
 
 
-def refuse_if_running(root: str, services: list[str], entities: list[str]) -> None:
+def refuse_if_running(
+    root: str, services: list[str], entities: list[str], spark: SparkSession | None = None
+) -> None:
     """WriterRunningError naming a live lease of ``services`` on ``entities``, if any.
 
     A check before starting for ``cdc run --once``, which takes each service's leases
-    only when it reaches that service: a conflict is reported before anything runs.
+    only when it reaches that service: a conflict is reported before anything runs (on
+    S3 only with ``spark``, through which its leases are read).
     """
-    store = lease_store(root)
+    store = lease_store(root, spark)
     if store is None:
         return
     layout = StorageLayout(root)
@@ -472,9 +631,14 @@ def refuse_if_running(root: str, services: list[str], entities: list[str]) -> No
             WriterLease(store, layout.writer_lease(service, entity), service).check()
 
 
-def live_leases(root: str, services: tuple[str, ...], entities: list[str]) -> list[str]:
+def live_leases(
+    root: str,
+    services: tuple[str, ...],
+    entities: list[str],
+    spark: SparkSession | None = None,
+) -> list[str]:
     """Each live lease under ``root``, described for an operator (``cdc maintenance``)."""
-    store = lease_store(root)
+    store = lease_store(root, spark)
     if store is None:
         return []
     layout = StorageLayout(root)

@@ -3,21 +3,37 @@
 A continuous ``cdc-merger`` takes its writer lease and waits for bronze; a second
 ``cdc-merger`` and a ``cdc run`` on the same root exit 1 naming it. SIGKILLed, it leaves
 its lease behind, and its restart takes the lease over at once, not after the expiry.
-A service whose lease another instance took over stops at its next heartbeat.
+A service whose lease another instance took over stops at its next heartbeat. On an
+``s3a://`` root the same leases go through S3A's conditional writes to the S3 server.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+from cdc_devkit import infra
+from cdc_shared import jvm_bridge
+from cdc_shared.config import ObjectStorageConfig
 from cdc_shared.layout import MERGER, StorageLayout
 from cdc_shared.streaming import StreamFailedError, StreamRunner
 from cdc_shared.streaming.runner import QueryIdentity
-from cdc_shared.writer_lease import LEASE_TTL_S, LeaseKeeper, LocalLeaseStore, WriterLease
+from cdc_shared.writer_lease import (
+    LEASE_TTL_S,
+    LeaseConflictError,
+    LeaseKeeper,
+    LocalLeaseStore,
+    S3LeaseStore,
+    WriterLease,
+    WriterRunningError,
+    acquire_writer_leases,
+    refuse_if_running,
+)
 from pyspark.sql import SparkSession
 from support.cluster import command_path, launch_service, log_tail, service_env, sigkill_group
 from support.pipelines import PipelineFactory
@@ -115,3 +131,63 @@ def test_a_lease_taken_over_stops_the_running_service_at_once(
         runner.run()
     assert not runner.queries["customers"].isActive
     assert json.loads(Path(lease.path).read_text())["holder"]["host"] == "node-b"
+
+
+def _s3_root(spark: SparkSession, endpoint: str) -> str:
+    """A fresh prefix of the local S3 bucket, its S3A settings on the session."""
+    storage = ObjectStorageConfig(
+        endpoint=endpoint,
+        region=infra.S3_REGION,
+        path_style_access=True,
+        access_key=infra.S3_ACCESS_KEY,
+        secret_key=infra.S3_SECRET_KEY,
+    )
+    jvm_bridge.set_hadoop_options(spark, storage.hadoop_options(infra.S3_BUCKET))
+    return f"s3a://{infra.S3_BUCKET}/pytest-lease-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.s3
+def test_on_s3_a_second_writer_is_refused_and_an_expired_lease_taken_over(
+    spark: SparkSession, s3_endpoint: str, tmp_path: Path
+) -> None:
+    """Leases on an ``s3a://`` root, through S3A's conditional writes on the real server.
+
+    The store is probed as enforcing (a local file system, which has no conditional
+    create, is not); a second instance is refused naming the first; an expired lease
+    is taken over, and its former holder's renewal is refused.
+    """
+    root = _s3_root(spark, s3_endpoint)
+    path = StorageLayout(root).writer_lease(MERGER, "customers")
+    store = S3LeaseStore(spark)
+    assert store.enforces_conditions(path.rsplit("/", 1)[0])
+    # A file system without conditional creates is found out: no lease would bind there.
+    assert not store.enforces_conditions(f"file://{tmp_path}")
+
+    lost: list[str] = []
+    keeper = acquire_writer_leases(root, MERGER, ["customers"], lost.append, spark)
+    assert keeper is not None, "no lease taken on S3"
+    try:
+        with pytest.raises(WriterRunningError) as refused:
+            acquire_writer_leases(root, MERGER, ["customers"], lost.append, spark)
+        for part in ("merger cannot start", f"pid {os.getpid()}", path, "since"):
+            assert part in str(refused.value), str(refused.value)
+        with pytest.raises(WriterRunningError, match="cannot start"):
+            refuse_if_running(root, [MERGER], ["customers"], spark)
+    finally:
+        keeper.release()
+    refuse_if_running(root, [MERGER], ["customers"], spark)  # released: free to take
+    assert not lost
+
+    # A holder whose lease ran out (its clock a TTL and more behind) is taken over.
+    stale = WriterLease(store, path, MERGER, clock=lambda: time.time() - 2 * LEASE_TTL_S)
+    stale.acquire()
+    successor = WriterLease(store, path, MERGER)
+    successor.acquire()
+    with pytest.raises(LeaseConflictError):
+        stale.renew()
+    stale.release()  # not its own any more: leaves the successor's lease alone
+    document = json.loads(jvm_bridge.read_text(spark, path))
+    assert document["holder"]["token"] == successor._lease.holder.token  # type: ignore[union-attr]
+    assert not document["released"]
+    successor.renew()
+    successor.release()

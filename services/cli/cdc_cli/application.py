@@ -298,10 +298,13 @@ def run_application(
         entities = config.select_entities(entity_names)  # unknown names fail here
         # Each service takes its writer leases as it starts; an instance already
         # writing any of them is named before anything runs (``--once`` starts late ones).
-        refuse_if_running(
-            config.storage_root, [s.replace("-", "_") for s in chosen], [e.name for e in entities]
-        )
         application = Application(config, chosen, entity_names, once)
+        refuse_if_running(
+            config.storage_root,
+            [s.replace("-", "_") for s in chosen],
+            [e.name for e in entities],
+            None if "://" not in config.storage_root else application.spark,  # S3: read by it
+        )
         application.install_signal_handlers()
         log.info("starting", extra={"service": APPLICATION, "services": chosen, "once": once})
         application.run()

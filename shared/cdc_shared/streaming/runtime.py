@@ -125,8 +125,9 @@ def start_service(
     query. If any entity fails to start, the ones started are stopped.
 
     First the service takes its writer lease on each entity (``cdc_shared.writer_lease``):
-    WriterRunningError when another instance writes them. The leases are renewed while
-    it runs and released when its runner closes; a lease taken over fails the runner.
+    WriterRunningError when another instance writes them (on object storage once its
+    session is built, through which they are written). The leases are renewed while it
+    runs and released when its runner closes; a lease taken over fails the runner.
     """
     entities = config.select_entities(entity_names)
     if not entities:
@@ -139,11 +140,15 @@ def start_service(
         for made in runner_of:
             made.fail(reason)
 
-    leases = acquire_writer_leases(
-        config.storage_root, service.name, [e.name for e in entities], lost
+    names = [e.name for e in entities]
+    on_disk = "://" not in config.storage_root  # object storage leases need the session
+    leases = (
+        acquire_writer_leases(config.storage_root, service.name, names, lost) if on_disk else None
     )
     try:
         session = spark or build_spark_session(config.spark, command_name(service.name))
+        if not on_disk:
+            leases = acquire_writer_leases(config.storage_root, service.name, names, lost, session)
         lag = service.lag
         runner = StreamRunner(
             session,
