@@ -425,7 +425,7 @@ def signs_of_life(
     """
     now = now or dt.datetime.now(dt.UTC)
     since = now - quiet
-    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities])
+    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities], spark)
     for service, url in health_endpoints(config):
         answer = health_answer(url)
         if answer is not None:
