@@ -346,6 +346,30 @@ def _kafka_cluster_id() -> str:
     return urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
+def _format_kafka_storage(
+    java: list[str], properties: Path, what: str, extra: list[str] | None = None
+) -> None:
+    """Format a KRaft broker's storage (``kafka-storage format``) before its first start."""
+    formatted = subprocess.run(
+        [
+            *java,
+            "kafka.tools.StorageTool",
+            "format",
+            f"--cluster-id={_kafka_cluster_id()}",
+            "-c",
+            str(properties),
+            *(extra or []),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if formatted.returncode != 0:
+        raise InfraError(
+            f"formatting {what}'s storage failed:\n{formatted.stdout}{formatted.stderr}"
+        )
+
+
 def start_kafka(settings: InfraSettings) -> None:
     """Start the single-node KRaft broker unless it already runs; wait until it answers."""
     bootstrap = endpoints(settings).kafka_bootstrap_servers
@@ -382,23 +406,7 @@ def start_kafka(settings: InfraSettings) -> None:
         ":".join(str(p) for p in classpath),
     ]
     if not (data_dir / "meta.properties").exists():
-        formatted = subprocess.run(
-            [
-                *base,
-                "kafka.tools.StorageTool",
-                "format",
-                f"--cluster-id={_kafka_cluster_id()}",
-                "-c",
-                str(properties),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if formatted.returncode != 0:
-            raise InfraError(
-                f"formatting Kafka storage failed:\n{formatted.stdout}{formatted.stderr}"
-            )
+        _format_kafka_storage(base, properties, "Kafka")
     heap = settings.kafka_heap
     pid = _start(
         settings,
@@ -560,25 +568,7 @@ def start_secured_kafka(settings: InfraSettings, secured: SecuredKafka) -> str:
             f"--add-scram={SECURED_KAFKA_MECHANISM}=[name={user},password={password}]"
             for user, password in secured.users.items()
         ]
-        formatted = subprocess.run(
-            [
-                *base,
-                "kafka.tools.StorageTool",
-                "format",
-                f"--cluster-id={_kafka_cluster_id()}",
-                "-c",
-                str(properties),
-                *scram,
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if formatted.returncode != 0:
-            raise InfraError(
-                f"formatting the secured Kafka's storage failed:\n{formatted.stdout}"
-                f"{formatted.stderr}"
-            )
+        _format_kafka_storage(base, properties, "the secured Kafka", scram)
     heap = settings.kafka_heap
     pid = _start(
         settings,
