@@ -99,7 +99,8 @@ class SecuredBroker:
             future.result(30)
 
 
-def _pkcs8(key_pem: bytes) -> str:
+def pkcs8(key_pem: bytes) -> str:
+    """``key_pem`` (trustme writes its algorithm's own PEM form) as unencrypted PKCS#8."""
     key = serialization.load_pem_private_key(key_pem, password=None)
     return key.private_bytes(
         serialization.Encoding.PEM,
@@ -119,7 +120,7 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured
     certificate_file = folder / "broker.pem"
     certificate_file.write_text("".join(p.bytes().decode() for p in server_cert.cert_chain_pems))
     key_file = folder / "broker-key.pem"
-    key_file.write_text(_pkcs8(server_cert.private_key_pem.bytes()))
+    key_file.write_text(pkcs8(server_cert.private_key_pem.bytes()))
     port, controller_port = free_ports(2)
     server = infra.SecuredKafka(
         port=port,

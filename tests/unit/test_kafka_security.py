@@ -8,19 +8,9 @@ import pytest
 import trustme
 from cdc_shared.clients import kafka_client_config, spark_kafka_options
 from cdc_shared.config import ConfigError, KafkaConfig, load_config, redact
-from cryptography.hazmat.primitives import serialization
+from support.secured_kafka import pkcs8
 
 PASSWORD = "pl4nted-Secret"
-
-
-def pkcs8(key_pem: bytes) -> bytes:
-    """``key_pem`` (trustme writes its algorithm's own PEM form) as unencrypted PKCS#8."""
-    key = serialization.load_pem_private_key(key_pem, password=None)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
 
 
 @pytest.fixture
@@ -35,7 +25,7 @@ def pems(tmp_path: Path) -> dict[str, Path]:
     }
     ca.cert_pem.write_to_path(str(paths["ca"]))
     client.cert_chain_pems[0].write_to_path(str(paths["cert"]))
-    paths["key"].write_bytes(pkcs8(client.private_key_pem.bytes()))
+    paths["key"].write_text(pkcs8(client.private_key_pem.bytes()))
     paths["traditional_key"] = tmp_path / "traditional.pem"
     client.private_key_pem.write_to_path(str(paths["traditional_key"]))
     return paths
