@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +38,12 @@ OPTIONS_REDACTION = "spark.sql.redaction.options.regex"
 #: misses by name: the JAAS line (its password) and a PEM key store's private key
 #: (``kafka.ssl.keystore.key``, see :func:`cdc_shared.clients.java_security`).
 OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\.key\.password"
+
+#: Our setting (not Spark's) for how often, in seconds, the driver's Python process
+#: collects its cyclic garbage; ``0`` leaves it to Python. See :func:`collect_python_garbage`.
+PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
+_collector_lock = threading.Lock()
+_collectors: list[threading.Thread] = []  # the one collector thread, once started
 
 
 def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
@@ -88,6 +97,15 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # file and refuses every restart. Each (service, entity) has its own checkpoint
         # path, so the check guards against nothing here.
         "spark.sql.streaming.verifyCheckpointDirectoryEmptyOnStart": "false",
+        # Each query keeps its recent progress reports twice (the query, the UI's store);
+        # nothing here reads more than the last, and with four queries per table the
+        # default of 100 each grows with every table.
+        "spark.sql.streaming.numRecentProgressUpdates": "20",
+        "spark.sql.streaming.ui.retainedProgressUpdates": "20",
+        # Every Java object Python used (each batch's DataFrames and their plans) stays
+        # in the driver's heap until Python's cyclic collector frees its proxy, which
+        # Python runs rarely (see collect_python_garbage).
+        PYTHON_GC_INTERVAL: "10",
         OPTIONS_REDACTION: OPTIONS_REDACTION_PATTERN,
     }
     jars = jvm.spark_jars()
@@ -143,7 +161,42 @@ def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
     # entries: set the root's settings on its Hadoop configuration (per bucket, so
     # settings of other roots in the same session stay as they are).
     jvm_bridge.set_hadoop_options(session, config.hadoop_options())
+    collect_python_garbage(float(conf.get(PYTHON_GC_INTERVAL) or 0))
     return session
+
+
+def collect_python_garbage(interval_s: float) -> None:
+    """Collect the driver's cyclic Python garbage every ``interval_s`` seconds, in a thread.
+
+    py4j's gateway keeps every Java object Python holds a proxy of alive in the JVM, until
+    Python frees the proxy. A proxy caches the methods called on it, and each cached
+    method points back at the proxy: every proxy Python called a method on (each batch's
+    DataFrames, their sessions and plans) is freed only by Python's cyclic collector.
+    Python runs a full collection on its own allocation counts, rarely once a driver holds
+    many objects and never while it idles, blind to the JVM's heap: with many streams the
+    batches' plans pile up in the driver's heap until it runs out. One thread per process
+    (the first interval wins); ``0`` or less starts none. A collection holds the
+    interpreter lock for its duration.
+    """
+    if interval_s <= 0:
+        return
+    with _collector_lock:
+        if any(thread.is_alive() for thread in _collectors):
+            return
+
+        def collect() -> None:
+            while True:
+                time.sleep(interval_s)
+                started = time.monotonic()
+                found = gc.collect()
+                log.debug(
+                    "python garbage collected",
+                    extra={"objects": found, "ms": round((time.monotonic() - started) * 1000)},
+                )
+
+        thread = threading.Thread(target=collect, name="cdc-python-gc", daemon=True)
+        thread.start()
+        _collectors[:] = [thread]
 
 
 def clock() -> Column:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -181,3 +183,27 @@ def test_an_existing_table_is_kept_by_ensure_table(spark: SparkSession, tmp_path
     ensure_table(spark, path, T.StructType([T.StructField("id", T.LongType())]), {})
 
     assert sorted(row.id for row in spark.read.format("delta").load(path).collect()) == [1, 2]
+
+
+def test_java_objects_python_dropped_are_released_while_the_driver_idles(
+    spark: SparkSession,
+) -> None:
+    # py4j caches a Java object's methods on its proxy, and each cached method points back
+    # at the proxy: every proxy Python called a method on (each batch's DataFrames, their
+    # sessions, their plans) is freed only by Python's cyclic collector, and until then
+    # py4j's gateway keeps the Java object alive. Python collects its oldest objects
+    # rarely and never while idle: without the session's collector
+    # (cdc_shared.spark.collect_python_garbage) such a proxy, and the plans it holds in the
+    # driver's heap, stay. The test does not collect itself after the proxy is dropped.
+    from cdc_shared.spark import PYTHON_GC_INTERVAL
+
+    frame = spark.range(3)._jdf
+    assert frame.count() == 3  # caches the method: the proxy is in a reference cycle now
+    released = weakref.ref(frame)
+    gc.collect()  # as a long-running driver's would be: among the oldest objects
+    del frame
+    interval = float(spark.conf.get(PYTHON_GC_INTERVAL, "0")) or 10.0  # 0: no collector
+    deadline = time.monotonic() + 3 * interval
+    while released() is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert released() is None, f"the Java object's proxy still alive after {3 * interval} s"

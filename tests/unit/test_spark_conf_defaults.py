@@ -1,0 +1,31 @@
+"""spark_conf's bounds on what the driver keeps per query, and the user's conf winning."""
+
+from __future__ import annotations
+
+import threading
+
+from cdc_shared.config import SparkConfig
+from cdc_shared.spark import PYTHON_GC_INTERVAL, collect_python_garbage, spark_conf
+
+BOUNDED = (
+    "spark.sql.streaming.numRecentProgressUpdates",
+    "spark.sql.streaming.ui.retainedProgressUpdates",
+)
+
+
+def test_the_driver_keeps_few_progress_reports_per_query_and_collects_python_garbage() -> None:
+    conf = spark_conf(SparkConfig(master="local[2]"), "t")
+    for key in BOUNDED:
+        assert 0 < int(conf[key]) < 100, key  # Spark's default keeps 100 per query
+    assert float(conf[PYTHON_GC_INTERVAL]) > 0
+
+
+def test_the_users_values_win() -> None:
+    users = {key: "100" for key in BOUNDED} | {PYTHON_GC_INTERVAL: "0"}
+    conf = spark_conf(SparkConfig(master="local[2]", conf=users), "t")
+    assert {key: conf[key] for key in users} == users
+
+
+def test_an_interval_of_zero_starts_no_collector() -> None:
+    collect_python_garbage(0)
+    assert "cdc-python-gc" not in {thread.name for thread in threading.enumerate()}
