@@ -94,30 +94,76 @@ def java_security(config: KafkaConfig) -> dict[str, str]:
     return settings
 
 
-#: How the Java client says the broker refused it: SASL credentials, or the TLS handshake
-#: (a CA that does not sign the broker's certificate, an expired or unknown client one).
+#: How the broker refused a client, as the Java client and librdkafka say it: the SASL
+#: credentials, or the TLS handshake (a CA that does not sign the broker's certificate, an
+#: expired or unknown client one).
 KAFKA_AUTHENTICATION_FAILED = re.compile(
-    r"org\.apache\.kafka\.common\.errors\.(SaslAuthenticationException|SslAuthenticationException)"
+    r"org\.apache\.kafka\.common\.errors\.(?P<java>Sasl|Ssl)AuthenticationException"
+    r"|(?P<sasl>SASL authentication error)|(?P<ssl>SSL handshake failed)"
 )
 
+#: What to do about refused credentials (the same credentials fail again).
+FIX_CREDENTIALS = "fix kafka.sasl / kafka.tls (or the secret they name) and restart"
 
-def kafka_authentication_failure(config: KafkaConfig, error: str) -> str | None:
-    """One line for a Kafka authentication failure found in ``error``; None if there is none.
 
-    Names the brokers and the mechanism (:meth:`KafkaConfig.describe`), never a secret.
-    Not a fault to wait out: the same credentials fail again, so the service stops.
+def kafka_refusal(config: KafkaConfig, error: str) -> str | None:
+    """What the broker refused, if ``error`` shows it refused the credentials; else None.
+
+    "Kafka at <brokers> (<mechanism> as <user>) refused <what>": the brokers and the
+    mechanism (:meth:`KafkaConfig.describe`), never a secret.
     """
     found = KAFKA_AUTHENTICATION_FAILED.search(error)
     if found is None:
         return None
     what = (
         "the SASL credentials (username or password)"
-        if found.group(1).startswith("Sasl")
+        if found.group("java") == "Sasl" or found.group("sasl")
         else "the TLS handshake (CA bundle, or an expired or untrusted certificate)"
     )
+    return f"Kafka at {config.describe()} refused {what}"
+
+
+def kafka_authentication_failure(config: KafkaConfig, error: str) -> str | None:
+    """One line for a Kafka authentication failure found in ``error``; None if there is none.
+
+    Not a fault to wait out: the same credentials fail again, so the service stops.
+    """
+    refused = kafka_refusal(config, error)
+    if refused is None:
+        return None
+    return f"stopped: {refused}; nothing was read. {FIX_CREDENTIALS.capitalize()}"
+
+
+#: How the Java client says the broker's ACLs refused it access to a topic.
+KAFKA_TOPIC_AUTHORIZATION_FAILED = re.compile(
+    r"org\.apache\.kafka\.common\.errors\.TopicAuthorizationException"
+)
+
+
+def kafka_principal(config: KafkaConfig) -> str:
+    """The principal the broker's ACLs see for these settings, as ``kafka-acls`` names it."""
+    if config.sasl is not None:
+        return f"User:{config.sasl.username}"
+    return "the client's principal (its TLS certificate's subject, or User:ANONYMOUS)"
+
+
+def kafka_missing_permission(
+    config: KafkaConfig, operation: str, resource_type: str, resource_name: str
+) -> str:
+    """One line for an operation the broker's ACLs refused: what, for whom, how to grant it.
+
+    No secret. ``operation`` and ``resource_type`` as ``kafka-acls`` names them (Read,
+    Write, Describe; topic, group, transactional-id). Not a fault to wait out: the ACLs stay
+    as they are until an administrator changes them, so the stream stops; its checkpoint
+    keeps its place, and a restart once the ACL is back resumes there, losing nothing.
+    """
+    principal = kafka_principal(config)
     return (
-        f"stopped: Kafka at {config.describe()} refused {what}; nothing was read. "
-        "Fix kafka.sasl / kafka.tls (or the secret they name) and restart"
+        f"stopped: Kafka at {config.bootstrap_servers} refused {operation} on {resource_type} "
+        f"{resource_name!r} to {principal}: no ACL allows it (missing or revoked). Grant it "
+        f"(kafka-acls --bootstrap-server <brokers> --add --allow-principal {principal} "
+        f"--operation {operation} --{resource_type} {resource_name}) and restart: the stream "
+        "resumes from its checkpoint and loses nothing"
     )
 
 

@@ -9,23 +9,27 @@ of the ACL table (deploy/kafka-acls/README.md).
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 import uuid
 
 import pytest
 import yaml
 from cdc_devkit.workload import ensure_topics, produce
+from cdc_ingestor.kafka_watch import KafkaWatch
 from cdc_ingestor.main import SERVICE, start
 from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import PublisherKafkaConfig
+from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.service import run_to_exit_code
+from cdc_shared.streaming import StreamRunner
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession
-from support.ingestion import assert_bronze_exactly_once, generate
+from support.ingestion import assert_bronze_exactly_once, bronze, generate, topic_offsets
 from support.pipelines import Pipeline, PipelineFactory
 from support.secured_kafka import (
     ADMIN,
@@ -35,10 +39,14 @@ from support.secured_kafka import (
     SecuredBroker,
     secured_broker,
 )
+from support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration]
 
 __all__ = ["secured_broker"]
+
+#: What the ingestor's principal needs on each source topic (deploy/kafka-acls/README.md).
+SOURCE_TOPIC_GRANTS = (AclOperation.READ, AclOperation.DESCRIBE)
 
 
 def run_ingestor(pipeline: Pipeline) -> int:
@@ -53,20 +61,16 @@ def run_ingestor(pipeline: Pipeline) -> int:
 def secured_pipeline(
     make_pipeline: PipelineFactory, secured_broker: SecuredBroker, monkeypatch: pytest.MonkeyPatch
 ) -> Pipeline:
-    """One entity on the secured broker; the ingestor's principal reads its topic only."""
+    """Two entities on the secured broker; the ingestor's principal reads their topics only."""
     monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(INGESTOR))
-    pipeline = make_pipeline(entities=("customers",))
+    pipeline = make_pipeline(ingestor={"trigger_interval": "1 second", "metrics_port": 0})
     document = yaml.safe_load(pipeline.path.read_text())
     document["kafka"] = secured_broker.kafka_section(INGESTOR)
     pipeline.path.write_text(yaml.safe_dump(document))
-    topic = pipeline.topic("customers")
-    ensure_topics(secured_broker.kafka_config(ADMIN), [topic])
-    secured_broker.allow(
-        INGESTOR,
-        ResourceType.TOPIC,
-        topic,
-        (AclOperation.READ, AclOperation.DESCRIBE),
-    )
+    topics = [entity.source_topic for entity in pipeline.config.entities]
+    ensure_topics(secured_broker.kafka_config(ADMIN), topics)
+    for topic in topics:
+        secured_broker.allow(INGESTOR, ResourceType.TOPIC, topic, SOURCE_TOPIC_GRANTS)
     return pipeline
 
 
@@ -77,10 +81,48 @@ def test_ingestor_reads_through_sasl_ssl_exactly_once(
     caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
+    """Exactly once through SASL_SSL, across a revoked ACL: Read on one source topic taken
+    back while the ingestor runs stops that entity with one line naming the missing
+    permission, and the other entity goes on; restored and restarted, nothing is lost."""
     caplog.set_level(logging.INFO)
     admin = secured_broker.kafka_config(ADMIN)
-    report = produce(admin, iter(generate(secured_pipeline, events=200, keys=40)))
+    messages = generate(secured_pipeline, events=100, keys=20, poison_share=0)
+    half = len(messages) // 2
+    report = produce(admin, iter(messages[:half]))
     password = secured_broker.password(INGESTOR)
+    revoked = secured_pipeline.topic("customers")
+    runners: list[StreamRunner] = []
+    exit_codes: list[int] = []
+
+    def run(config: PipelineConfig) -> None:
+        runners.append(start(config))
+        runners[0].run()
+
+    service = threading.Thread(
+        target=lambda: exit_codes.append(run_to_exit_code(SERVICE, str(secured_pipeline.path), run))
+    )
+    service.start()
+    try:
+        wait_for(lambda: caught_up(runners, admin, "customers", "orders"), 600)
+        secured_broker.revoke(INGESTOR, ResourceType.TOPIC, revoked, (AclOperation.READ,))
+        report.add(produce(admin, iter(messages[half:])))
+        wait_for(lambda: caught_up(runners, admin, "orders"), 600)
+        wait_for(lambda: "customers" in stopped_streams(runners[0]), 600)
+        assert stopped_streams(runners[0]) == {"customers"}  # orders still runs
+    finally:
+        if runners:
+            runners[0].request_stop()
+        service.join(120)
+    assert exit_codes == [1]
+    stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the other")]
+    assert [getattr(r, "entity", None) for r in stops] == ["customers"]
+    reason: str = getattr(stops[0], "reason", "")
+    assert "\n" not in reason
+    assert f"refused Read on topic {revoked!r} to User:{INGESTOR}" in reason
+    assert "--operation Read" in reason and "loses nothing" in reason
+    assert landed(spark, secured_pipeline, "customers") < len(topic_offsets(admin, revoked))
+
+    secured_broker.allow(INGESTOR, ResourceType.TOPIC, revoked, SOURCE_TOPIC_GRANTS)
     assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
     assert_bronze_exactly_once(spark, secured_pipeline, admin, report)
 
@@ -107,7 +149,49 @@ def test_ingestor_reads_through_sasl_ssl_exactly_once(
     assert secured_broker.password(ADMIN) not in logged
 
 
+def stopped_streams(runner: StreamRunner) -> set[str]:
+    """The entities whose stream the runner stopped alone (``/health`` says "stopped")."""
+    streams = runner.health()["streams"]
+    return {e for e, s in streams.items() if str(s["problem"]).startswith("stopped")}
+
+
+def caught_up(runners: list[StreamRunner], kafka: KafkaConfig, *entities: str) -> bool:
+    """Whether the running ingestor's streams of ``entities`` read their topics to the end
+    (from their progress: no Spark job beside the service's own)."""
+    if not runners:
+        return False
+    for entity in entities:
+        query = runners[0].queries[entity]
+        progress = query.lastProgress
+        if not progress:
+            return False
+        ends = progress["sources"][0]["endOffset"]
+        ends = json.loads(ends) if isinstance(ends, str) else ends
+        topic = next(iter(ends))
+        read = {int(p): o for p, o in ends[topic].items() if o > 0}
+        if read != high_watermarks(kafka, topic):
+            return False
+    return True
+
+
+def high_watermarks(kafka: KafkaConfig, topic: str) -> dict[int, int]:
+    """The offset after the last record of each partition of ``topic``."""
+    ends: dict[int, int] = {}
+    for partition, offset in topic_offsets(kafka, topic):
+        ends[partition] = max(ends.get(partition, 0), offset + 1)
+    return ends
+
+
+def landed(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:
+    """How many records bronze holds for ``entity`` (-1 before its table exists)."""
+    try:
+        return bronze(spark, pipeline, entity).count()
+    except Exception:
+        return -1
+
+
 def test_wrong_password_stops_at_start_with_one_line(
+    spark: SparkSession,
     secured_broker: SecuredBroker,
     secured_pipeline: Pipeline,
     monkeypatch: pytest.MonkeyPatch,
@@ -125,6 +209,20 @@ def test_wrong_password_stops_at_start_with_one_line(
     assert "\n" not in line
     assert secured_broker.bootstrap_servers in line and "SCRAM-SHA-512" in line
     assert "refused the SASL credentials" in line
+    assert "unreachable" not in caplog.text
+
+    # The broker watch, probing while the ingestor runs, says what the broker refused too.
+    caplog.clear()
+    runner = StreamRunner(spark, SERVICE)
+    try:
+        kafka = secured_broker.kafka_config(INGESTOR, password=wrong)
+        assert not KafkaWatch(kafka, ["customers"], runner, timeout_s=5).check()
+    finally:
+        runner.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"Kafka at {kafka.describe()} refused the SASL credentials")
+    assert "unreachable" not in warnings[0]
     logged = caplog.text + "".join(capfd.readouterr())
     assert wrong not in logged and secured_broker.password(INGESTOR) not in logged
 

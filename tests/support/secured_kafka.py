@@ -18,6 +18,7 @@ from cdc_devkit import infra
 from cdc_shared.config import KafkaConfig
 from confluent_kafka.admin import (
     AclBinding,
+    AclBindingFilter,
     AclOperation,
     AclPermissionType,
     AdminClient,
@@ -97,6 +98,25 @@ class SecuredBroker:
         admin = self.admin()  # held until the futures are done: its end cancels them
         for future in admin.create_acls(bindings).values():
             future.result(30)
+
+    def revoke(
+        self,
+        user: str,
+        resource: ResourceType,
+        name: str,
+        operations: tuple[AclOperation, ...],
+        pattern: ResourcePatternType = ResourcePatternType.LITERAL,
+    ) -> None:
+        """Take back the ``operations`` on a resource that :meth:`allow` granted ``user``."""
+        filters = [
+            AclBindingFilter(
+                resource, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW
+            )
+            for operation in operations
+        ]
+        admin = self.admin()
+        for future in admin.delete_acls(filters).values():
+            assert future.result(30), f"no such ACL of User:{user} on {name}"
 
 
 def pkcs8(key_pem: bytes) -> str:

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 import trustme
-from cdc_shared.clients import kafka_client_config, spark_kafka_options
+from cdc_shared.clients import (
+    kafka_authentication_failure,
+    kafka_client_config,
+    kafka_missing_permission,
+    kafka_refusal,
+    spark_kafka_options,
+)
 from cdc_shared.config import ConfigError, KafkaConfig, load_config, redact
 from support.secured_kafka import pkcs8
 
@@ -133,6 +139,49 @@ def test_secret_not_in_repr(
     assert PASSWORD not in repr(config) + str(config) + str(config.model_dump())
     assert PASSWORD not in config.describe()
     assert config.describe() == "broker:9093 (SASL_SSL SCRAM-SHA-512 as 'ingestor')"
+
+
+@pytest.mark.parametrize(
+    ("error", "what"),
+    [
+        (
+            "org.apache.kafka.common.errors.SaslAuthenticationException: Authentication failed",
+            "the SASL credentials",
+        ),
+        (  # librdkafka's words (confluent-kafka's clients)
+            "SASL authentication error: Authentication failed during authentication due to "
+            "invalid credentials with SASL mechanism SCRAM-SHA-512",
+            "the SASL credentials",
+        ),
+        ("org.apache.kafka.common.errors.SslAuthenticationException: x", "the TLS handshake"),
+        ("SSL handshake failed: error:0A000086:SSL routines::certificate verify failed", "the TLS"),
+    ],
+)
+def test_refused_credentials_read_from_both_clients(
+    tmp_path: Path, pems: dict[str, Path], monkeypatch: pytest.MonkeyPatch, error: str, what: str
+) -> None:
+    config = secured(tmp_path, pems, monkeypatch)
+    refused = kafka_refusal(config, "Job aborted ... " + error + "\n\tat ...")
+    assert refused is not None
+    assert refused.startswith(f"Kafka at {config.describe()} refused {what}")
+    assert kafka_refusal(config, "org.apache.kafka.common.errors.TimeoutException") is None
+    stop = kafka_authentication_failure(config, error)
+    assert stop is not None and stop.startswith(f"stopped: {refused}; nothing was read.")
+
+
+def test_missing_permission_names_it_and_how_to_grant_it(
+    tmp_path: Path, pems: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = secured(tmp_path, pems, monkeypatch)
+    line = kafka_missing_permission(config, "Read", "topic", "db.inventory.customers")
+    assert line.startswith(
+        "stopped: Kafka at broker:9093 refused Read on topic 'db.inventory.customers' to "
+        "User:ingestor: no ACL allows it"
+    )
+    assert "--allow-principal User:ingestor --operation Read --topic db.inventory.customers" in line
+    assert "\n" not in line and PASSWORD not in line
+    mtls = KafkaConfig(bootstrap_servers="b:9093", security_protocol="SSL")
+    assert "TLS certificate's subject" in kafka_missing_permission(mtls, "Write", "topic", "t")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,11 @@ from __future__ import annotations
 import re
 
 from cdc_shared.avro import REGISTRY_UNAVAILABLE
-from cdc_shared.clients import kafka_authentication_failure
+from cdc_shared.clients import (
+    KAFKA_TOPIC_AUTHORIZATION_FAILED,
+    kafka_authentication_failure,
+    kafka_missing_permission,
+)
 from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.streaming import Failure, OnFailure
@@ -28,8 +32,10 @@ KAFKA_DATA_LOSS = re.compile(r"KAFKA_DATA_LOSS|Some data may have been lost|Offs
 def kafka_failures(config: PipelineConfig) -> OnFailure:
     """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop.
 
-    A schema registry that stayed unavailable past its retry budget stops the entity with
-    the registry's one line (nothing of the batch was written or quarantined).
+    An ACL that refuses the ingestor its source topic stops that entity only, naming the
+    missing permission; wrong credentials stop the service. A schema registry that stayed
+    unavailable past its retry budget stops the entity with the registry's one line
+    (nothing of the batch was written or quarantined).
     """
 
     def read(entity: str, error: str) -> Failure | None:
@@ -59,6 +65,14 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
             )
         if (refused := kafka_authentication_failure(config.kafka, error)) is not None:
             return Failure(refused)  # the same credentials would fail again
+        if KAFKA_TOPIC_AUTHORIZATION_FAILED.search(error):
+            # The driver only describes the topic (offsets); the executors read it.
+            operation = "Describe" if "KafkaOffsetReader" in error else "Read"
+            topic = config.entity(entity).source_topic
+            return Failure(
+                kafka_missing_permission(config.kafka, operation, "topic", topic),
+                entity_only=True,  # the other entities' topics have their own ACLs
+            )
         if KAFKA_UNAVAILABLE.search(error):
             return Failure(
                 f"Kafka unavailable ({config.kafka.bootstrap_servers}): "

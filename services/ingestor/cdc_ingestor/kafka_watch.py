@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 
-from cdc_shared.clients import make_admin
+from cdc_shared.clients import FIX_CREDENTIALS, kafka_refusal, make_admin
 from cdc_shared.config import KafkaConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.streaming import StreamRunner
@@ -27,7 +27,9 @@ class KafkaWatch:
     minutes (3 attempts of ``default.api.timeout.ms``) before the query fails and is
     restarted (:func:`cdc_ingestor.failures.kafka_failures`). The probe makes the wait
     visible: ``set_problem`` on every entity, a warning when Kafka goes away and once a
-    minute while it stays away, and a note when it is back.
+    minute while it stays away, and a note when it is back. A broker that answers but
+    refuses the credentials (a wrong password, an untrusted certificate) is not
+    unreachable: the warning says what it refused, and that waiting will not help.
     """
 
     def __init__(
@@ -43,7 +45,10 @@ class KafkaWatch:
         self.runner = runner
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self._admin = make_admin(kafka, log_level=0)  # our warning says it; librdkafka is noisy
+        # Our warning says it; librdkafka is noisy. Its error callback is where it reports
+        # a refused authentication (the metadata request itself just times out).
+        self._admin = make_admin(kafka, log_level=0, error_cb=self._on_client_error)
+        self._client_errors: list[str] = []
         self._stop = threading.Event()
         self._down_since: float | None = None
         self._warned_at = 0.0
@@ -64,7 +69,17 @@ class KafkaWatch:
             self._admin.list_topics(timeout=self.timeout_s)
         except KafkaException as exc:
             error = exc.args[0] if exc.args else None
-            self._unreachable(error.str() if isinstance(error, KafkaError) else type(exc).__name__)
+            reason = error.str() if isinstance(error, KafkaError) else type(exc).__name__
+            self._admin.poll(0)  # serve the error callback: why the brokers did not answer
+            refused = next(
+                (r for e in [reason, *self._client_errors] if (r := kafka_refusal(self.kafka, e))),
+                None,
+            )
+            self._client_errors.clear()
+            if refused is not None:
+                self._refused(refused)
+            else:
+                self._unreachable(reason)
             return False
         if self._down_since is not None:
             log.info(
@@ -75,6 +90,25 @@ class KafkaWatch:
             for entity in self.entities:
                 self.runner.set_problem(entity, None)
         return True
+
+    def _on_client_error(self, error: KafkaError) -> None:
+        self._client_errors.append(error.str())
+
+    def _refused(self, refused: str) -> None:
+        """The brokers answered but refused the credentials: say so, not "unreachable"."""
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        problem = f"{refused}; {FIX_CREDENTIALS}"
+        for entity in self.entities:
+            self.runner.set_problem(entity, problem)
+        if now - self._warned_at >= 60:
+            self._warned_at = now
+            log.warning(
+                f"{refused}: new connections fail until the credentials are fixed; "
+                f"{FIX_CREDENTIALS}",
+                extra={"service": INGESTOR, "down_s": round(now - self._down_since)},
+            )
 
     def _unreachable(self, reason: str) -> None:
         now = time.monotonic()
