@@ -6,8 +6,10 @@ records). Meanwhile a fault injector works through a seeded, shuffled plan: it S
 service and restarts it (half the kills aimed at a dangerous window: right after a Delta
 commit, before the checkpoint; right after a Kafka transaction commit; while a bulk
 request is being applied), restarts the Kafka broker, stops Elasticsearch for a while,
-and slows it down (the server frozen in bursts). When load and faults are over and the
-pipeline caught up, it checks bronze + quarantine against the source topics' offsets,
+and slows it down (the server frozen in bursts). Given two modes, the run switches
+deployment halfway through the kills: it SIGKILLs every process of the first mode at
+once and goes on in the second on the same storage root. When load and faults are over
+and the pipeline caught up, it checks bronze + quarantine against the source topics' offsets,
 silver / change topics / indexes against the oracle, the change topics for duplicates,
 the quarantine for each poison record, and every log for the planted secrets.
 """
@@ -106,7 +108,9 @@ class ChaosOptions:
     window_timeout_s: float = 60.0  # an aimed kill fires anyway after this long
     workdir: Path = Path("data/chaos")
     catch_up_timeout_s: float = 1800.0
-    mode: RunMode = RunMode.SERVICES  # application: a kill takes every service down
+    # The deployments in turn (application: a kill takes every service down); with two,
+    # the run switches from the first to the second halfway through the kills.
+    modes: tuple[RunMode, ...] = (RunMode.SERVICES,)
 
 
 @dataclass
@@ -114,6 +118,7 @@ class FaultRecord:
     """What the injector did."""
 
     kills: Counter[str] = field(default_factory=Counter)  # "<service> <how>" -> count
+    switches: list[str] = field(default_factory=list)  # "<mode> -> <mode>", as done
     broker_restarts: int = 0
     es_outages: int = 0
     es_slowdowns: int = 0
@@ -122,6 +127,12 @@ class FaultRecord:
     def kills_of(self, service: str) -> int:
         """All kills of one service, aimed or not."""
         return sum(n for what, n in self.kills.items() if what.startswith(f"{service} "))
+
+    @property
+    def killed(self) -> list[str]:
+        """The processes killed at least once, in the order of ``processes.SERVICES``."""
+        names = [*SERVICES, APPLICATION]
+        return [name for name in names if self.kills_of(name)]
 
 
 @dataclass
@@ -174,6 +185,20 @@ def plan_faults(options: ChaosOptions, rng: random.Random) -> list[Fault]:
     plan = [fault for fault, n in counts.items() for _ in range(n)]
     rng.shuffle(plan)
     return plan
+
+
+def switch_points(plan: list[Fault], modes: int) -> list[int]:
+    """Where the run changes deployment: before these plan positions (1-based).
+
+    Each mode gets an equal share of the kills (the first ones the remainder), so every
+    deployment is killed, whatever the shuffle did with the other faults.
+    """
+    kill_positions = [number for number, fault in enumerate(plan, 1) if fault == "kill"]
+    points, share = [], len(kill_positions) / modes
+    for mode in range(1, modes):
+        index = math.ceil(share * mode)
+        points.append(kill_positions[index] if index < len(kill_positions) else len(plan) + 1)
+    return points
 
 
 class WindowWatch:
@@ -252,20 +277,73 @@ def _changes(read: Callable[[], int | None], timeout_s: float, every_s: float) -
     return False
 
 
+#: How long a switch of deployment waits for the new processes to serve /health.
+SWITCH_HEALTH_TIMEOUT_S = 300.0
+
+
+class Deployment:
+    """The processes the run has up now, in one mode; a switch replaces them all.
+
+    ``processes`` is one list, changed in place, so whoever holds it (the progress
+    display) follows a switch. Processes a switch killed stay in ``retired``, for
+    their peak memory.
+    """
+
+    def __init__(self, mode: RunMode, config_path: Path, logs: Path) -> None:
+        self.config_path, self.logs = config_path, logs
+        self.mode = mode
+        self.processes: list[ServiceProcess] = []
+        self.retired: list[ServiceProcess] = []
+        self._launch(mode)
+
+    def _launch(self, mode: RunMode) -> None:
+        self.mode = mode
+        self.processes[:] = launch(mode, self.config_path, self.logs / str(mode))
+        for service in self.processes:
+            service.start()
+
+    def process_of(self, service: str) -> ServiceProcess:
+        """The process running ``service``: its own, or the application."""
+        by_name = {p.name: p for p in self.processes}
+        return by_name.get(service) or by_name[APPLICATION]
+
+    def switch(self, mode: RunMode) -> None:
+        """SIGKILL every process at once (a lost machine), then start ``mode``'s."""
+        for service in self.processes:
+            if service.process is not None and service.process.poll() is None:
+                os.killpg(service.process.pid, signal.SIGKILL)
+        for service in self.processes:
+            if service.process is not None:
+                service.process.wait(60)
+            service.poll()
+        self.retired.extend(self.processes)
+        self._launch(mode)
+
+    def peak_rss(self) -> dict[str, int]:
+        """Each process name's highest resident memory, over every mode it ran in."""
+        peaks: dict[str, int] = {}
+        for service in [*self.retired, *self.processes]:
+            peaks[service.name] = max(peaks.get(service.name, 0), service.peak_rss)
+        return peaks
+
+
 class FaultInjector(threading.Thread):
     """Works through the fault plan while the load runs; see the module docstring."""
 
     def __init__(
         self,
         plan: list[Fault],
-        services: dict[str, ServiceProcess],
+        deployment: Deployment,
         config: PipelineConfig,
         options: ChaosOptions,
         echo: Echo,
     ) -> None:
         super().__init__(daemon=True)
-        self.plan, self.services, self.config = plan, services, config
+        self.plan, self.deployment, self.config = plan, deployment, config
         self.options, self.echo = options, echo
+        self.switches = dict(
+            zip(switch_points(plan, len(options.modes)), options.modes[1:], strict=True)
+        )
         self.rng = random.Random(options.seed + 1)
         self.settings = infra.InfraSettings()
         self.windows = WindowWatch(config)
@@ -281,6 +359,8 @@ class FaultInjector(threading.Thread):
             pause = self.rng.uniform(0.5, 1.5) * self.options.pause_s
             if self.stopping.wait(pause):
                 return
+            if number in self.switches:
+                self._switch(self.switches.pop(number))
             self.echo(f"fault {number}/{len(self.plan)}: {fault}")
             self.current = number
             if fault != "kill":  # a kill is armed once its service is up again
@@ -291,6 +371,20 @@ class FaultInjector(threading.Thread):
                 self.record.problems.append(f"{fault}: {type(exc).__name__}: {exc}")
                 self.echo(f"fault {number} could not be injected: {exc}")
             self.done = number
+        for mode in self.switches.values():  # a plan with too few kills to reach them
+            self._switch(mode)
+
+    def _switch(self, mode: RunMode) -> None:
+        """SIGKILL every process of the deployment at once; go on as ``mode``."""
+        before = self.deployment.mode
+        self.echo(f"switching from {before} to {mode}: every process killed at once")
+        self.deployment.switch(mode)
+        self.record.switches.append(f"{before} -> {mode}")
+        for service in self.deployment.processes:  # the next fault needs them up
+            port = health_port(self.config, service.name)
+            deadline = time.monotonic() + SWITCH_HEALTH_TIMEOUT_S
+            while not service.healthy(port) and time.monotonic() < deadline:
+                time.sleep(1.0)
 
     def _inject(self, fault: Fault) -> None:
         if fault == "kill":
@@ -311,7 +405,7 @@ class FaultInjector(threading.Thread):
 
     def _kill(self, name: str) -> None:
         """SIGKILL the process running service ``name`` (the application, if it is one)."""
-        service = self.services.get(name) or self.services[APPLICATION]
+        service = self.deployment.process_of(name)
         aimed = self.rng.random() < 0.5
         how = "at random"
         # A kill during a JVM start proves little: let the service come up first.
@@ -415,16 +509,15 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
     secrets = [_secret(rng, "sasl-password"), _secret(rng, "es-api-key")]
     config_path = _prepare(options, secrets, echo)
     config = load_config(config_path)
-    services = {s.name: s for s in launch(options.mode, config_path, options.workdir / "logs")}
-    for service in services.values():
-        service.start()
+    deployment = Deployment(options.modes[0], config_path, options.workdir / "logs")
+    processes = deployment.processes  # one list: a switch changes it in place
     result = ChaosResult()
-    progress = Progress(list(services.values()), echo)
+    progress = Progress(processes, echo)
     progress.start()
-    injector = FaultInjector(plan_faults(options, rng), services, config, options, echo)
+    injector = FaultInjector(plan_faults(options, rng), deployment, config, options, echo)
     spark: SparkSession | None = None
     try:
-        wait_until_healthy(list(services.values()), config, options.catch_up_timeout_s)
+        wait_until_healthy(processes, config, options.catch_up_timeout_s)
         generator = WorkloadGenerator(
             config.entities,
             make_registry(config),
@@ -445,7 +538,7 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
         injector.join()
         result.faults = injector.record
         echo("faults over; waiting for the pipeline to catch up")
-        _restart_stopped(services, echo)
+        _restart_stopped(processes, echo)
         expected = oracle_rows(config)
         spark = build_spark_session(config.spark, "cdc-chaos-check")
         spark.sparkContext.setLogLevel("ERROR")
@@ -454,16 +547,16 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
             result.outputs = check_outputs(spark, config, expected)
             if all(d.agrees for d in result.outputs) or time.monotonic() > deadline:
                 break
-            _restart_stopped(services, echo)
-            wait_a_little(list(services.values()), 10)
+            _restart_stopped(processes, echo)
+            wait_a_little(processes, 10)
         _check_the_rest(spark, config, result)
     finally:
         injector.stopping.set()
         if injector.is_alive():  # interrupted: let the fault in progress finish first
             injector.join(options.window_timeout_s + options.outage_s + 120)
         progress.done.set()
-        result.exit_codes = stop_all(list(services.values()))
-        result.peak_rss = {name: service.peak_rss for name, service in services.items()}
+        result.exit_codes = stop_all(processes)
+        result.peak_rss = deployment.peak_rss()
         if spark is not None:
             spark.stop()
     result.leaked_secrets = _logs_with(secrets, [options.workdir])
@@ -500,9 +593,9 @@ def _check_the_rest(spark: SparkSession, config: PipelineConfig, result: ChaosRe
     result.silver_hash = silver_fingerprint(spark, config)
 
 
-def _restart_stopped(services: dict[str, ServiceProcess], echo: Echo) -> None:
+def _restart_stopped(processes: list[ServiceProcess], echo: Echo) -> None:
     """A service that stopped by itself is a finding: say so, and start it again."""
-    for service in services.values():
+    for service in processes:
         if not service.alive:
             code = service.process.returncode if service.process is not None else None
             echo(f"{service.name} had stopped by itself (exit {code}); starting it again")
@@ -515,8 +608,9 @@ def summary_rows(result: ChaosResult) -> list[tuple[str, str]]:
     rows = [
         ("events produced", f"{result.produced.produced:,}"),
         ("poison records injected", f"{len(result.produced.poison):,}"),
-        *[(f"kills {name}", f"{faults.kills_of(name)}") for name in result.exit_codes],
+        *[(f"kills {name}", f"{faults.kills_of(name)}") for name in faults.killed],
         *[(f"  {how}", str(n)) for how, n in sorted(faults.kills.items())],
+        *[("mode switch", switch) for switch in faults.switches],
         ("broker restarts", str(faults.broker_restarts)),
         ("Elasticsearch outages", str(faults.es_outages)),
         ("Elasticsearch slowdowns", str(faults.es_slowdowns)),

@@ -235,11 +235,13 @@ def chaos(
     ),
     workdir: Path = typer.Option(Path("data/chaos"), help="Tables and logs (wiped)."),
     timeout: float = typer.Option(1800.0, min=10, help="Seconds to wait for the catch-up."),
-    mode: RunMode = typer.Option(
-        RunMode.SERVICES,
+    mode: list[RunMode] = typer.Option(
+        [RunMode.SERVICES],
         "--mode",
         help="services: four processes, each killed alone; application: one "
-        "(`cdc run`), each kill takes every service down.",
+        "(`cdc run`), each kill takes every service down. Given twice (e.g. services, then "
+        "application), the run kills every process at once halfway through the kills and "
+        "goes on in the second mode.",
     ),
 ) -> None:
     """Run the pipeline under SIGKILLs, broker restarts and Elasticsearch outages; check it.
@@ -263,7 +265,7 @@ def chaos(
         window_timeout_s=window_timeout,
         workdir=workdir,
         catch_up_timeout_s=timeout,
-        mode=mode,
+        modes=tuple(mode),
     )
     result = _run_or_exit(lambda: run_chaos(options, typer.echo))
     _print_summary(summary_rows(result))

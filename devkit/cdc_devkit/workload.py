@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,11 +26,14 @@ from typing import Any, Literal, Protocol
 from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry, subject_name
 from cdc_shared.clients import make_admin, make_producer
 from cdc_shared.config import EntityConfig, KafkaConfig
+from cdc_shared.retry import retrying
 from cdc_shared.schemas import EntitySchemas, entity_schemas
-from confluent_kafka import KafkaError, Message
+from confluent_kafka import KafkaError, KafkaException, Message
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
 from cdc_devkit.connect_json import JsonEncoder, JsonForm
+
+log = logging.getLogger(__name__)
 
 MessageKind = Literal["event", "tombstone", "redelivery", "poison"]
 PoisonKind = Literal["corrupt", "unknown_schema", "null_key", "malformed_json", "wrong_type"]
@@ -431,10 +435,26 @@ class ProduceReport:
             self.by_kind[kind] = self.by_kind.get(kind, 0) + count
 
 
+#: How long :func:`ensure_topics` waits for a broker that is away (e.g. restarting).
+BROKER_WAIT_ATTEMPTS = 8
+
+
 def ensure_topics(kafka: KafkaConfig, topics: Sequence[str], partitions: int = 3) -> None:
-    """Create the topics that do not exist yet (replication factor 1)."""
+    """Create the topics that do not exist yet (replication factor 1).
+
+    A broker out of reach (the chaos run restarts it while slices are produced) is waited
+    for with the project's retry policy, a few minutes at most.
+    """
     admin = make_admin(kafka)
-    existing = set(admin.list_topics(timeout=30).topics)
+    listing = retrying(
+        lambda error: isinstance(error, KafkaException),
+        initial_s=1.0,
+        max_s=30.0,
+        attempts=BROKER_WAIT_ATTEMPTS,
+        log=log,
+        describe=lambda error, _: f"Kafka metadata not available ({error}); waiting",
+    )
+    existing = set(listing(lambda: admin.list_topics(timeout=30)).topics)
     missing = [NewTopic(t, partitions, 1) for t in topics if t not in existing]
     if not missing:
         return
