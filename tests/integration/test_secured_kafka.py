@@ -103,11 +103,20 @@ def test_ingestor_reads_through_sasl_ssl_exactly_once(
     )
     service.start()
     try:
-        wait_for(lambda: caught_up(runners, admin, "customers", "orders"), 600)
+        wait_for(lambda: bool(exit_codes) or caught_up(runners, admin, "customers", "orders"), 600)
         secured_broker.revoke(INGESTOR, ResourceType.TOPIC, revoked, (AclOperation.READ,))
         report.add(produce(admin, iter(messages[half:])))
-        wait_for(lambda: caught_up(runners, admin, "orders"), 600)
-        wait_for(lambda: "customers" in stopped_streams(runners[0]), 600)
+        wait_for(
+            lambda: (
+                bool(exit_codes)  # the service ended
+                or (
+                    "customers" in stopped_streams(runners[0])
+                    and caught_up(runners, admin, "orders")
+                )
+            ),
+            600,
+        )
+        assert not exit_codes, caplog.text[-3000:]  # the service goes on
         assert stopped_streams(runners[0]) == {"customers"}  # orders still runs
     finally:
         if runners:
@@ -208,6 +217,7 @@ def test_wrong_password_stops_at_start_with_one_line(
     line = errors[0].getMessage()
     assert "\n" not in line
     assert secured_broker.bootstrap_servers in line and "SCRAM-SHA-512" in line
+    assert f"as {INGESTOR!r}" in line  # the user name; never the password (below)
     assert "refused the SASL credentials" in line
     assert "unreachable" not in caplog.text
 
