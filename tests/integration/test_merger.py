@@ -110,12 +110,7 @@ def test_exactly_once_effect_under_sigkill(
         assert process.poll() is None, f"merger died by itself; see {log}"
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
-    drain = subprocess.Popen(
-        [MERGER, "--config", str(pipeline.path), "--once"],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-    )
-    assert drain.wait(600) == 0, f"draining run failed; see {log}"
+    merge_once(pipeline, spark)  # the drain: in this process, whose Spark is warm
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)
 
