@@ -89,12 +89,7 @@ class SecuredBroker:
         pattern: ResourcePatternType = ResourcePatternType.LITERAL,
     ) -> None:
         """Grant ``user`` the ``operations`` on a resource (ACLs, as the admin)."""
-        bindings = [
-            AclBinding(
-                resource, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW
-            )
-            for operation in operations
-        ]
+        bindings = _allowing(AclBinding, user, resource, name, operations, pattern)
         admin = self.admin()  # held until the futures are done: its end cancels them
         for future in admin.create_acls(bindings).values():
             future.result(30)
@@ -108,12 +103,7 @@ class SecuredBroker:
         pattern: ResourcePatternType = ResourcePatternType.LITERAL,
     ) -> None:
         """Take back the ``operations`` on a resource that :meth:`allow` granted ``user``."""
-        filters = [
-            AclBindingFilter(
-                resource, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW
-            )
-            for operation in operations
-        ]
+        filters = _allowing(AclBindingFilter, user, resource, name, operations, pattern)
         admin = self.admin()
         for future in admin.delete_acls(filters).values():
             assert future.result(30), f"no such ACL of User:{user} on {name}"
@@ -157,3 +147,18 @@ def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured
         yield SecuredBroker(server)
     finally:
         infra.stop_secured_kafka(settings, server)
+
+
+def _allowing(
+    kind: type[AclBinding],
+    user: str,
+    resource: ResourceType,
+    name: str,
+    operations: tuple[AclOperation, ...],
+    pattern: ResourcePatternType,
+) -> list[AclBinding]:
+    """One ALLOW binding (or filter: ``kind``) per operation of ``user`` on a resource."""
+    return [
+        kind(resource, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW)
+        for operation in operations
+    ]

@@ -96,35 +96,29 @@ class KafkaWatch:
 
     def _refused(self, refused: str) -> None:
         """The brokers answered but refused the credentials: say so, not "unreachable"."""
-        now = time.monotonic()
-        if self._down_since is None:
-            self._down_since = now
-        problem = f"{refused}; {FIX_CREDENTIALS}"
-        for entity in self.entities:
-            self.runner.set_problem(entity, problem)
-        if now - self._warned_at >= 60:
-            self._warned_at = now
-            log.warning(
-                f"{refused}: new connections fail until the credentials are fixed; "
-                f"{FIX_CREDENTIALS}",
-                extra={"service": INGESTOR, "down_s": round(now - self._down_since)},
-            )
+        self._down(
+            f"{refused}; {FIX_CREDENTIALS}",
+            f"{refused}: new connections fail until the credentials are fixed; {FIX_CREDENTIALS}",
+            {},
+        )
 
     def _unreachable(self, reason: str) -> None:
+        self._down(
+            f"Kafka unreachable ({self.kafka.bootstrap_servers}): {reason}; retrying",
+            "Kafka unreachable; ingestion waits and retries, nothing is skipped",
+            {"bootstrap_servers": self.kafka.bootstrap_servers, "error": reason},
+        )
+
+    def _down(self, problem: str, warning: str, fields: dict[str, object]) -> None:
+        """Report ``problem`` on every entity; log ``warning`` at most once a minute."""
         now = time.monotonic()
         if self._down_since is None:
             self._down_since = now
-        problem = f"Kafka unreachable ({self.kafka.bootstrap_servers}): {reason}; retrying"
         for entity in self.entities:
             self.runner.set_problem(entity, problem)
         if now - self._warned_at >= 60:
             self._warned_at = now
             log.warning(
-                "Kafka unreachable; ingestion waits and retries, nothing is skipped",
-                extra={
-                    "service": INGESTOR,
-                    "bootstrap_servers": self.kafka.bootstrap_servers,
-                    "error": reason,
-                    "down_s": round(now - self._down_since),
-                },
+                warning,
+                extra={"service": INGESTOR, **fields, "down_s": round(now - self._down_since)},
             )
