@@ -6,7 +6,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from cdc_cli.application import fair_scheduler_conf, select_services, without_service_endpoints
+from cdc_cli.application import (
+    Application,
+    driver_memory,
+    fair_scheduler_conf,
+    select_services,
+    without_service_endpoints,
+)
 from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
 
 
@@ -47,3 +53,23 @@ def test_the_application_serves_the_only_endpoint() -> None:
     assert ports == [0, 0, 0, 0]
     assert config.application.metrics_port == 9100
     assert config.merger.trigger_interval == PipelineConfig().merger.trigger_interval
+
+
+def _tables(count: int) -> list[dict[str, object]]:
+    return [{"name": f"t{i}", "source_topic": f"db.t{i}", "key": ["id"]} for i in range(count)]
+
+
+def test_the_driver_heap_grows_with_the_queries_unless_configured() -> None:
+    two = Application(PipelineConfig(entities=_tables(2)), list(SERVICE_NAMES))
+    assert two.spark_config().conf["spark.driver.memory"] == "1024m"  # Spark's own default
+    # 24 tables in one application died with 1 GiB and ran with 2 GiB (docs/benchmarks.md).
+    many = Application(PipelineConfig(entities=_tables(24)), list(SERVICE_NAMES))
+    assert many.spark_config().conf["spark.driver.memory"] == "2048m"
+    one_service = Application(PipelineConfig(entities=_tables(24)), ["merger"])
+    assert one_service.spark_config().conf["spark.driver.memory"] == "1024m"
+    configured = PipelineConfig(entities=_tables(24), spark={"conf": {"spark.driver.memory": "3g"}})
+    assert (
+        Application(configured, list(SERVICE_NAMES)).spark_config().conf["spark.driver.memory"]
+        == "3g"
+    )
+    assert driver_memory(400) == "6912m"  # rounded up to 256 MiB

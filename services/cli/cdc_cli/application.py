@@ -26,7 +26,7 @@ from types import FrameType
 from typing import Any, Protocol
 from xml.sax.saxutils import quoteattr
 
-from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
+from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
 from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
 from cdc_shared.spark import build_spark_session, side_by_side
@@ -40,6 +40,13 @@ log = logging.getLogger(f"cdc_{APPLICATION}")
 
 StartService = Callable[[PipelineConfig, list[str] | None, bool, SparkSession], StreamRunner]
 POOL_PROPERTY = "spark.scheduler.pool"
+DRIVER_MEMORY = "spark.driver.memory"
+#: The driver's heap ``cdc run`` starts with when ``spark.conf`` sets none: Spark's own
+#: default (1 GiB) up to a few tables, then a share per streaming query (one per table and
+#: service), since each query's sessions, snapshots and in-flight plans live in the heap.
+BASE_HEAP_MIB = 512
+HEAP_PER_QUERY_MIB = 16
+MIN_HEAP_MIB = 1024
 
 
 def _starts() -> dict[str, StartService]:
@@ -82,6 +89,17 @@ def fair_scheduler_conf(
     return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
 
 
+def driver_memory(queries: int) -> str:
+    """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
+
+    All of a database's tables in one application hold that many queries' state in one
+    heap: with Spark's 1 GiB a few dozen of them exhaust it and the application dies of
+    "GC overhead limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
+    """
+    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
+    return f"{-(-mib // 256) * 256}m"
+
+
 def without_service_endpoints(config: PipelineConfig) -> PipelineConfig:
     """The configuration with every service's own metrics server off (the app serves one)."""
     sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
@@ -120,11 +138,21 @@ class Application:
         return self._spark
 
     def _session(self) -> SparkSession:
+        return build_spark_session(self.spark_config(), "cdc")
+
+    def spark_config(self) -> SparkConfig:
+        """FAIR pools and a heap sized for the queries, unless ``spark.conf`` says otherwise."""
         fair = fair_scheduler_conf(self.config, self.services, Path(self._scratch.name))
-        spark_config = self.config.spark.model_copy(
-            update={"conf": {**fair, **self.config.spark.conf}}
+        queries = len(self.config.select_entities(self.entity_names)) * len(self.services)
+        heap = {DRIVER_MEMORY: driver_memory(queries)}
+        if DRIVER_MEMORY not in self.config.spark.conf:
+            log.info(
+                "driver heap sized for the streaming queries",
+                extra={"queries": queries, DRIVER_MEMORY: heap[DRIVER_MEMORY]},
+            )
+        return self.config.spark.model_copy(
+            update={"conf": {**fair, **heap, **self.config.spark.conf}}
         )
-        return build_spark_session(spark_config, "cdc")
 
     def serve(self) -> None:
         """Serve ``/health`` and ``/metrics`` for every service (unless the port is 0).
