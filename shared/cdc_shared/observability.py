@@ -19,6 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 BATCHES = Counter("cdc_batches_total", "Micro-batches completed", ["service", "entity"])
 ROWS = Counter("cdc_rows_total", "Rows handled, by outcome", ["service", "entity", "outcome"])
+INPUT_ROWS = Counter(
+    "cdc_input_rows_total", "Rows micro-batches read from their source", ["service", "entity"]
+)
 BATCH_SECONDS = Histogram(
     "cdc_batch_duration_seconds",
     "Wall time of a micro-batch",

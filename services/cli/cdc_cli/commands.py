@@ -67,22 +67,45 @@ def status_command(
         hidden=True,
         help="How to read tables and checkpoints: delta-rs (no JVM) or spark.",
     ),
+    watch: bool = typer.Option(
+        False,
+        "--watch",
+        "-w",
+        help="Refresh in place until Ctrl-C, with each running service's pace from /metrics.",
+    ),
+    interval: float = typer.Option(
+        5.0, "--interval", min=0.5, help="Seconds between refreshes (with --watch)."
+    ),
 ) -> None:
     """Per entity: table versions, each service's lag, and quarantine counts.
 
     Lag is read from what the services persist (checkpoints, the publisher's progress
     offset), so it is right whether the services run or not: ingestor in Kafka records,
     merger in bronze versions, publishers in silver versions. "not started" means the
-    table or checkpoint does not exist yet. Exit 0 unless the configuration is bad.
+    table or checkpoint does not exist yet. With --watch, the report is drawn again every
+    --interval seconds, under each service's batches per minute, rows per second and mean
+    batch time since the last refresh ("not reachable" when its /metrics does not answer).
+    Exit 0 unless the configuration is bad.
     """
     from cdc_cli import status
 
     if engine not in status.ENGINES:
         _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
+    if watch and as_json:
+        _fail("--watch draws text; use --json without it", 2)
     pipeline = _config(config)
+    if watch:
+        from cdc_cli.watch import watch as watch_status
+
+        def report() -> str:
+            with _problems():
+                return status.render(status.collect_status(pipeline, entity or None, engine=engine))
+
+        watch_status(pipeline, report, interval)
+        return
     with _problems():
-        report = status.collect_status(pipeline, entity or None, engine=engine)
-    _emit(as_json, report.to_dict, lambda: status.render(report))
+        report_now = status.collect_status(pipeline, entity or None, engine=engine)
+    _emit(as_json, report_now.to_dict, lambda: status.render(report_now))
 
 
 def quarantine_list(

@@ -22,7 +22,7 @@ from pyspark.sql.streaming.listener import (
     StreamingQueryListener,
 )
 
-from cdc_shared.observability import BATCH_SECONDS, BATCHES, LAG, ROWS
+from cdc_shared.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, LAG, ROWS
 
 if TYPE_CHECKING:
     from cdc_shared.streaming.runner import StreamRunner
@@ -166,6 +166,7 @@ class _ProgressLogger:
         input_rows = stats.counts.pop("input_rows", progress.numInputRows)
         BATCH_SECONDS.labels(self.runner.service, entity).observe(duration_ms / 1000)
         BATCHES.labels(self.runner.service, entity).inc()
+        INPUT_ROWS.labels(self.runner.service, entity).inc(input_rows)
         if lag is not None:
             LAG.labels(self.runner.service, entity).set(lag)
         for outcome, count in stats.counts.items():
