@@ -61,10 +61,13 @@ def test_each_refresh_shows_the_pace_since_the_last(endpoint: int) -> None:
     _batches(4, 250, 2.5)
     second = next(screens)
     line = next(line for line in second.splitlines() if "watch-test" in line)
-    # 4 batches of 2.5 s and 1,000 rows in the half second between the two scrapes
+    # 4 batches of 2.5 s and 250 rows each, between two scrapes about half a second apart
     assert "batch 2.5 s" in line, line
-    per_min = float(re.search(r"([\d.]+) batches/min", line).group(1))  # type: ignore[union-attr]
-    assert 4 * 60 / 2 < per_min <= 4 * 60 / 0.5, line
+    figures = re.search(r"([\d.]+) batches/min\s+([\d,]+) rows/s", line)
+    assert figures, line
+    per_min, rows_per_s = float(figures[1]), float(figures[2].replace(",", ""))
+    assert per_min > 4 * 60 / 2, line  # at most two seconds apart
+    assert abs(rows_per_s - per_min / 60 * 250) <= 1, line  # one interval for both
     assert re.search(rf"ingestor\s+{NOT_REACHABLE}", second), second
 
 
