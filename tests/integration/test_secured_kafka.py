@@ -4,7 +4,9 @@ Debezium-style records produced by the admin land in bronze exactly once through
 ingestor's own principal, which may only read its source topics; a wrong password stops
 the service at start with one line naming the broker and the mechanism; the password
 shows in no log and no Spark plan. publisher-kafka's transactions run with only its rows
-of the ACL table (deploy/kafka-acls/README.md).
+of the ACL table (deploy/kafka-acls/README.md); a revoked Write on one change topic stops
+that entity's stream alone, naming the permission, and a restart once it is granted again
+publishes every change exactly once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import yaml
 from cdc_devkit.workload import ensure_topics, produce
 from cdc_ingestor.kafka_watch import KafkaWatch
 from cdc_ingestor.main import SERVICE, start
+from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
+from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
@@ -31,6 +35,7 @@ from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceTyp
 from pyspark.sql import SparkSession
 from support.ingestion import assert_bronze_exactly_once, bronze, generate, topic_offsets
 from support.pipelines import Pipeline, PipelineFactory
+from support.publishing import assert_change_topics_exactly_once, change_records
 from support.secured_kafka import (
     ADMIN,
     INGESTOR,
@@ -39,6 +44,7 @@ from support.secured_kafka import (
     SecuredBroker,
     secured_broker,
 )
+from support.silver import merge_once
 from support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration]
@@ -197,6 +203,86 @@ def landed(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:
         return bronze(spark, pipeline, entity).count()
     except Exception:
         return -1
+
+
+def run_publisher(pipeline: Pipeline, spark: SparkSession) -> int:
+    """publisher-kafka's ``--once`` run in this process: configuration to exit code."""
+    return run_to_exit_code(
+        PUBLISHER_SERVICE,
+        str(pipeline.path),
+        lambda config: start_publisher(config, once=True, spark=spark).run(),
+    )
+
+
+def test_publisher_revoked_write_stops_that_entity_only(
+    spark: SparkSession,
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Write on one change topic revoked: that entity's stream stops with one line naming
+    the missing permission, nothing of its transaction is visible, and the other entity's
+    topic equals silver's feed; granted again and restarted, every change is published
+    exactly once."""
+    caplog.set_level(logging.INFO)
+    admin = secured_broker.kafka_config(ADMIN)
+    produce(admin, iter(generate(secured_pipeline, events=200, keys=30, poison_share=0)))
+    assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+    merge_once(secured_pipeline, spark)
+
+    # publisher-kafka as its own principal, with its rows of deploy/kafka-acls only.
+    run = secured_pipeline.run
+    document = yaml.safe_load(secured_pipeline.path.read_text())
+    document["kafka"] = secured_broker.kafka_section(PUBLISHER)
+    document["publisher_kafka"] = {
+        "progress_topic": f"pytest-{run}-progress",
+        "metrics_port": 0,
+        "retry_attempts": 3,  # the old code retried the refused transaction
+        "max_backoff_s": 1,
+    }
+    secured_pipeline.path.write_text(yaml.safe_dump(document))
+    monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(PUBLISHER))
+    config = secured_pipeline.config
+    topics = {e.name: e.change_topic_name for e in config.entities}
+    progress_topic = config.publisher_kafka.progress_topic
+    ensure_topics(admin, [*topics.values(), progress_topic], partitions=1)  # no Create grant
+    read_write = (AclOperation.WRITE, AclOperation.DESCRIBE, AclOperation.READ)
+    for topic in topics.values():
+        secured_broker.allow(
+            PUBLISHER, ResourceType.TOPIC, topic, (*read_write, AclOperation.DESCRIBE_CONFIGS)
+        )
+    secured_broker.allow(PUBLISHER, ResourceType.TOPIC, progress_topic, read_write)
+    prefixed = ResourcePatternType.PREFIXED
+    group = publisher_progress_group(f"pytest-{run}.")
+    secured_broker.allow(
+        PUBLISHER,
+        ResourceType.TRANSACTIONAL_ID,
+        group,
+        (AclOperation.WRITE, AclOperation.DESCRIBE),
+        prefixed,
+    )
+    secured_broker.allow(
+        PUBLISHER, ResourceType.GROUP, group, (AclOperation.READ, AclOperation.DESCRIBE), prefixed
+    )
+    revoked = topics["customers"]
+    secured_broker.revoke(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
+
+    assert run_publisher(secured_pipeline, spark) == 1
+    stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the other")]
+    assert [getattr(r, "entity", None) for r in stops] == ["customers"], caplog.text[-3000:]
+    reason: str = getattr(stops[0], "reason", "")
+    assert "\n" not in reason
+    assert f"refused Write on topic {revoked!r} to User:{PUBLISHER}" in reason
+    assert f"--operation Write --topic {revoked}" in reason and "loses nothing" in reason
+    assert change_records(secured_pipeline, admin, "customers") == []  # nothing half-written
+    assert assert_change_topics_exactly_once(spark, secured_pipeline, admin, entities={"orders"})
+
+    secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
+    assert run_publisher(secured_pipeline, spark) == 0, caplog.text[-3000:]
+    published = assert_change_topics_exactly_once(spark, secured_pipeline, admin)
+    assert all(n > 0 for n in published.values())
+    assert secured_broker.password(PUBLISHER) not in caplog.text
 
 
 def test_wrong_password_stops_at_start_with_one_line(

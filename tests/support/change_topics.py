@@ -47,13 +47,20 @@ def _decode(data: bytes, schemas: dict[bytes, Any]) -> dict[str, Any]:
 
 
 def read_change_topic(
-    bootstrap_servers: str, topic: str, schema_dir: Path, timeout_s: float = 60.0
+    bootstrap_servers: str,
+    topic: str,
+    schema_dir: Path,
+    timeout_s: float = 60.0,
+    security: dict[str, str] | None = None,
 ) -> list[ChangeRecord]:
-    """Every committed message of ``topic`` (read_committed), partition by partition."""
+    """Every committed message of ``topic`` (read_committed), partition by partition.
+
+    ``security``: librdkafka's settings for a secured broker (SASL, TLS)."""
     schemas = _schemas_by_fingerprint(schema_dir)
     consumer = Consumer(
         {
             "bootstrap.servers": bootstrap_servers,
+            **(security or {}),
             "group.id": f"downstream-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "enable.auto.commit": False,

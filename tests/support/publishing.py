@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_publisher_kafka.main import start
+from cdc_shared.clients import librdkafka_security
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 
@@ -26,7 +27,9 @@ def publish_once(pipeline: Pipeline, spark: SparkSession) -> None:
 def change_records(pipeline: Pipeline, kafka: KafkaConfig, entity: str) -> list[ChangeRecord]:
     topic = pipeline.config.entity(entity).change_topic_name
     schema_dir = Path(pipeline.config.storage_root) / "_schemas"
-    return read_change_topic(kafka.bootstrap_servers, topic, schema_dir)
+    return read_change_topic(
+        kafka.bootstrap_servers, topic, schema_dir, security=librdkafka_security(kafka)
+    )
 
 
 def _row(values: dict[str, Any] | None, columns: list[str]) -> tuple[Any, ...] | None:
@@ -38,16 +41,19 @@ def assert_change_topics_exactly_once(
     pipeline: Pipeline,
     kafka: KafkaConfig,
     left_out: Mapping[str, set[tuple[tuple[Any, ...], int]]] | None = None,
+    entities: Collection[str] | None = None,
 ) -> dict[str, int]:
     """Each change topic holds silver's change feed exactly once, in order per key, and
     its last event per key is the oracle's final state. Returns events per entity.
 
     ``left_out``: per entity, the (key, commit version) of changes that must not be in
-    its topic (quarantined instead)."""
+    its topic (quarantined instead). ``entities``: only these (default: all)."""
     config = pipeline.config
     fingerprints = load_fingerprints([pipeline.schema_dir])
     counts = {}
     for entity in config.entities:
+        if entities is not None and entity.name not in entities:
+            continue
         feed = (
             spark.read.format("delta")
             .option("readChangeFeed", "true")

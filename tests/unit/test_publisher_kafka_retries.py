@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
+from cdc_publisher_kafka.main import refused_permissions
+from cdc_publisher_kafka.transactions import (
+    PermissionRefusedError,
+    Progress,
+    TransactionalIdRefusedError,
+    TransactionalPublisher,
+)
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
 from confluent_kafka import KafkaError, KafkaException
 
@@ -18,13 +24,13 @@ def _publisher(problems: list[str | None]) -> TransactionalPublisher:
     )
 
 
-def _failing(times: int, code: int) -> tuple[list[int], object]:
+def _failing(times: int, code: int, fatal: bool = False) -> tuple[list[int], object]:
     calls: list[int] = []
 
     def call() -> str:
         calls.append(1)
         if len(calls) <= times:
-            raise KafkaException(KafkaError(code))
+            raise KafkaException(KafkaError(code, fatal=fatal))
         return "done"
 
     return calls, call
@@ -51,13 +57,65 @@ def test_a_permanent_error_is_not_retried() -> None:
     problems: list[str | None] = []
     publisher = _publisher(problems)
     try:
-        calls, call = _failing(5, KafkaError.TOPIC_AUTHORIZATION_FAILED)
+        calls, call = _failing(5, KafkaError.INVALID_CONFIG)
         with pytest.raises(KafkaException):
             publisher._with_retries("read progress", call)  # type: ignore[arg-type]
         assert len(calls) == 1
         assert problems and "failing" in str(problems[0])
     finally:
         publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("what", "code", "fatal", "refused"),
+    [
+        ("read progress", KafkaError.GROUP_AUTHORIZATION_FAILED, False, "Describe on group"),
+        (
+            "describe the change topic",
+            KafkaError.TOPIC_AUTHORIZATION_FAILED,
+            False,
+            "DescribeConfigs",
+        ),
+        ("commit", KafkaError.TOPIC_AUTHORIZATION_FAILED, False, "Write on topic 'changes'"),
+        ("commit", KafkaError.GROUP_AUTHORIZATION_FAILED, False, "Read on group"),
+        # librdkafka calls a refused transactional id fatal: still named, not "fatal".
+        ("init_transactions", KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, True, "Write"),
+    ],
+)
+def test_a_refused_permission_is_named_and_not_retried(
+    what: str, code: int, fatal: bool, refused: str
+) -> None:
+    publisher = _publisher([])
+    try:
+        calls, call = _failing(5, code, fatal)
+        with pytest.raises(PermissionRefusedError) as raised:
+            publisher._with_retries(what, call)  # type: ignore[arg-type]
+        assert len(calls) == 1
+        line = str(raised.value)
+        assert f"refused {refused}" in line and "to the client's principal" in line
+        assert "\n" not in line and "kafka-acls" in line and "loses nothing" in line
+        service_wide = code == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED
+        assert isinstance(raised.value, TransactionalIdRefusedError) == service_wide
+        if code != KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            assert "'cdc-publisher-kafka.changes'" in line  # the group / transactional id
+    finally:
+        publisher.close()
+
+
+def test_a_refused_batch_stops_its_entity_and_a_refused_transactional_id_the_service() -> None:
+    line = "stopped: Kafka at b:9092 refused Write on topic 'cdc.customers' to User:p: ..."
+    spark_error = (
+        "[FOREACH_BATCH_USER_FUNCTION_ERROR] An error occurred in the user provided function"
+        " in foreach batch sink. Traceback (most recent call last):\n  File ...\n"
+        f"cdc_publisher_kafka.transactions.PermissionRefusedError: {line}\n\tat org..."
+    )
+    read = refused_permissions(lambda _entity, _error: None)
+    failure = read("customers", spark_error)
+    assert failure is not None and failure.entity_only and not failure.transient
+    assert failure.message == line
+    whole = read("customers", spark_error.replace("PermissionRefused", "TransactionalIdRefused"))
+    assert whole is not None and not whole.entity_only and whole.message == line
+    assert read("customers", "something else") is None
 
 
 def test_progress_records_the_change_topics_offsets() -> None:

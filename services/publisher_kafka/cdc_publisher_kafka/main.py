@@ -5,12 +5,15 @@ registered schemas (transform) -> one Kafka transaction per micro-batch that als
 how far it got (sink). A replayed micro-batch skips everything already published.
 An event larger than the change topic accepts goes to ``quarantine/publisher_kafka``
 instead (in the same batch, before its transaction commits); a change topic that went
-back (deleted and created again) stops the start, saying how to publish again.
+back (deleted and created again) stops the start, saying how to publish again. An ACL
+that refuses the publisher its change topic (or its progress) stops that entity only,
+naming the missing permission; a refused transactional id stops the service.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +30,8 @@ from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
     EntityStreamBase,
+    Failure,
+    OnFailure,
     StreamFailedError,
     StreamRunner,
     StreamService,
@@ -51,6 +56,7 @@ from cdc_publisher_kafka.transactions import (
     ChangeTopicResetError,
     Message,
     Oversized,
+    PermissionRefusedError,
     Progress,
     TransactionalPublisher,
     ensure_topics,
@@ -60,6 +66,9 @@ SERVICE = PUBLISHER_KAFKA
 #: The quarantine's ``error_kind`` of an event larger than its change topic accepts.
 OVERSIZED_EVENT = "oversized_event"
 log = logging.getLogger("cdc_publisher_kafka")
+
+#: A batch the broker's ACLs refused (transactions.py), as Spark reports the failed query.
+REFUSED = re.compile(r"\b(PermissionRefusedError|TransactionalIdRefusedError): ([^\n]*)")
 
 
 @dataclass(eq=False)
@@ -104,6 +113,8 @@ class EntityPublication(EntityStreamBase):
                 self.publisher.start()
             except ChangeTopicResetError as exc:
                 raise StreamFailedError(f"{exc}. {self._republish_hint()}") from None
+            except PermissionRefusedError as exc:  # one line, not a trace
+                raise StreamFailedError(f"stream for entity {self.entity.name!r} {exc}") from None
 
     def _republish_hint(self) -> str:
         """How to publish silver again into a change topic that was recreated."""
@@ -246,6 +257,24 @@ class EntityPublication(EntityStreamBase):
         )
 
 
+def refused_permissions(on_failure: OnFailure) -> OnFailure:
+    """``on_failure``, after recognising a batch that the broker's ACLs refused.
+
+    A refused change topic, progress topic or progress group stops that entity only: the
+    other entities' topics and groups have their own ACLs, and their transactions go on.
+    A refused transactional id stops the service: it cannot run a transaction at all.
+    The line names the missing permission and how to grant it, never a secret.
+    """
+
+    def read(entity: str, error: str) -> Failure | None:
+        if refused := REFUSED.search(error):
+            service_wide = refused.group(1) == "TransactionalIdRefusedError"
+            return Failure(refused.group(2), entity_only=not service_wide)
+        return on_failure(entity, error)
+
+    return read
+
+
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -290,7 +319,7 @@ def start(
         settings,
         kept_publication,
         lag=None,  # silver versions not yet published: each batch reports it
-        on_failure=rebuilding_on_schema_change("silver"),
+        on_failure=refused_permissions(rebuilding_on_schema_change("silver")),
     )
     runner = start_service(publisher_kafka, config, entity_names, once, spark)
     for publication in publications.values():

@@ -11,7 +11,9 @@ The progress also records the last offset written to each partition of the chang
 topic: a topic whose end went back below it (deleted and created again) is found at
 start, instead of publishing on after a gap. An event larger than the topic accepts
 (``max.message.bytes``, read from the broker at start) is not sent but handed back to
-the caller, to quarantine, so that one event cannot stop the topic.
+the caller, to quarantine, so that one event cannot stop the topic. An operation the
+broker's ACLs refuse is not retried: the transaction is aborted and
+PermissionRefusedError names the missing permission.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cdc_shared.clients import kafka_client_config, make_admin
+from cdc_shared.clients import kafka_client_config, kafka_missing_permission, make_admin
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.retry import retrying
@@ -50,6 +52,16 @@ _TRANSIENT_CODES = frozenset(
         KafkaError._TIMED_OUT,
         KafkaError._TRANSPORT,
         KafkaError._ALL_BROKERS_DOWN,
+    }
+)
+
+#: The broker's ACLs refused the operation: they stay as they are until an administrator
+#: changes them, so such an error is never retried (see PermissionRefusedError).
+_AUTHORIZATION_CODES = frozenset(
+    {
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+        KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
     }
 )
 
@@ -89,6 +101,19 @@ class StuckProducerError(RuntimeError):
 
 class PublisherFatalError(RuntimeError):
     """The producer cannot go on (fenced by another instance, or a fatal Kafka error)."""
+
+
+class PermissionRefusedError(RuntimeError):
+    """The broker's ACLs refused an operation; the message names the missing permission.
+
+    On the change topic, the progress topic or the progress group. Not transient: the
+    transaction was aborted, nothing of it is visible, and the progress still says what
+    was published, so a restart once the ACL is granted loses nothing.
+    """
+
+
+class TransactionalIdRefusedError(PermissionRefusedError):
+    """The ACLs refused the publisher's transactional id: it cannot run a transaction."""
 
 
 class ChangeTopicResetError(RuntimeError):
@@ -242,7 +267,8 @@ class TransactionalPublisher:
         """Read the topic's size limit, fence any older instance, read what is published.
 
         Raises ChangeTopicResetError when the change topic holds less than the progress
-        says was written to it.
+        says was written to it, PermissionRefusedError when the broker's ACLs refuse one
+        of these reads (or the transactional id).
         """
         self._fit_to(self._read_size_limit(), started=False)
         self._with_retries("init_transactions", lambda: self._producer.init_transactions(60))
@@ -381,7 +407,8 @@ class TransactionalPublisher:
 
         Retries a transaction that must be aborted (e.g. the broker went away) with
         exponential backoff; raises PublisherFatalError when the producer is fenced or
-        hit a fatal error, and KafkaException when the retries are exhausted.
+        hit a fatal error, PermissionRefusedError (the transaction aborted, never retried)
+        when the broker's ACLs refuse it, and KafkaException when the retries are exhausted.
         """
 
         def retriable(exc: BaseException) -> bool:
@@ -390,6 +417,8 @@ class TransactionalPublisher:
             if not isinstance(exc, KafkaException):
                 return False
             error: KafkaError = exc.args[0]
+            if error.code() in _AUTHORIZATION_CODES:
+                return False
             return error.txn_requires_abort() or error.retriable()
 
         def describe(exc: BaseException, _attempt: int) -> str:
@@ -413,7 +442,13 @@ class TransactionalPublisher:
             except _RefusedBySize as refused:
                 self._abort_quietly()
                 self._after_size_refusal(messages, oversized, refused.indexes)
+            except PermissionRefusedError:
+                self._abort_after_refusal()
+                raise
             except KafkaException as exc:
+                if (refusal := self._refusal(exc.args[0], "transaction")) is not None:
+                    self._abort_after_refusal()
+                    raise refusal from None
                 self._on_problem(f"Kafka transaction failing: {exc.args[0].str()}")
                 raise
         self.progress = replace(progress, offsets=offsets)
@@ -574,11 +609,74 @@ class TransactionalPublisher:
                 raise PublisherFatalError(self._fatal_message(error)) from None
             log.warning("abort failed", extra={"topic": self.change_topic, "error": error.str()})
 
+    def _abort_after_refusal(self) -> None:
+        """Abort the transaction the ACLs refused, so that nothing of it commits.
+
+        A refused AddPartitionsToTxn leaves the broker no transaction to end, and
+        librdkafka then calls its abort fatal (INVALID_TXN_STATE): the producer is
+        replaced, and the new one's ``init_transactions`` aborts whatever the broker still
+        holds open for the transactional id. If that is refused too, the broker's
+        transaction timeout aborts it.
+        """
+        try:
+            self._producer.abort_transaction(60)
+            return
+        except KafkaException as exc:
+            log.info(
+                "refused transaction: replacing the producer to abort it",
+                extra={"topic": self.change_topic, "error": exc.args[0].str()},
+            )
+        try:
+            self._replace_producer(started=True)
+        except (KafkaException, PublisherFatalError, PermissionRefusedError) as exc:
+            log.warning(
+                "could not replace the refused producer; the broker's transaction timeout "
+                "aborts its transaction",
+                extra={"topic": self.change_topic, "error": str(exc)},
+            )
+
+    def _refusal(self, error: KafkaError, what: str) -> PermissionRefusedError | None:
+        """The missing permission that ``error`` shows, for the call ``what``; else None.
+
+        The operation is the one that call needs (``kafka-acls`` names): the events of a
+        transaction need Write on the change topic, its progress Read on the progress
+        group (and on the progress topic's offsets); reading the progress at start
+        Describe on the group; the change topic's size limit DescribeConfigs, its last
+        offsets Describe; the transactional id Write.
+        """
+        code = error.code()
+        if code not in _AUTHORIZATION_CODES:
+            return None
+        kafka = self._kafka
+        if code == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            return TransactionalIdRefusedError(
+                kafka_missing_permission(kafka, "Write", "transactional-id", self.transactional_id)
+            )
+        if code == KafkaError.GROUP_AUTHORIZATION_FAILED:
+            operation = "Describe" if what == "read progress" else "Read"
+            return PermissionRefusedError(
+                kafka_missing_permission(kafka, operation, "group", self.transactional_id)
+            )
+        in_transaction = what in ("transaction", "commit")
+        if in_transaction and "offsets" in error.str():  # committing the progress
+            return PermissionRefusedError(
+                kafka_missing_permission(kafka, "Read", "topic", self.settings.progress_topic)
+            )
+        operation = {
+            "describe the change topic": "DescribeConfigs",
+            "read the change topic's offsets": "Describe",
+            "read progress": "Describe",
+        }.get(what, "Write")
+        topic = self.settings.progress_topic if what == "read progress" else self.change_topic
+        return PermissionRefusedError(kafka_missing_permission(kafka, operation, "topic", topic))
+
     def _with_retries(self, what: str, call: Callable[[], Any]) -> Any:
         def retriable(exc: BaseException) -> bool:
             if not isinstance(exc, KafkaException):
                 return False
             error: KafkaError = exc.args[0]
+            if error.code() in _AUTHORIZATION_CODES:
+                return False
             transient = error.retriable() or error.code() in _TRANSIENT_CODES
             return transient and not error.txn_requires_abort()
 
@@ -596,6 +694,8 @@ class TransactionalPublisher:
                 before_retry,
             )(self._fatal_raised, call)
         except KafkaException as exc:
+            if (refusal := self._refusal(exc.args[0], what)) is not None:
+                raise refusal from None
             self._on_problem(f"Kafka {what} failing: {exc.args[0].str()}")
             raise
         if retried:  # recovered: /health must stop reporting the retries
@@ -621,12 +721,16 @@ class TransactionalPublisher:
         )
 
     def _fatal_raised(self, call: Callable[[], Any]) -> Any:
-        """Run ``call``; a fatal Kafka error (never retried) becomes PublisherFatalError."""
+        """Run ``call``; a fatal Kafka error (never retried) becomes PublisherFatalError.
+
+        An authorization error stays a KafkaException (fatal or not: librdkafka calls a
+        refused transactional id fatal), for the caller to name the missing permission.
+        """
         try:
             return call()
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
-            if error.fatal():
+            if error.fatal() and error.code() not in _AUTHORIZATION_CODES:
                 raise PublisherFatalError(self._fatal_message(error)) from None
             raise
 
