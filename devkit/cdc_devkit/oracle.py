@@ -103,6 +103,14 @@ class EntityOracle:
             raise ValueError("trailing bytes")
         return record
 
+    def _selected(self, after: Mapping[str, Any]) -> dict[str, Any]:
+        """The row image's columns the entity keeps (``columns`` / ``except_columns``)."""
+        entity = self.entity
+        if entity.columns is not None:
+            kept = set(entity.columns) | set(entity.key)
+            return {c: v for c, v in after.items() if c in kept}
+        return {c: v for c, v in after.items() if c not in set(entity.except_columns or [])}
+
     def feed(self, key: bytes | None, value: bytes | None, partition: int, offset: int) -> None:
         """Apply one Kafka record of the entity's source topic."""
         if value is None:
@@ -145,7 +153,7 @@ class EntityOracle:
                 self.applied.append(AppliedChange(k, sequence, "d", None))
             self.rows.pop(k, None)
             return
-        row = dict(envelope["after"])
+        row = self._selected(envelope["after"])
         self.applied.append(AppliedChange(k, sequence, "u" if k in self.rows else "c", row))
         self.rows[k] = row
 

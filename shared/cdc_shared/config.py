@@ -558,6 +558,14 @@ class EntityConfig(_Section):
     key_format: Format = "avro"
     # JSON decimals as Debezium's decimal.handling.mode writes them (precise: base64).
     decimal_handling: DecimalHandling = "precise"
+    # The row's columns silver (and from it the change topic and the index) keeps: only
+    # ``columns`` (the key always), or all but ``except_columns``; bronze keeps every one.
+    columns: list[str] | None = Field(default=None, min_length=1)
+    except_columns: list[str] | None = Field(default=None, min_length=1)
+    # A null in an update keeps the column's current value (sources that send only the
+    # changed fields): every non-key column (true) or the ones listed. Off: a relational
+    # null is a real value.
+    ignore_null_updates: bool | list[str] = False
 
     @field_validator("name")
     @classmethod
@@ -592,6 +600,59 @@ class EntityConfig(_Section):
         if len(set(key)) != len(key):
             raise ValueError(f"key columns must be unique, got {key}")
         return key
+
+    @field_validator("columns", "except_columns")
+    @classmethod
+    def _column_names_unique(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None and len(set(names)) != len(names):
+            raise ValueError(f"column names must be unique, got {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _one_column_selection(self) -> EntityConfig:
+        if self.columns is not None and self.except_columns is not None:
+            raise ValueError("set columns or except_columns, not both")
+        keys = sorted(set(self.key) & set(self.except_columns or []))
+        if keys:
+            raise ValueError(f"except_columns names key columns {keys}: the key is always kept")
+        listed = self.ignore_null_updates if isinstance(self.ignore_null_updates, list) else []
+        keys = sorted(set(self.key) & set(listed))
+        if keys:
+            raise ValueError(f"ignore_null_updates names key columns {keys}: a key is never null")
+        return self
+
+    def null_update_columns(self, row: list[str]) -> list[str]:
+        """The columns of ``row`` whose null in an update keeps the current value."""
+        if self.ignore_null_updates is True:
+            return [c for c in row if c not in self.key]
+        listed = self.ignore_null_updates or []
+        unknown = sorted(set(listed) - set(row))
+        if unknown:
+            raise ConfigError(
+                f"entities[{self.name}].ignore_null_updates: {unknown} are not columns of its "
+                f"rows (they have {', '.join(row)})"
+            )
+        return [c for c in row if c in set(listed)]
+
+    def dropped_columns(self, row: list[str], strict: bool = True) -> list[str]:
+        """The columns of ``row`` (a source row's column names) silver does not keep.
+
+        ``strict``: a name the selection gives that the row lacks is a configuration error
+        (a typo would otherwise narrow nothing, or keep nothing, silently); the merger
+        checks it against bronze, which holds every column any source schema had.
+        """
+        selection = self.columns if self.columns is not None else self.except_columns
+        unknown = sorted(set(selection or []) - set(row))
+        if unknown and strict:
+            field = "columns" if self.columns is not None else "except_columns"
+            raise ConfigError(
+                f"entities[{self.name}].{field}: {unknown} are not columns of its rows "
+                f"(they have {', '.join(row)})"
+            )
+        if self.columns is not None:
+            kept = set(self.columns) | set(self.key)
+            return [c for c in row if c not in kept]
+        return [c for c in row if c in set(self.except_columns or [])]
 
     @property
     def change_topic_name(self) -> str:

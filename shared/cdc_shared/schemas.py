@@ -139,8 +139,9 @@ def change_event_schemas(
     ``after`` rows (``after`` null on delete; ``before`` only when configured), the silver
     ``commit_version`` and ``commit_timestamp``, and the ``source_sequence`` the merger
     ordered the change by. The records' namespace is the change topic made a valid Avro
-    name (``names.avro_namespace``). Rows follow the newest source schema, so a compatible source
-    change becomes a compatible change-event change.
+    name (``names.avro_namespace``). Rows follow the newest source schema, less the columns
+    the entity's column selection leaves out, so a compatible source change becomes a
+    compatible change-event change.
     """
     namespace = entity.change_event_namespace
     key = copy.deepcopy(dict(schemas.key.definition))
@@ -149,6 +150,9 @@ def change_event_schemas(
     row = copy.deepcopy(envelope_row_schema(dict(schemas.value.definition)))
     row.update(name="Row", namespace=namespace)
     row.pop("connect.name", None)
+    # The entity's column selection: silver, and so its changes, lack the other columns.
+    dropped = entity.dropped_columns([f["name"] for f in row["fields"]], strict=False)
+    row["fields"] = [f for f in row["fields"] if f["name"] not in dropped]
     value = {
         "type": "record",
         "name": "ChangeEvent",

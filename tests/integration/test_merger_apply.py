@@ -100,10 +100,17 @@ class Silver:
             "ingested_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         }
 
-    def apply(self, *events: dict[str, Any]) -> ApplyResult:
+    def apply(self, *events: dict[str, Any], null_updates: tuple[str, ...] = ()) -> ApplyResult:
         frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
         try:
-            return apply_batch(self.spark, frame, self.layout, self.quarantine, self.state)
+            return apply_batch(
+                self.spark,
+                frame,
+                self.layout,
+                self.quarantine,
+                self.state,
+                null_updates=null_updates,
+            )
         finally:
             frame.unpersist()
 
@@ -690,3 +697,41 @@ def test_unavailable_values_stored_as_sent_when_the_placeholder_is_off(
         documents.spark, batch, documents.layout, documents.quarantine, documents.state, None
     )
     assert large_columns(documents)[1]["bio"] == PLACEHOLDER
+
+
+def test_a_null_in_an_update_keeps_the_value_when_told_to(customers: Silver) -> None:
+    """``ignore_null_updates``: a null in an update keeps the value the batch or silver
+    holds, only for the columns named; a null in an insert, and any null with the option
+    off, is stored as sent."""
+
+    def person(email: str | None, phone: str | None) -> dict[str, Any]:
+        return customer("p") | {"email": email, "phone": phone}
+
+    customers.apply(
+        customers.event("c", {"id": 1}, [1], person("a@x", "111")),
+        customers.event("c", {"id": 2}, [2], person("b@x", "222")),
+    )
+    result = customers.apply(
+        # silver holds email: kept; phone is not named: its null is stored
+        customers.event("u", {"id": 1}, [10], person(None, None)),
+        # insert, then an update with a null, in one batch: the insert's email stays
+        customers.event("c", {"id": 3}, [11], person("c@x", "333")),
+        customers.event("u", {"id": 3}, [12], person(None, "334")),
+        # nothing holds key 4's email: null, counted
+        customers.event("u", {"id": 4}, [13], person(None, "444")),
+        # an insert's null is a real null
+        customers.event("c", {"id": 5}, [14], person(None, "555")),
+        null_updates=("email",),
+    )
+    rows = {r.id: (r.email, r.phone) for r in customers.rows().collect()}
+    assert rows == {
+        1: ("a@x", None),
+        2: ("b@x", "222"),
+        3: ("c@x", "334"),
+        4: (None, "444"),
+        5: (None, "555"),
+    }
+    assert result.unavailable == {"email": 1}
+
+    customers.apply(customers.event("u", {"id": 2}, [20], person(None, "222")))  # option off
+    assert {r.id: r.email for r in customers.rows().collect()}[2] is None

@@ -71,12 +71,29 @@ def with_publisher(config: PipelineConfig, **settings: object) -> PipelineConfig
 def test_index_equals_oracle_after_ingestor_and_merger(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
+    """The index equals the oracle; each table's column selection narrows silver and the
+    index (the mapping too), bronze keeping every column."""
     pipeline = make_pipeline(
-        **SMALL_BATCHES, publisher_es={"max_files_per_trigger": 2, "metrics_port": 0}
+        **SMALL_BATCHES,
+        publisher_es={"max_files_per_trigger": 2, "metrics_port": 0},
+        overrides={
+            "customers": {"except_columns": ["phone"]},
+            "orders": {"columns": ["customer_id", "product", "amount", "order_date"]},
+        },
     )
     build_silver(pipeline, spark, kafka_config, events=2000, keys=200)
     publish_once(pipeline.config, spark)
-    first = assert_index_equals_oracle(pipeline, kafka_config)
+    first = assert_index_equals_oracle(pipeline, kafka_config)  # the oracle selects too
+    layout = pipeline.config.layout
+    for entity, left_out in (("customers", {"phone"}), ("orders", {"quantity", "status"})):
+        bronze = spark.read.format("delta").load(layout.bronze(entity)).schema["after"]
+        assert left_out <= set(bronze.dataType.fieldNames())  # type: ignore[attr-defined]
+        silver = spark.read.format("delta").load(layout.silver(entity)).columns
+        assert not left_out & set(silver), silver
+        alias = pipeline.config.entity(entity).es_index_name
+        meta = make_elasticsearch(pipeline.config.elasticsearch).indices.get_mapping(index=alias)
+        fields = next(iter(meta.body.values()))["mappings"]["properties"]
+        assert not left_out & set(fields), fields
 
     # Both version derivations are exercised: one-column sequence (customers: 2 * lsn,
     # +1 on delete) and composite sequence (orders: the silver commit version).

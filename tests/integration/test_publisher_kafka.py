@@ -105,7 +105,7 @@ def test_change_topics_equal_silver_feed_and_oracle(
 ) -> None:
     """Exactly once, also across a replayed batch; an event over its topic's
     max.message.bytes goes to quarantine while the rest goes on; a change topic deleted
-    since the last start stops the next one."""
+    since the last start stops the next one; a column selection narrows the events."""
     pipeline = make_pipeline(
         merger={"max_files_per_trigger": 2, "metrics_port": 0},
         ingestor={"max_offsets_per_trigger": 1000, "metrics_port": 0},
@@ -116,6 +116,7 @@ def test_change_topics_equal_silver_feed_and_oracle(
             "retry_attempts": 3,  # a transaction that cannot go through fails fast
             "max_backoff_s": 2,
         },
+        overrides={"customers": {"except_columns": ["phone"]}},  # a narrower replica
     )
     config = pipeline.config
     customers = config.entity("customers")
@@ -125,6 +126,9 @@ def test_change_topics_equal_silver_feed_and_oracle(
     publish_once(pipeline, spark)
     first = assert_change_topics_exactly_once(spark, pipeline, kafka_config)
     assert all(n > 0 for n in first.values())
+    events = [r.event for r in change_records(pipeline, kafka_config, "customers") if r.event]
+    images = [e[image] for e in events for image in ("before", "after") if e.get(image)]
+    assert images and not [i for i in images if "phone" in i], "phone is not selected"
 
     _load(pipeline, kafka_config, spark, part=1)  # more changes to the same keys
     # One row grows past the topic's limit (a long string), after the normal changes.

@@ -56,10 +56,12 @@ def write_pipeline(
     es: ElasticsearchConfig,
     entities: tuple[str, ...] = ("customers", "orders"),
     entity_settings: Mapping[str, object] | None = None,
+    overrides: Mapping[str, Mapping[str, object]] | None = None,
     **sections: object,
 ) -> Pipeline:
     """A pipeline over fresh topics and indexes in ``folder``; only version 1 of each value
-    schema is known. ``entity_settings`` go into every entity (e.g. ``value_format``)."""
+    schema is known. ``entity_settings`` go into every entity (e.g. ``value_format``),
+    ``overrides[name]`` into entity ``name`` only."""
     run = uuid.uuid4().hex[:8]
     schema_dir = folder / f"schemas-{run}"
     schema_dir.mkdir(parents=True)
@@ -91,6 +93,7 @@ def write_pipeline(
                 "change_topic": f"pytest-{run}.2026.{name}-changes",
                 "es_index": f"pytest-{run}.{name}",
                 **(entity_settings or {}),
+                **(overrides or {}).get(name, {}),
             }
             for name in entities
         ],
@@ -109,10 +112,11 @@ def make_pipeline(
     def build(
         entities: tuple[str, ...] = ("customers", "orders"),
         entity_settings: Mapping[str, object] | None = None,
+        overrides: Mapping[str, Mapping[str, object]] | None = None,
         **sections: object,
     ) -> Pipeline:
         return write_pipeline(
-            tmp_path, kafka_config, es_config, entities, entity_settings, **sections
+            tmp_path, kafka_config, es_config, entities, entity_settings, overrides, **sections
         )
 
     return build

@@ -47,6 +47,9 @@ def assert_silver_equals(spark: SparkSession, pipeline: Pipeline, oracle: Entity
     entity = oracle.entity
     silver = spark.read.format("delta").load(silver_layout(pipeline.config, entity).silver_path)
     columns = [c for c in silver.columns if not c.startswith("_cdc_")]
+    if entity.columns is not None:  # the selection: only these (and the key) reach silver
+        assert set(columns) <= {*entity.columns, *entity.key}, f"silver/{entity.name}: {columns}"
+    assert not set(columns) & set(entity.except_columns or []), f"silver/{entity.name}: {columns}"
     expected = {
         key: tuple(_normal(row.get(c)) for c in columns) for key, row in oracle.rows.items()
     }

@@ -64,3 +64,20 @@ def test_change_events_of_an_awkward_topic_have_a_valid_namespace(
     assert namespace != change_topic
     assert fastavro.parse_schema(key)["name"] == f"{namespace}.Key"
     assert fastavro.parse_schema(value)["name"] == f"{namespace}.ChangeEvent"
+
+
+def test_a_column_selection_narrows_the_change_event_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)
+    config = load_config(ROOT / "deploy/local/pipeline.yaml")
+    registry = FileSchemaRegistry([ROOT / "schemas"])
+
+    def row_fields(**selection: object) -> list[str]:
+        entity = config.entity("customers").model_copy(update=selection)
+        _key, value = change_event_schemas(entity, entity_schemas(entity, registry))
+        row = fastavro.parse_schema(value)["fields"][2]["type"][1]
+        return [f["name"] for f in row["fields"]]
+
+    every = row_fields()
+    assert "phone" in every
+    assert row_fields(except_columns=["phone"]) == [c for c in every if c != "phone"]
+    assert row_fields(columns=["email"]) == ["id", "email"]  # the key always

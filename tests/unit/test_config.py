@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_shared.config import ConfigError, load_config, redact
+from cdc_shared.config import ConfigError, EntityConfig, load_config, redact
 
 GOOD = """
 storage_root: /tmp/cdc-data
@@ -179,3 +179,31 @@ def test_bad_env_override_is_named(good_file: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("CDC_ELASTICSEARCH__REQUEST_TIMEOUT_S", "-1")
     with pytest.raises(ConfigError, match=r"elasticsearch.request_timeout_s: .*greater than 0"):
         load_config(good_file)
+
+
+def _entity(**selection: object) -> EntityConfig:
+    return EntityConfig(name="orders", source_topic="db.orders", key=["id", "line"], **selection)
+
+
+def test_a_column_selection_keeps_the_key_and_names_real_columns() -> None:
+    row = ["id", "line", "product", "amount", "note"]
+    assert _entity().dropped_columns(row) == []
+    assert _entity(columns=["amount"]).dropped_columns(row) == ["product", "note"]
+    assert _entity(except_columns=["note"]).dropped_columns(row) == ["note"]
+    with pytest.raises(ConfigError, match=r"entities\[orders\]\.columns: \['amont'\] are not"):
+        _entity(columns=["amont"]).dropped_columns(row)
+    with pytest.raises(ValueError, match="set columns or except_columns, not both"):
+        _entity(columns=["amount"], except_columns=["note"])
+    with pytest.raises(ValueError, match=r"except_columns names key columns \['line'\]"):
+        _entity(except_columns=["line"])
+
+
+def test_ignore_null_updates_takes_every_column_or_real_ones() -> None:
+    row = ["id", "line", "product", "amount"]
+    assert _entity().null_update_columns(row) == []
+    assert _entity(ignore_null_updates=True).null_update_columns(row) == ["product", "amount"]
+    assert _entity(ignore_null_updates=["amount"]).null_update_columns(row) == ["amount"]
+    with pytest.raises(ConfigError, match=r"entities\[orders\]\.ignore_null_updates: \['x'\]"):
+        _entity(ignore_null_updates=["x"]).null_update_columns(row)
+    with pytest.raises(ValueError, match=r"ignore_null_updates names key columns \['id'\]"):
+        _entity(ignore_null_updates=["id"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
@@ -83,6 +83,18 @@ def silver_schema(bronze_schema: T.StructType, key: list[str]) -> T.StructType:
             T.StructField(COMMIT_TS, T.TimestampType(), False),
         ]
     )
+
+
+def without_columns(events: DataFrame, dropped: Sequence[str]) -> DataFrame:
+    """Bronze events whose row images (``after``) lack the ``dropped`` columns.
+
+    The entity's column selection (``columns`` / ``except_columns``): silver, and the
+    change topic and index made from it, never see those columns; bronze keeps them.
+    A delete's null ``after`` stays null.
+    """
+    if not dropped:
+        return events
+    return events.withColumn("after", F.col("after").dropFields(*dropped))
 
 
 def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
@@ -172,34 +184,34 @@ def latest_per_key(
     key: list[str],
     silver: T.StructType,
     placeholder: Placeholder | None = None,
+    null_updates: Collection[str] = (),
 ) -> DataFrame:
     """The newest upsert or delete per key (by sequence), as flat silver-shaped rows.
 
     Values are cast to silver's column types (the events were checked castable); rows keep
-    ``_cdc_op`` so a delete can be told from an upsert. With a ``placeholder``, a column
-    whose newest value is the source's unavailable-value placeholder takes the newest real
-    value an earlier event of the key in this batch carries; where none does, the value
+    ``_cdc_op`` so a delete can be told from an upsert. A column whose newest value the
+    source did not send (with a ``placeholder``: the source's unavailable-value
+    placeholder; for the ``null_updates`` columns: a null in an update) takes the newest
+    value an earlier event of the key in this batch did send; where none did, the value
     is null and the column is named in ``_cdc_unavailable`` (silver's value is then kept
     by the MERGE, see :func:`silver_merge`).
     """
     after = events.schema["after"].dataType
     assert isinstance(after, T.StructType)
     row_fields = [f.name for f in after.fields]
-    spotted = unavailable_columns(after, key, placeholder)
+    spotted = unavailable_columns(after, key, placeholder, null_updates)
 
     def value(name: str) -> Column:
         column = F.col(f"after.{name}")
         return column.try_cast(silver[name].dataType) if name in silver.fieldNames() else column
 
-    # Per spotted column: the event's sequence where it carries a real value, else null.
+    # Per spotted column: the event's sequence where it sends a value, else null.
     seen = {name: f"_cdc_seen_{i}" for i, name in enumerate(spotted)}
     real: list[Column] = []
-    if placeholder is not None:
-        for name in spotted:
-            is_placeholder = placeholder.matches(F.col(f"after.{name}"), after[name].dataType)
-            assert is_placeholder is not None
-            carries = (F.col("op") != DELETE) & ~F.coalesce(is_placeholder, F.lit(False))
-            real.append(F.when(carries, F.col("sequence")).alias(seen[name]))
+    for name in spotted:
+        unsent = not_sent(F.col(f"after.{name}"), after[name], placeholder, null_updates)
+        carries = (F.col("op") != DELETE) & ~F.coalesce(unsent, F.lit(False))
+        real.append(F.when(carries, F.col("sequence")).alias(seen[name]))
 
     applicable = ~F.col("is_tombstone") & F.col("op").isin(*UPSERT_OPS, DELETE)
     flat = events.where(applicable).select(
@@ -247,12 +259,43 @@ def latest_per_key(
 
 
 def unavailable_columns(
-    after: T.StructType, key: list[str], placeholder: Placeholder | None
+    after: T.StructType,
+    key: list[str],
+    placeholder: Placeholder | None,
+    null_updates: Collection[str] = (),
 ) -> list[str]:
-    """The row's non-key columns whose type can carry the placeholder (none when off)."""
-    if placeholder is None:
-        return []
-    return [f.name for f in after.fields if f.name not in key and placeholder.spots(f.dataType)]
+    """The row's non-key columns an event may leave unsent (none when both are off).
+
+    Those of a type that can carry the placeholder, and those named in ``null_updates``.
+    """
+    return [
+        f.name
+        for f in after.fields
+        if f.name not in key
+        and (f.name in null_updates or (placeholder is not None and placeholder.spots(f.dataType)))
+    ]
+
+
+def not_sent(
+    value: Column,
+    field: T.StructField,
+    placeholder: Placeholder | None,
+    null_updates: Collection[str],
+) -> Column:
+    """True where an event did not send the column's value, so its prior value is kept.
+
+    The two ways a column keeps its prior value, side by side: the source's
+    unavailable-value placeholder (a TOASTed PostgreSQL value left alone), and, for the
+    entity's ``ignore_null_updates`` columns, a null in an update (a source that sends
+    only changed fields). Inserts and snapshot reads always send their values.
+    """
+    unsent: Column = F.lit(False)
+    is_placeholder = None if placeholder is None else placeholder.matches(value, field.dataType)
+    if is_placeholder is not None:
+        unsent = unsent | F.coalesce(is_placeholder, F.lit(False))
+    if field.name in null_updates:
+        unsent = unsent | ((F.col("op") == "u") & value.isNull())
+    return unsent
 
 
 @dataclass(frozen=True)
@@ -326,6 +369,8 @@ def apply_batch(
     quarantine: Callable[[DataFrame], None],
     state: MergeState | None = None,
     placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
+    dropped: Sequence[str] = (),
+    null_updates: Collection[str] = (),
 ) -> ApplyResult:
     """Apply one batch of bronze events to silver; idempotent.
 
@@ -333,7 +378,10 @@ def apply_batch(
     ``_cdc_error_kind`` and ``_cdc_error_message``) and the rest is applied. A long-lived
     caller passes the same ``state`` every batch; without it the side tables are read.
     A column carrying ``placeholder`` (the source's unavailable value) keeps its prior
-    value (``cdc_merger.unavailable``); None stores every value as sent.
+    value (``cdc_merger.unavailable``); None stores every value as sent. So does a
+    ``null_updates`` column whose update brings a null (``ignore_null_updates``). The
+    ``dropped`` columns of the rows (the entity's column selection) are left out of
+    silver; the quarantine keeps whole bronze rows.
 
     Spark jobs: one computes the newest event per key and the batch's counts (observed
     metrics, no extra pass); a second brings the offered keys and sequences to the driver
@@ -343,7 +391,7 @@ def apply_batch(
     key = layout.key
     state = state or MergeState(spark, layout)
     lap = Stopwatch()
-    silver = state.silver_schema(events)
+    silver = state.silver_schema(without_columns(events, dropped))
     kind, message = rejection(events, key, silver)
     # Kafka tombstones (a null value after a delete) carry nothing to apply.
     checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
@@ -351,10 +399,11 @@ def apply_batch(
     valid = (
         checked.observe(batch, *_batch_metrics()).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     )
-    latest = latest_per_key(valid, key, silver, placeholder)
-    after = events.schema["after"].dataType
+    rows = without_columns(valid, dropped)
+    latest = latest_per_key(rows, key, silver, placeholder, null_updates)
+    after = rows.schema["after"].dataType
     assert isinstance(after, T.StructType)
-    kept = unavailable_columns(after, key, placeholder)
+    kept = unavailable_columns(after, key, placeholder, null_updates)
     floor = state.truncates.get()
     if floor is not None:
         latest = latest.where(F.col(SEQUENCE) > sequence_literal(floor))

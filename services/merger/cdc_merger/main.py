@@ -35,6 +35,7 @@ from cdc_shared.tables import (
 )
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from cdc_merger.apply import (
     ERROR_KIND,
@@ -45,6 +46,7 @@ from cdc_merger.apply import (
     ensure_tables,
     expire_tombstones,
     lost_local_checkpoint,
+    without_columns,
 )
 from cdc_merger.unavailable import Placeholder
 
@@ -88,6 +90,13 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
     )
 
 
+def _row_columns(bronze: DataFrame) -> list[str]:
+    """The source row's columns in bronze events (their ``after`` image)."""
+    after = bronze.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    return after.fieldNames()
+
+
 class EntityMerge(EntityStreamBase):
     """One entity's stream: ``bronze/<entity>`` into ``silver/<entity>``."""
 
@@ -103,10 +112,32 @@ class EntityMerge(EntityStreamBase):
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
         hint = f"start the ingestor for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
-        bronze_schema = self.spark.read.format("delta").load(self.bronze_path).schema
-        ensure_tables(self.spark, bronze_schema, self.layout)
+        bronze = self.spark.read.format("delta").load(self.bronze_path)
+        dropped = self.dropped_columns(bronze)  # checks the selection's names
+        self.null_update_columns(bronze)  # and ignore_null_updates' names
+        ensure_tables(self.spark, without_columns(bronze, dropped).schema, self.layout)
+        self.warn_selection_narrowed(dropped)
         self.state.load()
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+
+    def dropped_columns(self, bronze: DataFrame) -> list[str]:
+        """The row columns of bronze that the entity's column selection leaves out of silver."""
+        return self.entity.dropped_columns(_row_columns(bronze))
+
+    def null_update_columns(self, bronze: DataFrame) -> list[str]:
+        """The row columns whose null in an update keeps silver's value (ignore_null_updates)."""
+        return self.entity.null_update_columns(_row_columns(bronze))
+
+    def warn_selection_narrowed(self, dropped: list[str]) -> None:
+        """Silver made before the selection keeps its columns: say so, once, at start."""
+        silver = self.spark.read.format("delta").load(self.layout.silver_path).columns
+        stale = [c for c in dropped if c in silver]
+        if stale:
+            log.warning(
+                "silver has columns its column selection leaves out: they are no longer "
+                "written (new rows hold null); rebuild silver to drop them",
+                extra={"entity": self.entity.name, "columns": stale},
+            )
 
     def source(self) -> DataFrame:
         """Bronze as a Delta stream, limited per micro-batch."""
@@ -153,6 +184,8 @@ class EntityMerge(EntityStreamBase):
                 quarantine,
                 self.state,
                 self.placeholder,
+                self.dropped_columns(batch),
+                self.null_update_columns(batch),
             )
             expired = self.expire_tombstones(result.ingested_until)
         counts = {
@@ -184,9 +217,10 @@ class EntityMerge(EntityStreamBase):
         """One warning per column: values the source did not send and nothing held."""
         for column, count in sorted(columns.items()):
             log.warning(
-                "values the source did not send (its unavailable-value placeholder) and no "
-                "earlier event nor silver held: stored null; REPLICA IDENTITY FULL on the "
-                "source table makes PostgreSQL send them",
+                "values the source did not send (its unavailable-value placeholder, or a null "
+                "update under ignore_null_updates) and no earlier event nor silver held: "
+                "stored null; REPLICA IDENTITY FULL on the source table makes PostgreSQL "
+                "send unchanged large values",
                 extra={
                     "entity": self.entity.name,
                     "column": column,
