@@ -8,7 +8,9 @@
 #   docker build -f deploy/docker/base.Dockerfile -t cdc-base .
 #   docker build -f deploy/docker/application.Dockerfile -t cdc-application .
 # Run: mount the pipeline file at /etc/cdc/pipeline.yaml and the storage root; /health
-# and /metrics (every service, labelled) answer on port 9100 (application.metrics_port).
+# and /metrics (every service, labelled) answer on port 9100 (application.metrics_port),
+# on loopback: to publish the port (docker run -p), also set application.metrics_host,
+# e.g. -e CDC_APPLICATION__METRICS_HOST=0.0.0.0.
 
 ARG BASE_IMAGE=cdc-base
 FROM ${BASE_IMAGE}

@@ -6,7 +6,8 @@
 #   docker build -f deploy/docker/ingestor.Dockerfile -t cdc-ingestor .
 # Run: mount the pipeline file at /etc/cdc/pipeline.yaml and the storage root (/data in
 # the example configurations); /health and /metrics answer on port 9101
-# (ingestor.metrics_port).
+# (ingestor.metrics_port), on loopback: to publish the port (docker run -p), also set
+# ingestor.metrics_host, e.g. -e CDC_INGESTOR__METRICS_HOST=0.0.0.0.
 
 ARG BASE_IMAGE=cdc-base
 FROM ${BASE_IMAGE}

@@ -6,7 +6,8 @@
 #   docker build -f deploy/docker/merger.Dockerfile -t cdc-merger .
 # Run: mount the pipeline file at /etc/cdc/pipeline.yaml and the storage root (/data in
 # the example configurations); /health and /metrics answer on port 9102
-# (merger.metrics_port).
+# (merger.metrics_port), on loopback: to publish the port (docker run -p), also set
+# merger.metrics_host, e.g. -e CDC_MERGER__METRICS_HOST=0.0.0.0.
 
 ARG BASE_IMAGE=cdc-base
 FROM ${BASE_IMAGE}

@@ -6,7 +6,8 @@
 #   docker build -f deploy/docker/publisher-es.Dockerfile -t cdc-publisher-es .
 # Run: mount the pipeline file at /etc/cdc/pipeline.yaml and the storage root (/data in
 # the example configurations); /health and /metrics answer on port 9104
-# (publisher_es.metrics_port).
+# (publisher_es.metrics_port), on loopback: to publish the port (docker run -p), also set
+# publisher_es.metrics_host, e.g. -e CDC_PUBLISHER_ES__METRICS_HOST=0.0.0.0.
 
 ARG BASE_IMAGE=cdc-base
 FROM ${BASE_IMAGE}

@@ -6,7 +6,8 @@
 #   docker build -f deploy/docker/publisher-kafka.Dockerfile -t cdc-publisher-kafka .
 # Run: mount the pipeline file at /etc/cdc/pipeline.yaml and the storage root (/data in
 # the example configurations); /health and /metrics answer on port 9103
-# (publisher_kafka.metrics_port).
+# (publisher_kafka.metrics_port), on loopback: to publish the port (docker run -p), also set
+# publisher_kafka.metrics_host, e.g. -e CDC_PUBLISHER_KAFKA__METRICS_HOST=0.0.0.0.
 
 ARG BASE_IMAGE=cdc-base
 FROM ${BASE_IMAGE}

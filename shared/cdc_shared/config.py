@@ -385,7 +385,7 @@ class StreamingServiceConfig(_Section):
 
     trigger_interval: str = Field(default="5 seconds", min_length=1)
     metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
 
 
 class IngestorConfig(StreamingServiceConfig):
@@ -513,7 +513,7 @@ class ApplicationConfig(_Section):
     """
 
     metrics_port: int = Field(default=9100, ge=0, lt=65536)  # 0: no metrics/health server
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
     pool_weights: dict[str, int] = Field(
         default_factory=lambda: {
             "ingestor": 2,

@@ -207,3 +207,32 @@ def test_ignore_null_updates_takes_every_column_or_real_ones() -> None:
         _entity(ignore_null_updates=["x"]).null_update_columns(row)
     with pytest.raises(ValueError, match=r"ignore_null_updates names key columns \['id'\]"):
         _entity(ignore_null_updates=["id"])
+
+
+def test_metrics_endpoints_bind_loopback_unless_configured_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/metrics and /health answer this host only by default; a deployment says 0.0.0.0."""
+    import inspect
+    import os
+
+    from cdc_shared.config import PipelineConfig
+    from cdc_shared.streaming.runner import StreamRunner
+
+    for name in [n for n in os.environ if n.startswith("CDC_")]:
+        monkeypatch.delenv(name)
+    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
+    defaults = PipelineConfig()
+    assert {s: getattr(defaults, s).metrics_host for s in sections} == dict.fromkeys(
+        sections, "127.0.0.1"
+    )
+    runner_default = inspect.signature(StreamRunner).parameters["metrics_host"].default
+    assert runner_default == "127.0.0.1"
+    # The override the deployments use: one variable per service, the rest stays loopback.
+    monkeypatch.setenv("CDC_PUBLISHER_ES__METRICS_HOST", "0.0.0.0")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("publisher_es: {metrics_port: 9104}\n", encoding="utf-8")
+    config = load_config(path)
+    assert config.publisher_es.metrics_host == "0.0.0.0"
+    assert config.publisher_es.metrics_port == 9104
+    assert config.publisher_kafka.metrics_host == "127.0.0.1"

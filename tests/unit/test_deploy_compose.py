@@ -525,6 +525,30 @@ def test_compose_service_runs_the_script_with_the_mounted_pipeline(
     assert size_bytes(service["mem_limit"]) >= 1.25 * heap
 
 
+@pytest.mark.parametrize("script", DEPLOYABLES)
+def test_a_service_with_a_published_metrics_port_binds_it_on_every_interface(
+    script: str, compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A published port arrives at the container's IP, which the loopback default misses."""
+    service = compose["services"][service_of(script)]
+    for name, value in env_dict(service).items():
+        monkeypatch.setenv(name, value)
+    config = load_config(COMPOSE_PIPELINE)  # as the container loads it: file, then its env
+    port = metrics_port(config, script)
+    published = [p for p in service.get("ports", []) if str(p).endswith(f":{port}")]
+    assert published, f"{script}: compose publishes no port {port}"
+    section = getattr(config, service_of(script).replace("-", "_"))
+    assert section.metrics_host == "0.0.0.0", (
+        f"{script} binds /health and /metrics to {section.metrics_host}: the published port "
+        f"{published[0]} would not reach it; set CDC_{section_env(script)}__METRICS_HOST"
+    )
+
+
+def section_env(script: str) -> str:
+    """``cdc-publisher-kafka`` -> ``PUBLISHER_KAFKA``: its section in CDC_* variables."""
+    return service_of(script).replace("-", "_").upper()
+
+
 def test_one_application_is_an_alternative_to_the_four_services(compose: dict[str, Any]) -> None:
     # Both at once would give each table two writers: the application is opt-in only.
     services = compose["services"]

@@ -364,6 +364,29 @@ def test_probes_ask_health_on_the_configured_port(script: str, k8s_config: Pipel
 
 
 @pytest.mark.parametrize("script", DEPLOYABLES)
+def test_metrics_endpoint_binds_every_interface_of_the_pod(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet's probes and Prometheus reach the pod's IP; the default binds loopback."""
+    for name in [n for n in os.environ if n.startswith("CDC_")]:
+        monkeypatch.delenv(name)
+    for values in secret_keys().values():
+        for key, value in values.items():
+            monkeypatch.setenv(key, value)
+    for entry in container(script).get("env", []):
+        if "value" in entry:
+            monkeypatch.setenv(entry["name"], entry["value"])
+    _, key, text = configmap_pipeline()
+    path = tmp_path / key
+    path.write_text(text, encoding="utf-8")
+    section = getattr(load_config(path), service_of(script).replace("-", "_"))
+    assert section.metrics_host == "0.0.0.0", (
+        f"{deployment_name(script)} serves /health on {section.metrics_host}: its probes "
+        f"fail; set CDC_{service_of(script).replace('-', '_').upper()}__METRICS_HOST"
+    )
+
+
+@pytest.mark.parametrize("script", DEPLOYABLES)
 def test_resources_leave_room_above_the_driver_heap(script: str) -> None:
     main = container(script)
     resources = main["resources"]

@@ -238,6 +238,16 @@ def test_pipeline_loads_with_a_k8s_master_and_an_object_storage_root(
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
+def test_driver_serves_health_on_every_interface(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet's probes and Prometheus reach the pod's IP; the default binds loopback."""
+    config, _ = driver_config(script, tmp_path, monkeypatch)
+    section = getattr(config, script.removeprefix("cdc-").replace("-", "_"))
+    assert section.metrics_host == "0.0.0.0", f"{script}'s probes would find nothing"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_pod_name_is_defined_before_the_conf_that_expands_it(script: str) -> None:
     defined: set[str] = set()
     for entry in container(script)["env"]:

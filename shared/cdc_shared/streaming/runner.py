@@ -68,7 +68,7 @@ class StreamRunner:
         self,
         spark: SparkSession,
         service: str,
-        metrics_host: str = "0.0.0.0",
+        metrics_host: str = "127.0.0.1",
         metrics_port: int = 0,
         lag: LagReader | None = None,
         on_failure: OnFailure | None = None,
