@@ -6,12 +6,17 @@ records). Meanwhile a fault injector works through a seeded, shuffled plan: it S
 service and restarts it (half the kills aimed at a dangerous window: right after a Delta
 commit, before the checkpoint; right after a Kafka transaction commit; while a bulk
 request is being applied), restarts the Kafka broker, stops Elasticsearch for a while,
-and slows it down (the server frozen in bursts). Given two modes, the run switches
+and slows it down (the server frozen in bursts). Asked for registry outages, the pipeline
+reads its schemas from the real registry through a loopback proxy, which answers HTTP 503
+for a while as a service restarts into it (a running service has its schemas cached, a
+starting one must ask). Given two modes, the run switches
 deployment halfway through the kills: it SIGKILLs every process of the first mode at
 once and goes on in the second on the same storage root. When load and faults are over
 and the pipeline caught up, it checks bronze + quarantine against the source topics' offsets,
 silver / change topics / indexes against the oracle, the change topics for duplicates,
-the quarantine for each poison record, and every log for the planted secrets.
+the quarantine for each poison record (and nothing else: a valid record quarantined,
+e.g. as unknown_schema for a registry that could not answer, is a divergence), and every
+log for the planted secrets.
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import yaml
 from cdc_cli.verify import silver_hashes
+from cdc_shared.avro import ConfluentSchemaRegistry, subject_name
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.layout import publisher_progress_group
-from cdc_shared.schemas import make_registry
+from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
 from confluent_kafka import KafkaException, TopicPartition
@@ -53,6 +61,7 @@ from cdc_devkit.checks import (
     source_coverage,
 )
 from cdc_devkit.local_run import (
+    ROOT,
     Echo,
     Progress,
     check_outputs,
@@ -62,6 +71,7 @@ from cdc_devkit.local_run import (
     wait_until_healthy,
     write_pipeline_config,
 )
+from cdc_devkit.oracle import EntityOracle, Key, load_fingerprints, read_topic
 from cdc_devkit.processes import (
     APPLICATION,
     SERVICES,
@@ -71,6 +81,7 @@ from cdc_devkit.processes import (
     stop_all,
     wait_a_little,
 )
+from cdc_devkit.registry_proxy import RegistryProxy, registry_proxy
 from cdc_devkit.workload import (
     GeneratedMessage,
     ProduceReport,
@@ -80,7 +91,7 @@ from cdc_devkit.workload import (
     produce,
 )
 
-Fault = Literal["kill", "broker restart", "es outage", "es slowdown"]
+Fault = Literal["kill", "broker restart", "es outage", "es slowdown", "registry outage"]
 
 #: The window each service's aimed kills wait for.
 WINDOWS = {
@@ -89,6 +100,10 @@ WINDOWS = {
     "publisher-kafka": "after a Kafka transaction commit",
     "publisher-es": "while documents are being indexed",
 }
+#: The services that ask the registry as they start (their entities' schemas; the Kafka
+#: publisher registers its change schemas too): a registry outage restarts one of them.
+#: The merger reads bronze's columns, not Avro.
+REGISTRY_READERS = ("ingestor", "publisher-kafka", "publisher-es")
 
 
 @dataclass(frozen=True)
@@ -103,8 +118,10 @@ class ChaosOptions:
     broker_restarts: int = 3
     es_outages: int = 3
     es_slowdowns: int = 3
+    # Above 0, the pipeline reads its schemas from the real registry, through a proxy.
+    registry_outages: int = 0
     pause_s: float = 10.0  # mean pause between two faults
-    outage_s: float = 20.0  # how long Elasticsearch stays down or slowed
+    outage_s: float = 20.0  # how long Elasticsearch (or the registry) stays down or slowed
     window_timeout_s: float = 60.0  # an aimed kill fires anyway after this long
     workdir: Path = Path("data/chaos")
     catch_up_timeout_s: float = 1800.0
@@ -122,6 +139,8 @@ class FaultRecord:
     broker_restarts: int = 0
     es_outages: int = 0
     es_slowdowns: int = 0
+    registry_outages: int = 0
+    registry_refused: int = 0  # requests answered 503 during the outages
     problems: list[str] = field(default_factory=list)  # faults that could not be injected
 
     def kills_of(self, service: str) -> int:
@@ -181,6 +200,7 @@ def plan_faults(options: ChaosOptions, rng: random.Random) -> list[Fault]:
         "broker restart": options.broker_restarts,
         "es outage": options.es_outages,
         "es slowdown": options.es_slowdowns,
+        "registry outage": options.registry_outages,
     }
     plan = [fault for fault, n in counts.items() for _ in range(n)]
     rng.shuffle(plan)
@@ -337,9 +357,11 @@ class FaultInjector(threading.Thread):
         config: PipelineConfig,
         options: ChaosOptions,
         echo: Echo,
+        registry: RegistryProxy | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.plan, self.deployment, self.config = plan, deployment, config
+        self.registry = registry  # the proxy the pipeline reaches the registry through
         self.options, self.echo = options, echo
         self.switches = dict(
             zip(switch_points(plan, len(options.modes)), options.modes[1:], strict=True)
@@ -399,9 +421,18 @@ class FaultInjector(threading.Thread):
             time.sleep(self.options.outage_s)
             infra.start_elasticsearch(self.settings)
             self.record.es_outages += 1
-        else:
+        elif fault == "es slowdown":
             self._slow_down_elasticsearch(self.options.outage_s)
             self.record.es_slowdowns += 1
+        else:
+            self._registry_outage(self.rng.choice(REGISTRY_READERS))
+
+    def _wait_until_up(self, service: ServiceProcess) -> None:
+        """Give a (re)starting service up to the window timeout to serve /health."""
+        deadline = time.monotonic() + self.options.window_timeout_s
+        port = health_port(self.config, service.name)
+        while not service.healthy(port) and time.monotonic() < deadline:
+            time.sleep(1.0)
 
     def _kill(self, name: str) -> None:
         """SIGKILL the process running service ``name`` (the application, if it is one)."""
@@ -409,10 +440,7 @@ class FaultInjector(threading.Thread):
         aimed = self.rng.random() < 0.5
         how = "at random"
         # A kill during a JVM start proves little: let the service come up first.
-        deadline = time.monotonic() + self.options.window_timeout_s
-        port = health_port(self.config, service.name)
-        while not service.healthy(port) and time.monotonic() < deadline:
-            time.sleep(1.0)
+        self._wait_until_up(service)
         self.armed = self.current  # its load slice comes now
         if aimed:
             entity = self.rng.choice(self.config.entities).name
@@ -420,14 +448,59 @@ class FaultInjector(threading.Thread):
             how = WINDOWS[name] if reached else "at random (window not reached)"
         else:
             time.sleep(self.rng.uniform(0.0, 3.0))
+        self._sigkill(service)
+        self.record.kills[f"{service.name} {how}"] += 1
+        if not self.stopping.is_set():  # the run ends: its supervisor stops the services
+            service.start()
+
+    @staticmethod
+    def _sigkill(service: ServiceProcess) -> None:
         process = service.process
         if process is not None and process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(60)
         service.poll()
-        self.record.kills[f"{service.name} {how}"] += 1
-        if not self.stopping.is_set():  # the run ends: its supervisor stops the services
+
+    def _registry_outage(self, name: str) -> None:
+        """The registry answers HTTP 503 while the process running ``name`` restarts.
+
+        A running service has the schemas it uses cached, so an outage alone may go
+        unnoticed; a starting service must ask the registry for its entities' schemas
+        (and publisher-kafka registers its change schemas). So the process is SIGKILLed
+        and started again as the outage begins, and the outage lasts until the registry
+        has refused a request, then ``outage_s`` more: the restarted service retries
+        through it (``cdc_shared.retry``), and no valid record may be quarantined for
+        it. An outage no request met is reported as a fault not injected.
+        """
+        proxy = self.registry
+        if proxy is None:
+            raise RuntimeError(
+                "a registry outage needs the pipeline on the registry proxy; run_chaos "
+                "starts one when ChaosOptions.registry_outages is above 0"
+            )
+        service = self.deployment.process_of(name)
+        self._wait_until_up(service)
+        refused_before = proxy.requests["503"]
+        proxy.fail("503")
+        try:
+            self._sigkill(service)
+            if self.stopping.is_set():
+                return  # the run ends: its supervisor stops the services
             service.start()
+            self.echo(f"registry answers 503; {service.name} restarted into the outage")
+            deadline = time.monotonic() + SWITCH_HEALTH_TIMEOUT_S
+            while proxy.requests["503"] == refused_before and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if proxy.requests["503"] == refused_before:
+                raise RuntimeError(
+                    f"no request reached the registry within {SWITCH_HEALTH_TIMEOUT_S:g} s "
+                    f"of restarting {service.name}: the outage was not met"
+                )
+            time.sleep(self.options.outage_s)
+        finally:
+            proxy.fail("forward")
+            self.record.registry_refused += proxy.requests["503"] - refused_before
+        self.record.registry_outages += 1
 
     def _slow_down_elasticsearch(self, seconds: float) -> None:
         """Freeze Elasticsearch for 1-3 s at a time, running 0.5 s between freezes."""
@@ -507,14 +580,31 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
     unwind_on_sigterm()
     rng = random.Random(options.seed)
     secrets = [_secret(rng, "sasl-password"), _secret(rng, "es-api-key")]
-    config_path = _prepare(options, secrets, echo)
+    with ExitStack() as resources:  # the registry proxy, serving until the services stop
+        config_path, registry, schema_ids = _prepare(options, secrets, echo, resources)
+        result = _under_faults(options, rng, config_path, registry, schema_ids, echo)
+    result.leaked_secrets = _logs_with(secrets, [options.workdir])
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _under_faults(
+    options: ChaosOptions,
+    rng: random.Random,
+    config_path: Path,
+    registry: RegistryProxy | None,
+    schema_ids: dict[int, bytes],
+    echo: Echo,
+) -> ChaosResult:
+    """The services up, the load produced under the faults, the catch-up, the checks."""
     config = load_config(config_path)
     deployment = Deployment(options.modes[0], config_path, options.workdir / "logs")
     processes = deployment.processes  # one list: a switch changes it in place
     result = ChaosResult()
     progress = Progress(processes, echo)
     progress.start()
-    injector = FaultInjector(plan_faults(options, rng), deployment, config, options, echo)
+    plan = plan_faults(options, rng)
+    injector = FaultInjector(plan, deployment, config, options, echo, registry)
     spark: SparkSession | None = None
     try:
         wait_until_healthy(processes, config, options.catch_up_timeout_s)
@@ -539,7 +629,7 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
         result.faults = injector.record
         echo("faults over; waiting for the pipeline to catch up")
         _restart_stopped(processes, echo)
-        expected = oracle_rows(config)
+        expected = _oracle_rows(config, schema_ids)
         spark = build_spark_session(config.spark, "cdc-chaos-check")
         spark.sparkContext.setLogLevel("ERROR")
         deadline = time.monotonic() + options.catch_up_timeout_s
@@ -559,14 +649,20 @@ def run_chaos(options: ChaosOptions, echo: Echo) -> ChaosResult:
         result.peak_rss = deployment.peak_rss()
         if spark is not None:
             spark.stop()
-    result.leaked_secrets = _logs_with(secrets, [options.workdir])
-    result.seconds = time.monotonic() - started
     return result
 
 
-def _prepare(options: ChaosOptions, secrets: list[str], echo: Echo) -> Path:
-    """Servers up, a fresh workdir, the pipeline file (secrets planted), source topics."""
-    served = infra.up()
+def _prepare(
+    options: ChaosOptions, secrets: list[str], echo: Echo, resources: ExitStack
+) -> tuple[Path, RegistryProxy | None, dict[int, bytes]]:
+    """Servers up, a fresh workdir, the pipeline file (secrets planted), source topics.
+
+    With registry outages asked for, the registry too, and the proxy in front of it
+    (entered in ``resources``) that the pipeline file points at; then also the ids the
+    registry gave the run's source schemas, with each one's fingerprint.
+    """
+    on_registry = options.registry_outages > 0
+    served = infra.up(with_registry=on_registry)
     echo(f"kafka {served.kafka_bootstrap_servers} · elasticsearch {served.elasticsearch_url}")
     if options.workdir.exists():
         shutil.rmtree(options.workdir)
@@ -578,9 +674,87 @@ def _prepare(options: ChaosOptions, secrets: list[str], echo: Echo) -> Path:
         kafka_options={"sasl.password": secrets[0]},
         es_api_key=secrets[1],
     )
+    proxy, schema_ids = None, {}
+    if on_registry:
+        if served.registry_url is None:  # `infra.up(with_registry=True)` serves one
+            raise infra.InfraError("`cdc infra up --with-registry` reported no registry URL")
+        proxy = resources.enter_context(registry_proxy(served.registry_url))
+        schema_ids = _use_registry(config_path, served.registry_url, proxy.url)
+        echo(f"schema registry {served.registry_url}, reached through the proxy {proxy.url}")
     config = load_config(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
-    return config_path
+    return config_path, proxy, schema_ids
+
+
+def _use_registry(config_path: Path, upstream: str, url: str) -> dict[int, bytes]:
+    """Point the pipeline file at the registry (as ``url``), the run's schemas registered.
+
+    The file pipeline pins each entity's schema files. Here the run's subjects get the
+    same schemas in the registry at ``upstream`` and the pins go: every service asks the
+    registry for its entities' schemas as it starts, and the generator writes records
+    framed with the registry's ids. The same load, read through the registry. Returns
+    the ids registered, with each schema's fingerprint (for the oracle).
+    """
+    pinned = load_config(config_path)
+    files = make_registry(pinned)
+    registry = ConfluentSchemaRegistry(upstream)
+    registered = []
+    for entity in pinned.entities:
+        schemas = entity_schemas(entity, files)
+        key_subject = subject_name(entity.source_topic, True)
+        registered.append(registry.register(key_subject, schemas.key.definition))
+        for version in schemas.values:
+            value_subject = subject_name(entity.source_topic, False)
+            registered.append(registry.register(value_subject, version.definition))
+    document: dict[str, Any] = yaml.safe_load(config_path.read_text())
+    document["schema_registry"]["url"] = url
+    for entity_document in document["entities"]:
+        entity_document.pop("key_schema", None)
+        entity_document.pop("value_schema", None)
+    config_path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return {k.schema_id: k.fingerprint for k in registered if k.schema_id is not None}
+
+
+@dataclass
+class _ReframingOracle(EntityOracle):
+    """The oracle, fed records framed with registry ids as if framed with fingerprints.
+
+    The oracle decodes single-object framing from its own schema files, sharing no code
+    with the services. Records written through the registry start with a schema id
+    instead: each id the run registered is replaced by its schema's fingerprint (the ids
+    come from the run's own registrations, not from the services' registry client). An
+    id the run did not register is left as it is: the oracle finds it undecodable, as
+    the ingestor quarantines it.
+    """
+
+    schema_ids: dict[int, bytes] = field(default_factory=dict)
+
+    def _reframed(self, data: bytes | None) -> bytes | None:
+        if data is None or len(data) < 5 or data[0] != 0:
+            return data
+        fingerprint = self.schema_ids.get(int.from_bytes(data[1:5], "big"))
+        return data if fingerprint is None else b"\xc3\x01" + fingerprint + data[5:]
+
+    def feed(self, key: bytes | None, value: bytes | None, partition: int, offset: int) -> None:
+        """Apply one Kafka record, its registry ids turned into fingerprints."""
+        super().feed(self._reframed(key), self._reframed(value), partition, offset)
+
+
+def _oracle_rows(
+    config: PipelineConfig, schema_ids: dict[int, bytes]
+) -> dict[str, dict[Key, dict[str, Any]]]:
+    """Each entity's expected rows (``local_run.oracle_rows``), registry framing read too."""
+    if not schema_ids:
+        return oracle_rows(config)
+    fingerprints = load_fingerprints([ROOT / "schemas"])
+    registry = make_registry(config)
+    expected = {}
+    for entity in config.entities:
+        oracle = _ReframingOracle.of(entity, registry, fingerprints)
+        assert isinstance(oracle, _ReframingOracle)
+        oracle.schema_ids = schema_ids
+        expected[entity.name] = read_topic(config.kafka, oracle).rows
+    return expected
 
 
 def _check_the_rest(spark: SparkSession, config: PipelineConfig, result: ChaosResult) -> None:
@@ -614,6 +788,12 @@ def summary_rows(result: ChaosResult) -> list[tuple[str, str]]:
         ("broker restarts", str(faults.broker_restarts)),
         ("Elasticsearch outages", str(faults.es_outages)),
         ("Elasticsearch slowdowns", str(faults.es_slowdowns)),
+        ("registry outages", str(faults.registry_outages)),
+        *(
+            [("  requests answered 503", str(faults.registry_refused))]
+            if faults.registry_outages
+            else []
+        ),
         *[("fault not injected", p) for p in faults.problems],
         *[("check", c.describe()) for c in result.coverage],
         *[("check", d.describe()) for d in result.outputs],

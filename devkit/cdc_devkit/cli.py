@@ -225,8 +225,17 @@ def chaos(
     broker_restarts: int = typer.Option(3, min=0, help="Kafka broker restarts."),
     es_outages: int = typer.Option(3, min=0, help="Elasticsearch stops (then starts)."),
     es_slowdowns: int = typer.Option(3, min=0, help="Elasticsearch freezes in bursts."),
+    registry_outages: int = typer.Option(
+        0,
+        min=0,
+        help="Schema-registry outages: HTTP 503 while a service restarts, then --outage "
+        "seconds more. Above 0, the pipeline reads its schemas from the registry `cdc infra "
+        "up --with-registry` serves (started if need be), through a loopback proxy.",
+    ),
     pause: float = typer.Option(10.0, min=0, help="Mean seconds between two faults."),
-    outage: float = typer.Option(20.0, min=1, help="Seconds an ES outage or slowdown lasts."),
+    outage: float = typer.Option(
+        20.0, min=1, help="Seconds an ES outage or slowdown, or a registry outage, lasts."
+    ),
     window_timeout: float = typer.Option(
         60.0,
         min=1,
@@ -244,7 +253,7 @@ def chaos(
         "goes on in the second mode.",
     ),
 ) -> None:
-    """Run the pipeline under SIGKILLs, broker restarts and Elasticsearch outages; check it.
+    """Run the pipeline under SIGKILLs, broker restarts, Elasticsearch and registry outages.
 
     Exits 0 when nothing diverged (offsets, silver, change topics, indexes, quarantine,
     logs free of secrets) and every service stopped cleanly at the end; 1 otherwise.
@@ -260,6 +269,7 @@ def chaos(
         broker_restarts=broker_restarts,
         es_outages=es_outages,
         es_slowdowns=es_slowdowns,
+        registry_outages=registry_outages,
         pause_s=pause,
         outage_s=outage,
         window_timeout_s=window_timeout,

@@ -1,5 +1,7 @@
 """`cdc chaos` in a short mode: SIGKILLs of every kind, a broker restart, an Elasticsearch
-outage and slowdown under load, then zero divergences in every output and log. One run
+outage and slowdown, a schema-registry outage (HTTP 503 while a service restarts and must
+ask the registry for its schemas) under load, then zero divergences in every output and
+log, and no valid record quarantined. One run
 covers both deployments on the same tables: first the services as four processes (each
 killed alone), then, after every process is killed at once, as one application (a kill
 takes all four down)."""
@@ -27,8 +29,11 @@ RUN_LIMIT_S = 1350
 
 
 @pytest.mark.timeout(1560)
-def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_path: Path) -> None:
-    # The run restarts the servers it finds with `cdc infra`: point it at the session's own.
+def test_short_chaos_run_has_no_divergence(
+    local_servers: infra.Endpoints, registry_url: str, tmp_path: Path
+) -> None:
+    # The run restarts the servers it finds with `cdc infra`: point it at the session's own
+    # (the registry included: the fixture starts it, the run finds it).
     env = infra_env()
     chaos = subprocess.Popen(
         [
@@ -36,7 +41,8 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
             "chaos",
             *("--events", "3500", "--rate", "100", "--keys", "300"),
             *("--kills", str(KILLS), "--broker-restarts", "1", "--es-outages", "1"),
-            *("--es-slowdowns", "1", "--pause", "4", "--outage", "8", "--window-timeout", "20"),
+            *("--es-slowdowns", "1", "--registry-outages", "1"),
+            *("--pause", "4", "--outage", "8", "--window-timeout", "20"),
             *("--workdir", str(tmp_path / "chaos"), "--timeout", "480"),
             *(arg for mode in MODES for arg in ("--mode", mode)),
         ],
@@ -67,6 +73,10 @@ def test_short_chaos_run_has_no_divergence(local_servers: infra.Endpoints, tmp_p
     assert re.search(r"mode switch\s+services -> application\b", summary), summary
     assert re.search(r"broker restarts\s+1\b", summary), summary
     assert re.search(r"Elasticsearch outages\s+1\b", summary), summary
+    assert re.search(r"registry outages\s+1\b", summary), summary
+    refused = re.search(r"requests answered 503\s+(\d+)", summary)
+    assert refused and int(refused.group(1)) >= 1, summary  # a restarting service met it
+    assert "valid records quarantined" not in summary, summary  # the poison, and only it
     assert "no planted secret in any log" in summary
     assert len(re.findall(r": 0 duplicate \(key, sequence, op\)", summary)) == 2, summary
     assert "fault not injected" not in summary
