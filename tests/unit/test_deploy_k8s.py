@@ -8,7 +8,10 @@ the Kubernetes OpenAPI schemas (kubernetes-validate, strict: unknown fields fail
 against the project: one single-replica Deployment per service script (or one for all
 four) that runs the image's entrypoint with the mounted pipeline file, probes /health on
 the port its configuration serves, gets the Secret keys its pipeline file references, has
-resources above its JVM heap, and runs as the image's user.
+resources above its JVM heap, binds its metrics port on the pod's IP, and runs as the
+image's user. The example NetworkPolicy (in no kustomization) isolates every service pod of
+the three shapes but for its metrics port and the Spark driver ports, and lets the pods
+reach what their pipeline file names.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ DEPLOYABLES = [*SCRIPTS, APPLICATION]
 COMMON = K8S / "common"
 ALL_IN_ONE = K8S / "all-in-one"
 SPARK_ON_K8S = K8S / "spark-on-k8s"
+# An example for every shape, in no kustomization: `kubectl apply -f` once edited.
+NETWORK_POLICY = K8S / "network-policy.yaml"
 # The oldest Kubernetes the manifests are meant for (1.30, or the oldest schema this
 # kubernetes-validate still ships), and the newest it knows.
 _KNOWN = sorted(
@@ -192,9 +197,11 @@ def test_every_manifest_is_listed_by_exactly_one_kustomization() -> None:
     manifests = sorted(
         path.relative_to(K8S).as_posix()
         for path in K8S.rglob("*.yaml")
-        if path.name != "kustomization.yaml"
+        if path.name != "kustomization.yaml" and path != NETWORK_POLICY
     )
     assert files == manifests, "each manifest once: unlisted files are never applied"
+    # The example NetworkPolicy is applied on its own, after its placeholders are edited.
+    assert NETWORK_POLICY.resolve() not in listed
 
 
 @pytest.mark.parametrize("folder", [K8S, COMMON, ALL_IN_ONE], ids=["k8s", "common", "all-in-one"])
@@ -477,3 +484,189 @@ def test_secret_values_are_marked_placeholders() -> None:
         assert values, f"Secret {name} is empty"
         for key, value in values.items():
             assert PLACEHOLDER in value, f"{name}.{key} does not look like a placeholder"
+
+
+# ---- the example NetworkPolicy ---------------------------------------------------------
+
+POLICIES = read_docs(NETWORK_POLICY)
+SPARK_DOCS = [
+    doc
+    for path in sorted(SPARK_ON_K8S.glob("*.yaml"))
+    if path.name != "kustomization.yaml"
+    for doc in read_docs(path)
+]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels and matchExpressions) picks labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, values = expression["key"], expression.get("values", [])
+        held = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }
+        if not held[expression["operator"]]:
+            return False
+    return True
+
+
+def service_pods() -> dict[str, dict[str, Any]]:
+    """Every service pod template of the three shapes: "<shape>/<Deployment>" -> template."""
+    shapes = {"k8s": DOCS, "all-in-one": APPLICATION_DOCS, "spark-on-k8s": SPARK_DOCS}
+    return {
+        f"{shape}/{d['metadata']['name']}": d["spec"]["template"]
+        for shape, docs in shapes.items()
+        for d in docs
+        if d["kind"] == "Deployment"
+    }
+
+
+def executor_labels() -> dict[str, str]:
+    (held,) = [d for d in SPARK_DOCS if "executor-pod.yaml" in d.get("data", {})]
+    labels: dict[str, str] = yaml.safe_load(held["data"]["executor-pod.yaml"])["metadata"]["labels"]
+    return labels
+
+
+def rules(labels: dict[str, str], direction: str) -> list[dict[str, Any]]:
+    """The ingress or egress rules of every policy that selects a pod with these labels."""
+    key = {"Ingress": "ingress", "Egress": "egress"}[direction]
+    found = []
+    for policy in POLICIES:
+        spec = policy["spec"]
+        if direction in spec["policyTypes"] and selects(spec["podSelector"], labels):
+            found += spec.get(key, [])
+    return found
+
+
+def peers(rule: dict[str, Any], direction: str) -> list[dict[str, Any]]:
+    peers_: list[dict[str, Any]] = rule[{"Ingress": "from", "Egress": "to"}[direction]]
+    return peers_
+
+
+def numbers(rule: dict[str, Any], ports: dict[str, int]) -> set[tuple[int, str]]:
+    """(port, protocol) a rule opens, named ports resolved against ``ports``."""
+    opened = set()
+    for entry in rule["ports"]:
+        port = entry["port"]
+        if isinstance(port, str):
+            if port not in ports:
+                continue  # a name this pod has no port of: opens nothing on it
+            port = ports[port]
+        opened.add((int(port), entry.get("protocol", "TCP")))
+    return opened
+
+
+def test_network_policy_is_an_example_for_the_cdc_namespace() -> None:
+    assert POLICIES, "deploy/k8s/network-policy.yaml holds no policy"
+    for policy in POLICIES:
+        assert policy["kind"] == "NetworkPolicy"
+        assert policy["apiVersion"] == "networking.k8s.io/v1"
+        assert policy["metadata"]["namespace"] == NAMESPACE
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(policy, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"NetworkPolicy {policy['metadata']['name']} ({version}): {exc}")
+    # What the cluster decides (another namespace, a range) is a marked placeholder.
+    for line in NETWORK_POLICY.read_text(encoding="utf-8").splitlines():
+        decided = "cidr:" in line or "kubernetes.io/metadata.name:" in line
+        if decided and "kube-system" not in line:
+            assert "REPLACE" in line, f"not marked as a placeholder: {line.strip()}"
+
+
+@pytest.mark.parametrize("pod", sorted(service_pods()))
+def test_network_policy_opens_a_service_pod_to_monitoring_on_its_metrics_port_only(
+    pod: str,
+) -> None:
+    template = service_pods()[pod]
+    labels = template["metadata"]["labels"]
+    (main,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+    metrics = int(template["metadata"]["annotations"]["prometheus.io/port"])
+    assert ports["metrics"] == metrics
+    ingress = rules(labels, "Ingress")
+    assert ingress, f"no NetworkPolicy isolates {pod}"
+    opened: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for rule in ingress:
+        assert rule.get("ports"), "an ingress rule without ports opens every port, the UI too"
+        for port in numbers(rule, ports):
+            opened.setdefault(port, []).extend(peers(rule, "Ingress"))
+    driver_ports = {ports[n] for n in ("spark-driver", "spark-blockmgr") if n in ports}
+    assert {p for p, _ in opened} == {metrics, *driver_ports}, "4040 and the rest stay closed"
+    # The metrics port: from the monitoring namespace's scraper, not from every pod there.
+    (scraper,) = opened[(metrics, "TCP")]
+    assert scraper["namespaceSelector"]["matchLabels"]
+    assert scraper["podSelector"]["matchLabels"]
+    # A driver's ports: from executor pods of this namespace only.
+    for port in driver_ports:
+        for peer in opened[(port, "TCP")]:
+            assert set(peer) == {"podSelector"}, "same namespace"
+            assert selects(peer["podSelector"], executor_labels())
+            for other in service_pods().values():
+                assert not selects(peer["podSelector"], other["metadata"]["labels"])
+
+
+def pipeline_ports(text: str) -> set[int]:
+    """The ports of the Kafka brokers, the registry and Elasticsearch a pipeline file names."""
+    pipeline = yaml.safe_load(text)
+    addresses = [
+        *str(pipeline["kafka"]["bootstrap_servers"]).split(","),
+        str(pipeline["schema_registry"]["url"]),
+        *pipeline["elasticsearch"]["hosts"],
+    ]
+    return {int(address.rstrip("/").rsplit(":", 1)[1]) for address in addresses}
+
+
+@pytest.mark.parametrize("pod", sorted(service_pods()))
+def test_network_policy_lets_a_service_pod_reach_what_its_pipeline_names(pod: str) -> None:
+    template = service_pods()[pod]
+    egress = rules(template["metadata"]["labels"], "Egress")
+    assert egress, f"no egress policy for {pod}"
+    opened: set[tuple[int, str]] = set()
+    for rule in egress:
+        assert peers(rule, "Egress"), "an egress rule without 'to' reaches everything"
+        opened |= numbers(rule, {}) if rule.get("ports") else set()
+    assert {(53, "UDP"), (53, "TCP")} <= opened, "DNS"
+    spark = pod.startswith("spark-on-k8s/")
+    pipelines = [
+        d for d in (SPARK_DOCS if spark else DOCS) if d["metadata"]["name"] == "cdc-pipeline"
+    ]
+    (text,) = [d["data"]["pipeline.yaml"] for d in pipelines]
+    for port in pipeline_ports(text):
+        assert (port, "TCP") in opened, f"{pod} cannot reach port {port} of its pipeline file"
+    if spark:
+        master = yaml.safe_load(text)["spark"]["master"]
+        assert (int(master.rsplit(":", 1)[1]), "TCP") in opened, "the API server"
+        assert (443, "TCP") in opened, "the object store"
+        to_executors = [
+            rule
+            for rule in egress
+            if any(selects(p.get("podSelector", {}), executor_labels()) for p in rule["to"])
+        ]
+        assert to_executors, "the driver fetches from its executors' block managers"
+
+
+def test_network_policy_lets_executors_and_their_driver_reach_each_other() -> None:
+    labels = executor_labels()
+    ingress, egress = rules(labels, "Ingress"), rules(labels, "Egress")
+    assert ingress, "executor pods are isolated too"
+    drivers = {k: v for k, v in service_pods().items() if k.startswith("spark-on-k8s/")}
+    for name, template in drivers.items():
+        (main,) = template["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+        driver = template["metadata"]["labels"]
+        assert any(selects(p["podSelector"], driver) for r in ingress for p in r["from"]), (
+            f"{name} cannot reach its executors"
+        )
+        reach = set()
+        for rule in egress:
+            if any(selects(p.get("podSelector", {}), driver) for p in rule["to"]):
+                reach |= numbers(rule, ports)
+        wanted = {(ports["spark-driver"], "TCP"), (ports["spark-blockmgr"], "TCP")}
+        assert wanted <= reach, f"executors cannot reach {name}'s driver ports"
+    opened = {p for r in egress if r.get("ports") for p in numbers(r, {})}
+    assert {(53, "UDP"), (53, "TCP"), (443, "TCP")} <= opened, "DNS and the object store"
