@@ -118,9 +118,12 @@ def test_exactly_once_effect_under_sigkill(
 def test_bronze_schema_change_is_merged_without_a_restart(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
-    """Bronze gains a column while the merger runs: the stream is rebuilt, silver evolves."""
+    """Bronze gains a column while the merger runs: the stream is rebuilt, silver evolves
+    (the new column joins silver; the one the column selection excludes never does)."""
     pipeline = make_pipeline(
-        entities=("customers",), merger={"trigger_interval": "1 second", "metrics_port": 0}
+        entities=("customers",),
+        merger={"trigger_interval": "1 second", "metrics_port": 0},
+        overrides={"customers": {"except_columns": ["phone"]}},
     )
     messages, switch = generate_across_schema_change(
         pipeline, "customers", tmp_path, events=1500, keys=150, poison_share=0, redelivery_share=0
@@ -153,5 +156,6 @@ def test_bronze_schema_change_is_merged_without_a_restart(
         runner.request_stop()
         thread.join(180)
     merge_once(pipeline, spark)  # anything left after the stop
+    assert "phone" not in spark.read.format("delta").load(silver_path).columns
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)
