@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from pyspark import SparkContext
 from pyspark.sql import SparkSession
@@ -24,14 +24,30 @@ from pyspark.sql.streaming.listener import (
 
 from cdc_shared.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, LAG, ROWS
 
-if TYPE_CHECKING:
-    from cdc_shared.streaming.runner import StreamRunner
-
 # One logger for the whole package: the name the logs show stays "cdc_shared.streaming".
 log = logging.getLogger("cdc_shared.streaming")
 
 #: Reads a service's lag from a query's progress event (None: it cannot tell).
 LagReader = Callable[[Any], float | None]
+
+
+class ProgressOwner(Protocol):
+    """What the progress log needs of the runner whose queries it logs (a StreamRunner)."""
+
+    service: str
+    entity_of: dict[str, str]  # query id -> entity
+
+    def saw_progress(self, query_id: str, batch_id: int) -> None:
+        """A batch of the query finished."""
+
+    def saw_idle(self, query_id: str) -> None:
+        """The query triggered and found no new data."""
+
+    def take_stats(self, entity: str, batch_id: int) -> BatchStats:
+        """What the entity's foreachBatch reported for the batch (and forget it)."""
+
+    def lag_of(self, progress: Any) -> float | None:
+        """The service's lag, read from a progress event."""
 
 
 @dataclass
@@ -142,7 +158,7 @@ class _ProgressDispatch(StreamingQueryListener):
 class _ProgressLogger:
     """Logs a runner's batches, with the counts its foreachBatch reported."""
 
-    def __init__(self, runner: StreamRunner) -> None:
+    def __init__(self, runner: ProgressOwner) -> None:
         self.runner = runner
 
     def progress(self, progress: Any) -> None:
