@@ -80,16 +80,18 @@ def secured_pipeline(
     return pipeline
 
 
-def test_ingestor_reads_through_sasl_ssl_exactly_once(
+def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     spark: SparkSession,
     secured_broker: SecuredBroker,
     secured_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Exactly once through SASL_SSL, across a revoked ACL: Read on one source topic taken
     back while the ingestor runs stops that entity with one line naming the missing
-    permission, and the other entity goes on; restored and restarted, nothing is lost."""
+    permission, and the other entity goes on; restored and restarted, nothing is lost.
+    Then publisher-kafka the same way (:func:`publish_across_a_revoked_write`)."""
     caplog.set_level(logging.INFO)
     admin = secured_broker.kafka_config(ADMIN)
     messages = generate(secured_pipeline, events=100, keys=20, poison_share=0)
@@ -163,6 +165,8 @@ def test_ingestor_reads_through_sasl_ssl_exactly_once(
     assert password not in logged
     assert secured_broker.password(ADMIN) not in logged
 
+    publish_across_a_revoked_write(spark, secured_broker, secured_pipeline, monkeypatch, caplog)
+
 
 def stopped_streams(runner: StreamRunner) -> set[str]:
     """The entities whose stream the runner stopped alone (``/health`` says "stopped")."""
@@ -214,23 +218,20 @@ def run_publisher(pipeline: Pipeline, spark: SparkSession) -> int:
     )
 
 
-def test_publisher_revoked_write_stops_that_entity_only(
+def publish_across_a_revoked_write(
     spark: SparkSession,
     secured_broker: SecuredBroker,
     secured_pipeline: Pipeline,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Write on one change topic revoked: that entity's stream stops with one line naming
-    the missing permission, nothing of its transaction is visible, and the other entity's
-    topic equals silver's feed; granted again and restarted, every change is published
-    exactly once."""
-    caplog.set_level(logging.INFO)
-    admin = secured_broker.kafka_config(ADMIN)
-    produce(admin, iter(generate(secured_pipeline, events=200, keys=30, poison_share=0)))
-    assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+    """Bronze of ``secured_pipeline`` merged, then publisher-kafka with Write on one change
+    topic revoked: that entity's stream stops with one line naming the missing permission,
+    nothing of its transaction is visible, and the other entity's topic equals silver's
+    feed; granted again and restarted, every change is published exactly once."""
     merge_once(secured_pipeline, spark)
-
+    caplog.clear()
+    admin = secured_broker.kafka_config(ADMIN)
     # publisher-kafka as its own principal, with its rows of deploy/kafka-acls only.
     run = secured_pipeline.run
     document = yaml.safe_load(secured_pipeline.path.read_text())
