@@ -68,6 +68,14 @@ _AUTHORIZATION_CODES = frozenset(
 #: The first wait of a retry (the config sets the longest, ``max_backoff_s``).
 INITIAL_BACKOFF_S = 0.5
 
+#: How long ``send_offsets_to_transaction`` may take before its producer counts as stuck
+#: and is replaced (see ``_within_deadline``), and the timeout librdkafka itself is given.
+#: On a reachable broker the call takes milliseconds, a coordinator still loading after a
+#: restart a few seconds; after some broker restarts it never returns, and every second
+#: of this deadline is a second that no change of the entity is published.
+SEND_OFFSETS_DEADLINE_S = 30.0
+SEND_OFFSETS_TIMEOUT_S = 20.0
+
 Message = tuple[bytes, bytes | None]  # (key, value); a None value is a tombstone
 
 #: What a record batch holding one record adds to its key and value, at most: the batch
@@ -559,8 +567,8 @@ class TransactionalPublisher:
         group = self._group.consumer_group_metadata()
         self._within_deadline(
             "send_offsets_to_transaction",
-            lambda: producer.send_offsets_to_transaction([marker], group, 60),
-            deadline_s=90,
+            lambda: producer.send_offsets_to_transaction([marker], group, SEND_OFFSETS_TIMEOUT_S),
+            deadline_s=SEND_OFFSETS_DEADLINE_S,
         )
         # A commit that timed out (broker away) may be resumed as is; only an error that
         # requires an abort sends the whole transaction round again.
