@@ -105,7 +105,8 @@ def test_exactly_once_under_sigkill_then_sigterm_finishes_the_batch(
     report.add(produce(kafka_config, iter(generate(pipeline, events=6000, keys=500))))
     _sigterm_finishes_the_batch(pipeline, log)
 
-    ingest_once(pipeline, spark)  # the drain: in this process, whose Spark is warm
+    # The drain: in this process, whose Spark is warm, in batches of the whole backlog.
+    ingest_once(pipeline, spark, max_offsets=100_000)
     assert kills >= 5
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
     assert_quarantine_exactly_once(spark, pipeline, report)

@@ -97,7 +97,7 @@ def test_exactly_once_under_sigkill_and_broker_restart(
         iter(generate(pipeline, events=3000, keys=200, delete_share=0.2, redelivery_share=0.05)),
     )
     ingest_once(pipeline, spark)
-    merge_in_slices(pipeline, spark, "customers", slices=20)  # 20+ silver versions
+    merge_in_slices(pipeline, spark, "customers", slices=10)  # 10+ silver versions
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
 
     watch = ProgressWatch(kafka_config, pipeline, "customers")

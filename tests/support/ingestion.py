@@ -61,8 +61,14 @@ def launch_ingestor(
     )
 
 
-def ingest_once(pipeline: Pipeline, spark: SparkSession) -> None:
-    start(pipeline.config, once=True, spark=spark).run()
+def ingest_once(pipeline: Pipeline, spark: SparkSession, max_offsets: int | None = None) -> None:
+    """The ingestor ``--once`` in this process; ``max_offsets`` per batch instead of the
+    pipeline's (a drain of a large backlog in a few batches rather than many)."""
+    config = pipeline.config
+    if max_offsets is not None:
+        ingestor = config.ingestor.model_copy(update={"max_offsets_per_trigger": max_offsets})
+        config = config.model_copy(update={"ingestor": ingestor})
+    start(config, once=True, spark=spark).run()
 
 
 def bronze(spark: SparkSession, pipeline: Pipeline, entity: str) -> DataFrame:
