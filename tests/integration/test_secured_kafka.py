@@ -225,10 +225,11 @@ def publish_across_a_revoked_write(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Bronze of ``secured_pipeline`` merged, then publisher-kafka with Write on one change
-    topic revoked: that entity's stream stops with one line naming the missing permission,
-    nothing of its transaction is visible, and the other entity's topic equals silver's
-    feed; granted again and restarted, every change is published exactly once."""
+    """Bronze of ``secured_pipeline`` merged, then publisher-kafka with DescribeConfigs
+    (read at start), then Write (in a transaction) on one change topic revoked: each time
+    that entity's stream stops with one line naming the missing permission, nothing of its
+    transaction is visible, and the other entity's topic equals silver's feed; granted
+    again and restarted, every change is published exactly once."""
     merge_once(secured_pipeline, spark)
     caplog.clear()
     admin = secured_broker.kafka_config(ADMIN)
@@ -267,17 +268,35 @@ def publish_across_a_revoked_write(
         PUBLISHER, ResourceType.GROUP, group, (AclOperation.READ, AclOperation.DESCRIBE), prefixed
     )
     revoked = topics["customers"]
-    secured_broker.revoke(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
 
+    def stopped_alone(operation: str) -> None:
+        """Only customers stopped, with one line naming ``operation`` on its topic; its
+        topic holds nothing committed, the orders topic equals silver's feed."""
+        stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the")]
+        assert [getattr(r, "entity", None) for r in stops] == ["customers"], caplog.text[-3000:]
+        reason: str = getattr(stops[0], "reason", "")
+        assert "\n" not in reason
+        assert f"refused {operation} on topic {revoked!r} to User:{PUBLISHER}" in reason
+        assert f"--operation {operation} --topic {revoked}" in reason, reason
+        assert change_records(secured_pipeline, admin, "customers") == []  # nothing half-written
+        assert assert_change_topics_exactly_once(
+            spark, secured_pipeline, admin, entities={"orders"}
+        )
+
+    # Refused while the streams start (the topic's size limit is read before any
+    # transaction): that entity alone stops, the other starts and publishes.
+    describe_configs = (AclOperation.DESCRIBE_CONFIGS,)
+    secured_broker.revoke(PUBLISHER, ResourceType.TOPIC, revoked, describe_configs)
     assert run_publisher(secured_pipeline, spark) == 1
-    stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the other")]
-    assert [getattr(r, "entity", None) for r in stops] == ["customers"], caplog.text[-3000:]
-    reason: str = getattr(stops[0], "reason", "")
-    assert "\n" not in reason
-    assert f"refused Write on topic {revoked!r} to User:{PUBLISHER}" in reason
-    assert f"--operation Write --topic {revoked}" in reason and "loses nothing" in reason
-    assert change_records(secured_pipeline, admin, "customers") == []  # nothing half-written
-    assert assert_change_topics_exactly_once(spark, secured_pipeline, admin, entities={"orders"})
+    stopped_alone("DescribeConfigs")
+    secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, describe_configs)
+
+    # Refused in the middle of a transaction.
+    caplog.clear()
+    secured_broker.revoke(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
+    assert run_publisher(secured_pipeline, spark) == 1
+    stopped_alone("Write")
+    assert "loses nothing" in caplog.text
 
     secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
     assert run_publisher(secured_pipeline, spark) == 0, caplog.text[-3000:]

@@ -29,6 +29,7 @@ from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
+    EntityStoppedError,
     EntityStreamBase,
     Failure,
     OnFailure,
@@ -58,6 +59,7 @@ from cdc_publisher_kafka.transactions import (
     Oversized,
     PermissionRefusedError,
     Progress,
+    TransactionalIdRefusedError,
     TransactionalPublisher,
     ensure_topics,
 )
@@ -94,7 +96,9 @@ class EntityPublication(EntityStreamBase):
 
         Registered on every (re)build: after silver's schema changed, the rebuilt stream
         publishes with the newest schemas. A change topic that lost what was published
-        to it stops the start (StreamFailedError), saying how to publish again.
+        to it stops the start (StreamFailedError), saying how to publish again. ACLs that
+        refuse this entity's topic or group stop this entity alone (EntityStoppedError);
+        a refused transactional id stops the service.
         """
         hint = f"start the merger for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
@@ -113,8 +117,10 @@ class EntityPublication(EntityStreamBase):
                 self.publisher.start()
             except ChangeTopicResetError as exc:
                 raise StreamFailedError(f"{exc}. {self._republish_hint()}") from None
-            except PermissionRefusedError as exc:  # one line, not a trace
+            except TransactionalIdRefusedError as exc:  # no transaction at all: the service
                 raise StreamFailedError(f"stream for entity {self.entity.name!r} {exc}") from None
+            except PermissionRefusedError as exc:  # its own topic or group: this entity alone
+                raise EntityStoppedError(str(exc)) from None
 
     def _republish_hint(self) -> str:
         """How to publish silver again into a change topic that was recreated."""

@@ -13,6 +13,7 @@ Read top to bottom: ``failures`` (how an error is read), ``progress`` (the batch
 
 from cdc_shared.streaming.failures import (
     NO_SPACE,
+    EntityStoppedError,
     Failure,
     OnFailure,
     StreamFailedError,
@@ -38,6 +39,7 @@ __all__ = [
     "SOURCE_WAIT_S",
     "BatchStats",
     "BuildQuery",
+    "EntityStoppedError",
     "EntityStream",
     "EntityStreamBase",
     "Failure",

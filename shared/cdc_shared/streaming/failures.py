@@ -17,6 +17,16 @@ class StreamFailedError(RuntimeError):
     """A stream stopped with an error; the message names the service and entity."""
 
 
+class EntityStoppedError(StreamFailedError):
+    """One entity's stream cannot start, and the service's other entities can.
+
+    Raised by a stream's ``prepare`` (e.g. the broker's ACLs refuse a permission of that
+    entity's own topic or group): ``start_service`` starts the other entities, and the
+    service reports this one stopped, as it does for a stream that stops while running
+    (``Failure.entity_only``). The message says why, without the entity's name.
+    """
+
+
 @dataclass(frozen=True)
 class Failure:
     """A service's reading of a failed query's error (see ``StreamRunner(on_failure=)``).

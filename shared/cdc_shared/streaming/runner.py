@@ -125,6 +125,21 @@ class StreamRunner:
             extra={"service": self.service, "entity": entity, "query_id": str(query.id)},
         )
 
+    def stopped_at_start(self, entity: str, reason: str) -> None:
+        """Record that ``entity``'s stream could not start while the others go on.
+
+        ``/health`` lists it as stopped and ``run()`` ends with ``reason``, as for a stream
+        that stopped while running (see EntityStoppedError).
+        """
+        self._stop_entity(entity, reason)
+
+    def stopped_message(self) -> str:
+        """Why the entities stopped alone did, one clause per entity ("" when none did)."""
+        return "; ".join(
+            f"{self.service} stream for entity {entity!r} {message}"
+            for entity, message in self._stopped.items()
+        )
+
     def report(self, entity: str, batch_id: int, stats: BatchStats) -> None:
         """Called by foreachBatch: counts to log with the batch's progress."""
         with self._lock:
@@ -180,6 +195,11 @@ class StreamRunner:
                 "problem": problem,
                 "message": query.status.get("message"),
             }
+        for entity, reason in list(self._stopped.items()):  # stopped before it started
+            streams.setdefault(
+                entity,
+                {"active": False, "error": None, "problem": f"stopped: {reason}", "message": None},
+            )
         ok = bool(streams) and all(
             s["active"] and not s["error"] and not s["problem"] for s in streams.values()
         )
@@ -241,12 +261,7 @@ class StreamRunner:
                 self._raise_if_failed(entity, query)
             self._wait_for_progress_logs()
             if self._stopped:
-                raise StreamFailedError(
-                    "; ".join(
-                        f"{self.service} stream for entity {entity!r} {message}"
-                        for entity, message in self._stopped.items()
-                    )
-                )
+                raise StreamFailedError(self.stopped_message())
         finally:
             self.close()
 
@@ -290,12 +305,7 @@ class StreamRunner:
             return
         failure = self._on_failure(entity, str(error)) if self._on_failure else None
         if failure is not None and failure.entity_only and not failure.transient:
-            self._stopped[entity] = failure.message
-            self.set_problem(entity, f"stopped: {failure.message}")
-            log.error(
-                "stream stopped; the other entities go on",
-                extra={"service": self.service, "entity": entity, "reason": failure.message},
-            )
+            self._stop_entity(entity, failure.message)
             return
         if failure is not None and failure.transient:
             if not self._stop.is_set():  # stopping: the next start resumes from the checkpoint
@@ -308,6 +318,14 @@ class StreamRunner:
                 other.stop()
         message = failure.message if failure else f"failed: {error}"
         raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
+
+    def _stop_entity(self, entity: str, reason: str) -> None:
+        self._stopped[entity] = reason
+        self.set_problem(entity, f"stopped: {reason}")
+        log.error(
+            "stream stopped; the other entities go on",
+            extra={"service": self.service, "entity": entity, "reason": reason},
+        )
 
     def _restarts_due(self) -> bool:
         with self._lock:

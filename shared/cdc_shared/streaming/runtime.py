@@ -21,7 +21,12 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import command_name
 from cdc_shared.spark import build_spark_session
-from cdc_shared.streaming.failures import OnFailure, recognising_full_storage
+from cdc_shared.streaming.failures import (
+    EntityStoppedError,
+    OnFailure,
+    StreamFailedError,
+    recognising_full_storage,
+)
 from cdc_shared.streaming.progress import BatchStats, LagReader, source_metric
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
 from cdc_shared.writer_lease import acquire_writer_leases
@@ -122,7 +127,9 @@ def start_service(
 
     Each entity's stream is opened, prepared, and written with ``foreachBatch`` to its
     checkpoint (``config.checkpoint_path``); the runner opens it again to rebuild the
-    query. If any entity fails to start, the ones started are stopped.
+    query. An entity whose stream raises EntityStoppedError while it is prepared is
+    reported stopped and the others start; if any other error stops an entity's start (or
+    every entity stopped), the ones started are stopped and the error raised.
 
     First the service takes its writer lease on each entity (``cdc_shared.writer_lease``):
     WriterRunningError when another instance writes them (on object storage once its
@@ -182,8 +189,14 @@ def start_service(
 
     try:
         for entity in entities:
-            writer, identity = open_query(entity)
+            try:
+                writer, identity = open_query(entity)
+            except EntityStoppedError as stopped:  # that entity alone: the others start
+                runner.stopped_at_start(entity.name, str(stopped))
+                continue
             runner.start(entity.name, writer, identity, functools.partial(open_query, entity))
+        if not runner.queries:  # every entity stopped: the service cannot run at all
+            raise StreamFailedError(runner.stopped_message())
     except BaseException:
         runner.stop_now()
         raise
