@@ -49,6 +49,22 @@ def flaky_stream(
     return runner, seen, identity, attempts
 
 
+def test_an_entity_stopped_at_start_fails_the_run_after_the_others_ran(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """EntityStoppedError's path in start_service: the other entity's stream runs to its
+    end, /health lists the stopped one as failing with its reason, run() raises it."""
+    runner, seen, _, _ = flaky_stream(spark, tmp_path, failures=0)
+    runner.stop_entity("others", "refused Describe on topic 'x'")
+    health = runner.health()
+    assert health["status"] == "failing"
+    assert health["streams"]["others"]["problem"] == "stopped: refused Describe on topic 'x'"
+    assert health["streams"]["others"]["active"] is False
+    with pytest.raises(StreamFailedError, match=r"entity 'others' refused Describe on topic"):
+        runner.run()
+    assert sorted(seen) == list(range(100))  # the other entity ran to its end
+
+
 def test_a_transient_failure_restarts_from_the_checkpoint(
     spark: SparkSession, tmp_path: Path
 ) -> None:

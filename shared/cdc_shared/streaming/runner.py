@@ -125,13 +125,19 @@ class StreamRunner:
             extra={"service": self.service, "entity": entity, "query_id": str(query.id)},
         )
 
-    def stopped_at_start(self, entity: str, reason: str) -> None:
-        """Record that ``entity``'s stream could not start while the others go on.
+    def stop_entity(self, entity: str, reason: str) -> None:
+        """Stop ``entity`` alone, for ``reason``, while the others go on.
 
-        ``/health`` lists it as stopped and ``run()`` ends with ``reason``, as for a stream
-        that stopped while running (see EntityStoppedError).
+        For a stream that failed while running (``Failure.entity_only``) or could not
+        start (EntityStoppedError): ``/health`` lists it as stopped and ``run()`` ends with
+        ``reason``.
         """
-        self._stop_entity(entity, reason)
+        self._stopped[entity] = reason
+        self.set_problem(entity, f"stopped: {reason}")
+        log.error(
+            "stream stopped; the other entities go on",
+            extra={"service": self.service, "entity": entity, "reason": reason},
+        )
 
     def stopped_message(self) -> str:
         """Why the entities stopped alone did, one clause per entity ("" when none did)."""
@@ -195,11 +201,10 @@ class StreamRunner:
                 "problem": problem,
                 "message": query.status.get("message"),
             }
-        for entity, reason in list(self._stopped.items()):  # stopped before it started
-            streams.setdefault(
-                entity,
-                {"active": False, "error": None, "problem": f"stopped: {reason}", "message": None},
-            )
+        for entity in [e for e in self._stopped if e not in streams]:  # stopped at start
+            with self._lock:
+                problem = self._problems.get(entity)
+            streams[entity] = {"active": False, "error": None, "problem": problem, "message": None}
         ok = bool(streams) and all(
             s["active"] and not s["error"] and not s["problem"] for s in streams.values()
         )
@@ -305,7 +310,7 @@ class StreamRunner:
             return
         failure = self._on_failure(entity, str(error)) if self._on_failure else None
         if failure is not None and failure.entity_only and not failure.transient:
-            self._stop_entity(entity, failure.message)
+            self.stop_entity(entity, failure.message)
             return
         if failure is not None and failure.transient:
             if not self._stop.is_set():  # stopping: the next start resumes from the checkpoint
@@ -318,14 +323,6 @@ class StreamRunner:
                 other.stop()
         message = failure.message if failure else f"failed: {error}"
         raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
-
-    def _stop_entity(self, entity: str, reason: str) -> None:
-        self._stopped[entity] = reason
-        self.set_problem(entity, f"stopped: {reason}")
-        log.error(
-            "stream stopped; the other entities go on",
-            extra={"service": self.service, "entity": entity, "reason": reason},
-        )
 
     def _restarts_due(self) -> bool:
         with self._lock:

@@ -192,7 +192,7 @@ def start_service(
             try:
                 writer, identity = open_query(entity)
             except EntityStoppedError as stopped:  # that entity alone: the others start
-                runner.stopped_at_start(entity.name, str(stopped))
+                runner.stop_entity(entity.name, str(stopped))
                 continue
             runner.start(entity.name, writer, identity, functools.partial(open_query, entity))
         if not runner.queries:  # every entity stopped: the service cannot run at all
