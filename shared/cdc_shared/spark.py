@@ -57,7 +57,8 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     ``OPTIONS_REDACTION`` the Kafka secrets among the source options in plans. The driver
     starts with the class archive of ``make jvm`` when there is one (see
     :mod:`cdc_shared.class_archive`) and, on a local master, the parallel garbage
-    collector (``LOCAL_DRIVER_GC``).
+    collector (``LOCAL_DRIVER_GC``). Spark's UI is off unless ``conf`` sets
+    ``spark.ui.enabled``: it would listen on every interface.
 
     On a cluster (any master but ``local...``) the driver serves ``spark.jars`` to its
     executors, so workers need no copy of the cache; the executors' size
@@ -86,6 +87,10 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # ("auto") would be a second one.
         "spark.databricks.delta.merge.materializeSource": "none",
         "spark.databricks.delta.schema.autoMerge.enabled": "false",
+        # Spark's UI (driver port 4040) has no bind-address setting: on, it listens on
+        # every interface. Off unless the pipeline's spark.conf turns it on; nothing in
+        # the services reads it (their state is on /health and /metrics).
+        "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         # Spark keeps 100 compiled classes by default; the services' queries (and Delta's
         # own, per commit) need a few hundred, so with fewer the same classes are

@@ -1,4 +1,5 @@
-"""spark_conf's bounds on what the driver keeps per query, and the user's conf winning."""
+"""spark_conf's bounds on what the driver keeps per query, the Spark UI off by default,
+and the user's conf winning."""
 
 from __future__ import annotations
 
@@ -35,3 +36,10 @@ def test_an_interval_of_zero_starts_no_collector() -> None:
     before = _collector_threads()
     collect_python_garbage(0)
     assert _collector_threads() == before
+
+
+def test_the_spark_ui_is_off_unless_the_pipeline_turns_it_on() -> None:
+    """Spark's UI would listen on every interface: off by default, on by spark.conf."""
+    assert spark_conf(SparkConfig(master="local[2]"), "t")["spark.ui.enabled"] == "false"
+    on = SparkConfig(master="local[2]", conf={"spark.ui.enabled": "true"})
+    assert spark_conf(on, "t")["spark.ui.enabled"] == "true"
