@@ -19,6 +19,8 @@ PROGRESS_TOPIC="${PROGRESS_TOPIC:-_cdc_publisher_progress}"   # publisher_kafka.
 INGESTOR="${INGESTOR_PRINCIPAL:-User:cdc-ingestor}"
 PUBLISHER="${PUBLISHER_PRINCIPAL:-User:cdc-publisher-kafka}"
 OPERATOR="${OPERATOR_PRINCIPAL:-User:cdc-operator}"            # the `cdc` CLI (status, verify)
+# `cdc run` (the four services in one application) connects as one principal: give it
+# both services' rows with INGESTOR_PRINCIPAL=PUBLISHER_PRINCIPAL=User:cdc-application.
 # publisher-kafka's transactional ids and progress groups: cdc-publisher-kafka.<change topic>
 PUBLISHER_IDS="cdc-publisher-kafka."
 KAFKA_ACLS="${KAFKA_ACLS:-kafka-acls.sh}"
@@ -61,6 +63,9 @@ acl --allow-principal "$OPERATOR" --operation Describe --operation Read \
     --topic "$CHANGE_TOPIC_PREFIX" --resource-pattern-type prefixed
 acl --allow-principal "$OPERATOR" --operation Describe \
     --group "$PUBLISHER_IDS" --resource-pattern-type prefixed
+# publisher-kafka's progress is its groups' offsets on this topic: reading a group's
+# offset needs Describe on the topic too.
+acl --allow-principal "$OPERATOR" --operation Describe --topic "$PROGRESS_TOPIC"
 for group in cdc-cli- cdc-verify-; do  # its own consumers' groups (cdc-cli-status, ...)
   acl --allow-principal "$OPERATOR" --operation Describe --operation Read \
       --group "$group" --resource-pattern-type prefixed

@@ -55,6 +55,7 @@ S3_REGION = "us-east-1"
 #: ``spark-worker`` stands for all of the cluster's workers (``spark-worker-<n>.pid``).
 SERVERS = (
     "kafka",
+    "kafka-secured",  # `cdc infra up --secure` (cdc_devkit.secured_kafka.start_local)
     "elasticsearch",
     "registry",
     "s3",
@@ -64,6 +65,7 @@ SERVERS = (
     "spark-worker",
 )
 SPARK_WORKERS = "spark-worker"
+SECURED_KAFKA = "kafka-secured"
 #: The signal that asks a server to stop, when it is not SIGTERM. PostgreSQL's SIGTERM
 #: is a "smart" shutdown that waits for every client (Debezium's replication connection
 #: among them); SIGINT is its "fast" shutdown.
@@ -88,6 +90,9 @@ class InfraSettings(BaseSettings):
     kafka_port: int = Field(default=9092, gt=0, lt=65536)
     kafka_controller_port: int = Field(default=9093, gt=0, lt=65536)
     kafka_heap: str = "512m"
+    #: The SASL_SSL listener of `cdc infra up --secure`'s broker, and its controller.
+    kafka_secured_port: int = Field(default=9094, gt=0, lt=65536)
+    kafka_secured_controller_port: int = Field(default=9095, gt=0, lt=65536)
     es_port: int = Field(default=9200, gt=0, lt=65536)
     es_transport_port: int = Field(default=9300, gt=0, lt=65536)
     es_heap: str = "512m"

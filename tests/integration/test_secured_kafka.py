@@ -6,7 +6,8 @@ the service at start with one line naming the broker and the mechanism; the pass
 shows in no log and no Spark plan. publisher-kafka's transactions run with only its rows
 of the ACL table (deploy/kafka-acls/README.md); a revoked Write on one change topic stops
 that entity's stream alone, naming the permission, and a restart once it is granted again
-publishes every change exactly once.
+publishes every change exactly once. Then ``cdc run``, ``cdc status`` and ``cdc verify``
+on the same pipeline, each as its own principal with its rows of the table.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import uuid
 
 import pytest
 import yaml
-from cdc_devkit.workload import ensure_topics, produce
+from cdc_devkit.workload import ProduceReport, ensure_topics, produce
 from cdc_ingestor.kafka_watch import KafkaWatch
 from cdc_ingestor.main import SERVICE, start
 from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
@@ -34,14 +35,18 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession
 from support.ingestion import assert_bronze_exactly_once, bronze, generate, topic_offsets
+from support.ops import cdc, cdc_json
 from support.pipelines import Pipeline, PipelineFactory
 from support.publishing import assert_change_topics_exactly_once, change_records
 from support.secured_kafka import (
     ADMIN,
+    APPLICATION,
     INGESTOR,
+    OPERATOR,
     PASSWORD_ENV,
     PUBLISHER,
     SecuredBroker,
+    acl_table,
     secured_broker,
 )
 from support.silver import merge_once
@@ -71,7 +76,7 @@ def secured_pipeline(
     monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(INGESTOR))
     pipeline = make_pipeline(ingestor={"trigger_interval": "1 second", "metrics_port": 0})
     document = yaml.safe_load(pipeline.path.read_text())
-    document["kafka"] = secured_broker.kafka_section(INGESTOR)
+    document["kafka"] = secured_broker.kafka_section(INGESTOR, PASSWORD_ENV)
     pipeline.path.write_text(yaml.safe_dump(document))
     topics = [entity.source_topic for entity in pipeline.config.entities]
     ensure_topics(secured_broker.kafka_config(ADMIN), topics)
@@ -162,10 +167,12 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     assert password not in plans
     logged = caplog.text + "".join(capfd.readouterr())  # the JVM's output too
     assert "batch" in caplog.text
-    assert password not in logged
-    assert secured_broker.password(ADMIN) not in logged
+    assert password not in logged and secured_broker.password(ADMIN) not in logged
 
     publish_across_a_revoked_write(spark, secured_broker, secured_pipeline, monkeypatch, caplog)
+    run_then_operate_through_the_cli(
+        spark, secured_broker, secured_pipeline, report, monkeypatch, caplog, capfd
+    )
 
 
 def stopped_streams(runner: StreamRunner) -> set[str]:
@@ -236,7 +243,7 @@ def publish_across_a_revoked_write(
     # publisher-kafka as its own principal, with its rows of deploy/kafka-acls only.
     run = secured_pipeline.run
     document = yaml.safe_load(secured_pipeline.path.read_text())
-    document["kafka"] = secured_broker.kafka_section(PUBLISHER)
+    document["kafka"] = secured_broker.kafka_section(PUBLISHER, PASSWORD_ENV)
     document["publisher_kafka"] = {
         "progress_topic": f"pytest-{run}-progress",
         "metrics_port": 0,
@@ -303,6 +310,73 @@ def publish_across_a_revoked_write(
     published = assert_change_topics_exactly_once(spark, secured_pipeline, admin)
     assert all(n > 0 for n in published.values())
     assert secured_broker.password(PUBLISHER) not in caplog.text
+
+
+def run_then_operate_through_the_cli(
+    spark: SparkSession,
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    report: ProduceReport,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """``cdc run --once``, then ``cdc status`` and ``cdc verify``, each as its principal
+    with only its rows of the ACL table (``acl_table``, deploy/kafka-acls): the run, as
+    cdc-application with the ingestor's and publisher-kafka's rows, carries new records
+    to the change topics exactly once; status, as cdc-operator, reads the source topics'
+    watermarks and publisher-kafka's progress; verify, as cdc-operator, finds each change
+    topic equal to silver. No password in any output or log."""
+    caplog.clear()
+    capfd.readouterr()
+    admin = secured_broker.kafka_config(ADMIN)
+    config = secured_pipeline.config
+    run = secured_pipeline.run
+    secured_broker.grant(
+        acl_table(
+            source_prefix=f"pytest_{run}.inventory.",
+            change_prefix=f"pytest-{run}.2026.",
+            progress_topic=config.publisher_kafka.progress_topic,
+            ingestor=APPLICATION,
+            publisher=APPLICATION,
+            operator=OPERATOR,
+        )
+    )
+    report.add(produce(admin, iter(generate(secured_pipeline, events=30, keys=20, seed=7))))
+
+    def as_user(user: str) -> None:
+        document = yaml.safe_load(secured_pipeline.path.read_text())
+        document["kafka"] = secured_broker.kafka_section(user, PASSWORD_ENV)
+        document["application"] = {"metrics_port": 0}
+        secured_pipeline.path.write_text(yaml.safe_dump(document))
+        monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(user))
+
+    as_user(APPLICATION)
+    path = str(secured_pipeline.path)
+    services = ("--service", "ingestor", "--service", "merger", "--service", "publisher-kafka")
+    ran = cdc("run", "--config", path, "--once", *services)
+    assert ran.exit_code == 0, ran.output + caplog.text[-3000:]
+    assert_bronze_exactly_once(spark, secured_pipeline, admin, report)
+    published = assert_change_topics_exactly_once(spark, secured_pipeline, admin)
+    assert all(n > 0 for n in published.values())
+
+    as_user(OPERATOR)
+    status = cdc_json("status", "--config", path)
+    for entity in status["entities"]:
+        lags = {s["service"]: s for s in entity["streams"]}
+        assert lags["ingestor"]["lag"] == 0, lags  # from the source topic's watermarks
+        # From its progress group's offset, not only the checkpoint (needs the operator's
+        # Describe on the progress topic and on publisher-kafka's groups).
+        assert lags["publisher_kafka"]["note"].startswith("published up to silver"), lags
+        assert lags["publisher_kafka"]["lag"] == 0, lags
+    verified = cdc("verify", "--config", path, "--target", "change_topic", "--json")
+    assert verified.exit_code == 0, verified.output
+    checked = json.loads(verified.stdout)
+    assert len(checked["entities"]) == 2, checked
+    printed = ran.output + json.dumps(status) + verified.output
+    logged = printed + caplog.text + "".join(capfd.readouterr())
+    for user in (APPLICATION, OPERATOR, ADMIN):
+        assert secured_broker.password(user) not in logged, user
 
 
 def test_wrong_password_stops_at_start_with_one_line(
