@@ -796,6 +796,8 @@ class PipelineConfig(BaseSettings):
     elasticsearch: ElasticsearchConfig = Field(default_factory=ElasticsearchConfig)
     entities: list[EntityConfig] = Field(default_factory=list)
     entity_sets: list[EntitySetConfig] = Field(default_factory=list)
+    # How often a running service asks the broker for topics its entity sets now select.
+    entity_discovery_interval_s: float = Field(default=10.0, gt=0)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
@@ -855,6 +857,15 @@ class PipelineConfig(BaseSettings):
                 return entity
         known = ", ".join(e.name for e in self.entities) or "none"
         raise ConfigError(f"unknown entity {name!r}; the configuration defines: {known}")
+
+    def learn_entity(self, entity: EntityConfig) -> None:
+        """Add a table an entity set selected while the services run (unless known).
+
+        Called by ``cdc_shared.streaming.discovery`` as it starts the table's stream, so
+        every lookup by name in this process (``entity``) finds it from then on.
+        """
+        if all(known.name != entity.name for known in self.entities):
+            self.entities.append(entity)
 
     def select_entities(self, names: list[str] | None) -> list[EntityConfig]:
         """The entities a service should run: ``names`` if given, else all of them."""

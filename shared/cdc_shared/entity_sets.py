@@ -184,18 +184,33 @@ def broker_topics(config: PipelineConfig) -> list[str]:
     return [name for name in metadata.topics if not name.startswith("__")]
 
 
-def with_discovered_entities(
-    config: PipelineConfig,
-    topics: Callable[[PipelineConfig], list[str]] = broker_topics,
-) -> PipelineConfig:
-    """``config`` with the entities its sets select added (itself when it has no sets)."""
-    if not config.entity_sets:
-        return config
+#: The broker's topic names, for a configuration (``broker_topics``, or a test's list).
+TopicLister = Callable[[PipelineConfig], list[str]]
+
+
+def newly_selected(
+    config: PipelineConfig, topics: TopicLister = broker_topics
+) -> list[EntityConfig]:
+    """The entities ``config``'s sets select now, beyond those ``config`` already has.
+
+    Asks the broker for its topics and, for a topic whose key is not configured, the
+    registry for its key schema. Used at start (every entity is new) and by a running
+    service looking for tables that appeared since (``cdc_shared.streaming.discovery``).
+    """
     uses_avro_keys = any(entity_set.key_format == "avro" for entity_set in config.entity_sets)
     key_lookup: KeyLookup = (
         _registry_key_lookup(config) if uses_avro_keys else (lambda _topic: None)
     )
-    discovered = resolve_entity_sets(config, topics(config), key_lookup)
+    return resolve_entity_sets(config, topics(config), key_lookup)
+
+
+def with_discovered_entities(
+    config: PipelineConfig, topics: TopicLister = broker_topics
+) -> PipelineConfig:
+    """``config`` with the entities its sets select added (itself when it has no sets)."""
+    if not config.entity_sets:
+        return config
+    discovered = newly_selected(config, topics)
     names = {entity.name for entity in discovered}
     for entity_set in config.entity_sets:
         unmatched = sorted(set(entity_set.overrides) - names)

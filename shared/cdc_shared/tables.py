@@ -160,19 +160,24 @@ def app_id(service: str, entity: str, query_id: str) -> str:
     return f"cdc-{service}-{entity}-{query_id}"
 
 
+class SourceTableMissingError(ConfigError):
+    """A service's source table does not exist (yet): its upstream service makes it."""
+
+
 def wait_for_table(
     spark: SparkSession, path: str, wait_s: float, hint: str, log: logging.Logger
 ) -> None:
-    """Wait until ``path`` is a Delta table (its writer creates it); ConfigError on timeout.
+    """Wait until ``path`` is a Delta table (its writer creates it).
 
-    ``hint`` tells the operator what creates the table (e.g. "start the merger").
+    SourceTableMissingError on timeout; ``hint`` tells the operator what creates the
+    table (e.g. "start the merger").
     """
     deadline = time.monotonic() + wait_s
     next_log = 0.0
     while not has_commits(spark, path):
         now = time.monotonic()
         if now >= deadline:
-            raise ConfigError(f"{path} is not a Delta table yet: {hint}")
+            raise SourceTableMissingError(f"{path} is not a Delta table yet: {hint}")
         if now >= next_log:
             log.info("waiting for table", extra={"path": path})
             next_log = now + 30

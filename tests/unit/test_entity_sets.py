@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cdc_shared.config import ConfigError, PipelineConfig, entity_name_from
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, entity_name_from
 from cdc_shared.entity_sets import resolve_entity_sets, with_discovered_entities
+from cdc_shared.streaming.discovery import EntityDiscovery
+from cdc_shared.tables import SourceTableMissingError
 
 BROKER_TOPICS = [
     "dbserver1.inventory.customers",
@@ -152,3 +154,44 @@ def test_discovery_adds_the_selected_entities_and_leaves_configs_without_sets_al
 def test_entity_names_are_made_from_any_text() -> None:
     assert entity_name_from("Order-Lines") == "order_lines"
     assert entity_name_from("2024_sales") == "t2024_sales"
+
+
+def test_a_running_service_takes_up_new_tables_once_their_source_is_there(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cfg = with_discovered_entities(
+        config({"topics_regex": r"dbserver1\.inventory\.(?P<table>.+)", "key": ["id"]}),
+        topics=lambda _config: ["dbserver1.inventory.customers"],
+    )
+    broker = ["dbserver1.inventory.customers"]
+    ready = {"orders": False}
+    started: list[str] = []
+
+    def start(entity: EntityConfig) -> bool:
+        if not ready.get(entity.name, True):
+            raise SourceTableMissingError("bronze/orders is not a Delta table yet")
+        if entity.name == "audit_log":
+            raise ConfigError("sequence path source.lsn is not in the rows")
+        started.append(entity.name)
+        return True
+
+    discovery = EntityDiscovery(cfg, "merger", start, topics=lambda _config: broker)
+    assert discovery.look() == []  # nothing new
+    broker += ["dbserver1.inventory.orders", "dbserver1.inventory.audit_log"]
+    assert discovery.look() == []  # orders' bronze is not there yet; audit_log refused
+    ready["orders"] = True
+    assert discovery.look() == ["orders"]
+    assert discovery.look() == []  # taken up once
+    assert started == ["orders"]
+    assert cfg.entity("orders").source_topic == "dbserver1.inventory.orders"  # known by name
+    refusals = [r.message for r in caplog.records if "audit_log" in r.message]
+    assert len(refusals) == 1, refusals  # a persisting problem is logged once
+
+
+def test_a_service_that_stops_takes_up_nothing_more() -> None:
+    cfg = config({"topics_regex": r"dbserver1\.inventory\.(?P<table>.+)", "key": ["id"]})
+    discovery = EntityDiscovery(
+        cfg, "ingestor", lambda _entity: False, topics=lambda _c: BROKER_TOPICS
+    )
+    assert discovery.look() == []
+    assert discovery.started == []

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.config import EntityConfig, PipelineConfig, PublisherKafkaConfig
 from cdc_shared.layout import PUBLISHER_KAFKA
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
@@ -107,24 +107,25 @@ class EntityPublication(EntityStreamBase):
         schemas = entity_schemas(self.entity, self.registry)
         self.contract = register_contract(self.entity, schemas, self.registry)
         if self.publisher is None:
-            self.publisher = TransactionalPublisher(
+            publisher = TransactionalPublisher(
                 self.config.kafka,
                 self.settings,
                 self.contract.topic,
                 on_problem=self.set_problem,
             )
             try:
-                self.publisher.start()
+                publisher.start()
             except ChangeTopicResetError as exc:
-                raise StreamFailedError(f"{exc}. {self._republish_hint()}") from None
+                raise StreamFailedError(f"{exc}. {self._republish_hint(publisher)}") from None
             except TransactionalIdRefusedError as exc:  # no transaction at all: the service
                 raise StreamFailedError(f"stream for entity {self.entity.name!r} {exc}") from None
             except PermissionRefusedError as exc:  # its own topic or group: this entity alone
                 raise EntityStoppedError(str(exc)) from None
+            self.publisher = publisher  # only once started: a failed start is made again
 
-    def _republish_hint(self) -> str:
+    def _republish_hint(self, publisher: TransactionalPublisher) -> str:
         """How to publish silver again into a change topic that was recreated."""
-        group = self.publisher.transactional_id if self.publisher else "?"
+        group = publisher.transactional_id
         checkpoint = self.config.checkpoint_path(SERVICE, self.entity.name)
         return (
             f"To publish silver's changes into it again: stop publisher-kafka, delete the "
@@ -291,33 +292,33 @@ def start(
     settings = config.publisher_kafka
     registry = make_registry(config)
     entities = config.select_entities(entity_names)
+    progress_topic = NewTopic(
+        settings.progress_topic,
+        1,
+        settings.topic_replication_factor,
+        config={"cleanup.policy": "compact"},
+    )
     ensure_topics(
-        make_admin(config.kafka),
-        [
-            NewTopic(
-                settings.progress_topic,
-                1,
-                settings.topic_replication_factor,
-                config={"cleanup.policy": "compact"},
-            ),
-            *[
-                NewTopic(
-                    e.change_topic_name,
-                    settings.topic_partitions,
-                    settings.topic_replication_factor,
-                )
-                for e in entities
-            ],
-        ],
+        make_admin(config.kafka), [progress_topic, *[change_topic(e, settings) for e in entities]]
     )
     publications: dict[str, EntityPublication] = {}
+    at_start = {entity.name for entity in entities}
 
     def kept_publication(
         spark: SparkSession, pipeline: PipelineConfig, entity: EntityConfig, runner: StreamRunner
     ) -> EntityPublication:
-        """The entity's publication: made once, reused when its query is rebuilt."""
+        """The entity's publication: made once, reused when its query is rebuilt.
+
+        A table taken up while the service runs gets its change topic here, and its
+        producer is closed with the runner.
+        """
         if entity.name not in publications:
-            publications[entity.name] = EntityPublication(spark, pipeline, entity, runner, registry)
+            if entity.name not in at_start:
+                ensure_topics(make_admin(pipeline.kafka), [change_topic(entity, settings)])
+            publication = EntityPublication(spark, pipeline, entity, runner, registry)
+            publications[entity.name] = publication
+            if entity.name not in at_start:
+                runner.on_close(publication.close)
         return publications[entity.name]
 
     publisher_kafka = StreamService(
@@ -328,9 +329,16 @@ def start(
         on_failure=refused_permissions(rebuilding_on_schema_change("silver")),
     )
     runner = start_service(publisher_kafka, config, entity_names, once, spark)
-    for publication in publications.values():
-        runner.on_close(publication.close)
+    for name in at_start & publications.keys():
+        runner.on_close(publications[name].close)
     return runner
+
+
+def change_topic(entity: EntityConfig, settings: PublisherKafkaConfig) -> NewTopic:
+    """The entity's change topic as publisher-kafka creates it (when it does not exist)."""
+    return NewTopic(
+        entity.change_topic_name, settings.topic_partitions, settings.topic_replication_factor
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,8 @@ class StreamRunner:
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
         self._on_close: list[Callable[[], object]] = []
         self._failed: str | None = None  # why the service as a whole must stop (``fail``)
+        self._accepting = True  # new queries may start (``start_while_running``)
+        self._accepting_lock = threading.Lock()
         self._listener: _ProgressLogger | None = _ProgressLogger(self)
         _ProgressDispatch.attach(spark, self._listener)
         self._server = (
@@ -124,6 +126,24 @@ class StreamRunner:
             "stream started",
             extra={"service": self.service, "entity": entity, "query_id": str(query.id)},
         )
+
+    def start_while_running(
+        self,
+        entity: str,
+        writer: DataStreamWriter,
+        identity: QueryIdentity,
+        rebuild: BuildQuery | None = None,
+    ) -> bool:
+        """``start`` from another thread while ``run()`` runs; False once it is stopping."""
+        with self._accepting_lock:
+            if not self._accepting or self._stop.is_set():
+                return False
+            self.start(entity, writer, identity, rebuild)
+            return True
+
+    def _refuse_new_queries(self) -> None:
+        with self._accepting_lock:
+            self._accepting = False
 
     def stop_entity(self, entity: str, reason: str) -> None:
         """Stop ``entity`` alone, for ``reason``, while the others go on.
@@ -190,7 +210,7 @@ class StreamRunner:
     def health(self) -> dict[str, Any]:
         """Status of every query, for ``/health``."""
         streams = {}
-        for entity, query in self.queries.items():
+        for entity, query in list(self.queries.items()):
             error = query.exception()
             with self._lock:
                 restart = self._restarts.get(entity)
@@ -229,7 +249,8 @@ class StreamRunner:
 
     def stop_now(self) -> None:
         """Stop every query at once and release the server (start-up failed)."""
-        for query in self.queries.values():
+        self._refuse_new_queries()
+        for query in list(self.queries.values()):
             if query.isActive:
                 query.stop()
         self.close()
@@ -242,6 +263,7 @@ class StreamRunner:
         """
         self._failed = f"{self.service} stopped: {reason}"
         self._stop.set()
+        self._refuse_new_queries()
         for query in list(self.queries.values()):
             if query.isActive:
                 query.stop()
@@ -255,9 +277,11 @@ class StreamRunner:
             while not self._stop.is_set():
                 for entity, query in list(self.queries.items()):
                     self._raise_if_failed(entity, query)
-                if not self._restarts_due() and all(not q.isActive for q in self.queries.values()):
+                queries = list(self.queries.values())
+                if not self._restarts_due() and all(not q.isActive for q in queries):
                     break
                 self._stop.wait(0.5)
+            self._refuse_new_queries()  # from here on the set of queries is fixed
             if self._failed is not None:
                 self.stop_now()  # also any query started after ``fail``
                 raise StreamFailedError(self._failed)

@@ -21,6 +21,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import command_name
 from cdc_shared.spark import build_spark_session
+from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.failures import (
     EntityStoppedError,
     OnFailure,
@@ -129,7 +130,9 @@ def start_service(
     checkpoint (``config.checkpoint_path``); the runner opens it again to rebuild the
     query. An entity whose stream raises EntityStoppedError while it is prepared is
     reported stopped and the others start; if any other error stops an entity's start (or
-    every entity stopped), the ones started are stopped and the error raised.
+    every entity stopped), the ones started are stopped and the error raised. A
+    continuous service over all its entities with ``entity_sets`` also starts the streams
+    of tables its sets select later (``cdc_shared.streaming.discovery``).
 
     First the service takes its writer lease on each entity (``cdc_shared.writer_lease``):
     WriterRunningError when another instance writes them (on object storage once its
@@ -175,29 +178,79 @@ def start_service(
         if lost_before:
             runner.fail(lost_before[0])
 
-    def open_query(entity: EntityConfig) -> tuple[DataStreamWriter, QueryIdentity]:
-        stream = service.open_entity(session, config, entity, runner)
-        stream.prepare(0 if once else SOURCE_WAIT_S)
-        writer = foreach_batch_writer(
-            stream.source(),
-            stream.process_batch,
-            config.checkpoint_path(service.name, entity.name),
-            once,
-            service.settings.trigger_interval,
-        )
-        return writer, stream.identity
-
+    streams = _ServiceStreams(service, config, session, runner, once, lost)
     try:
-        for entity in entities:
-            try:
-                writer, identity = open_query(entity)
-            except EntityStoppedError as stopped:  # that entity alone: the others start
-                runner.stop_entity(entity.name, str(stopped))
-                continue
-            runner.start(entity.name, writer, identity, functools.partial(open_query, entity))
-        if not runner.queries:  # every entity stopped: the service cannot run at all
-            raise StreamFailedError(runner.stopped_message())
+        streams.start_all(entities)
     except BaseException:
         runner.stop_now()
         raise
+    if config.entity_sets and entity_names is None and not once:
+        runner.on_close(
+            EntityDiscovery(config, service.name, streams.start_discovered).start().stop
+        )
     return runner
+
+
+@dataclass(frozen=True)
+class _ServiceStreams:
+    """How a started service opens its entities' streams: at start, and when found later."""
+
+    service: StreamService
+    config: PipelineConfig
+    session: SparkSession
+    runner: StreamRunner
+    once: bool
+    lost: Callable[[str], object]  # a writer lease was taken over
+
+    def open_query(
+        self, entity: EntityConfig, wait_s: float | None = None
+    ) -> tuple[DataStreamWriter, QueryIdentity]:
+        """Open and prepare ``entity``'s stream (its source awaited ``wait_s``); its writer."""
+        stream = self.service.open_entity(self.session, self.config, entity, self.runner)
+        stream.prepare((0 if self.once else SOURCE_WAIT_S) if wait_s is None else wait_s)
+        writer = foreach_batch_writer(
+            stream.source(),
+            stream.process_batch,
+            self.config.checkpoint_path(self.service.name, entity.name),
+            self.once,
+            self.service.settings.trigger_interval,
+        )
+        return writer, stream.identity
+
+    def start_all(self, entities: list[EntityConfig]) -> None:
+        """Start each entity's query; one stopped alone (EntityStoppedError) lets the rest start."""
+        for entity in entities:
+            try:
+                writer, identity = self.open_query(entity)
+            except EntityStoppedError as stopped:  # that entity alone: the others start
+                self.runner.stop_entity(entity.name, str(stopped))
+                continue
+            rebuild = functools.partial(self.open_query, entity)
+            self.runner.start(entity.name, writer, identity, rebuild)
+        if not self.runner.queries:  # every entity stopped: the service cannot run at all
+            raise StreamFailedError(self.runner.stopped_message())
+
+    def start_discovered(self, entity: EntityConfig) -> bool:
+        """A table an entity set selected since start: its writer lease, then its stream.
+
+        SourceTableMissingError (from ``prepare``) while its upstream table is not there.
+        """
+        lease = acquire_writer_leases(
+            self.config.storage_root, self.service.name, [entity.name], self.lost, self.session
+        )
+        try:
+            writer, identity = self.open_query(entity, wait_s=0)
+            rebuild = functools.partial(self.open_query, entity)
+            started = self.runner.start_while_running(entity.name, writer, identity, rebuild)
+        except EntityStoppedError as stopped:
+            self.runner.stop_entity(entity.name, str(stopped))
+            started = True
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if lease is not None and started:
+            self.runner.on_close(lease.release)
+        elif lease is not None:
+            lease.release()
+        return started
