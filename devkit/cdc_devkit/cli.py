@@ -14,7 +14,7 @@ from typing import TypeVar
 import typer
 from cdc_shared.config import ConfigError, load_config
 
-from cdc_devkit import infra
+from cdc_devkit import infra, secured_kafka
 from cdc_devkit.processes import RunMode
 
 T = TypeVar("T")
@@ -59,6 +59,13 @@ def infra_up(
         help="Also start a Spark standalone cluster (a master and CDC_INFRA_SPARK_WORKERS "
         "workers, default 1), for spark.master: spark://127.0.0.1:<port>.",
     ),
+    secure: bool = typer.Option(
+        False,
+        "--secure",
+        help="Also start a secured Kafka broker (SASL_SSL, SCRAM-SHA-512, ACLs enforced, "
+        "certificates made at its first start) with the topics and ACLs of "
+        "deploy/local/pipeline-secured.yaml; print what that file needs.",
+    ),
 ) -> None:
     """Start Kafka (KRaft) and Elasticsearch if they are not running; print their addresses."""
     try:
@@ -70,6 +77,7 @@ def infra_up(
             with_s3=with_s3,
             with_spark_cluster=with_spark_cluster,
         )
+        secured = secured_kafka.start_local(settings) if secure else None
     except infra.InfraError as exc:
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
@@ -96,6 +104,38 @@ def infra_up(
             f"http://127.0.0.1:{settings.spark_master_webui_port}, "
             f"{settings.spark_workers} worker(s))"
         )
+    if secured is not None:
+        _print_secured(settings, secured)
+
+
+def _print_secured(settings: infra.InfraSettings, broker: secured_kafka.SecuredBroker) -> None:
+    """Print what a pipeline file needs for the secured broker.
+
+    The passwords' files are named; a password itself is never printed.
+    """
+    user = secured_kafka.APPLICATION
+    env = secured_kafka.LOCAL_PASSWORD_ENV
+    typer.echo(
+        f"secured kafka:           {broker.bootstrap_servers} (SASL_SSL, "
+        f"{secured_kafka.MECHANISM}, ACLs enforced, no topic auto-creation)"
+    )
+    typer.echo(f"  CA certificate (PEM):  {broker.ca_file.resolve()}")
+    typer.echo(
+        f"  users:                 {user} (cdc run), {secured_kafka.INGESTOR}, "
+        f"{secured_kafka.PUBLISHER}, {secured_kafka.OPERATOR} (cdc status, verify), "
+        f"{secured_kafka.ADMIN} (super user)"
+    )
+    passwords = secured_kafka.password_file(settings, user).parent.resolve()
+    typer.echo(f"  passwords:             {passwords}/<user> (mode 0600)")
+    typer.echo("  a pipeline file's kafka: block (deploy/local/pipeline-secured.yaml has it):")
+    typer.echo(f'    bootstrap_servers: "{broker.bootstrap_servers}"')
+    typer.echo("    security_protocol: SASL_SSL")
+    typer.echo(
+        f"    sasl: {{mechanism: {secured_kafka.MECHANISM}, username: {user}, "
+        f'password: "${{env:{env}}}"}}'
+    )
+    typer.echo(f"    tls: {{ca_file: {broker.ca_file.resolve()}}}")
+    typer.echo(f'  then: export {env}="$(cat {passwords}/{user})"')
 
 
 @infra_app.command("down")
