@@ -37,6 +37,14 @@ KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
 _REFERENCE = re.compile(r"^\$\{(env|file):([^}]+)\}$")
 _IDENTIFIER = re.compile(r"^[a-z][a-z0-9_]*$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+#: Seconds per unit of a processing-time interval (``interval_seconds``).
+_UNIT_S = {
+    **dict.fromkeys(("ms", "millisecond", "milliseconds"), 0.001),
+    **dict.fromkeys(("s", "second", "seconds"), 1.0),
+    **dict.fromkeys(("min", "minute", "minutes"), 60.0),
+    **dict.fromkeys(("h", "hour", "hours"), 3600.0),
+}
+_INTERVAL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*$", re.IGNORECASE)
 _SECRET_WORDS = (
     "password",
     "secret",
@@ -57,6 +65,24 @@ DecimalHandling = Literal["precise", "string", "double"]
 
 class ConfigError(ValueError):
     """The pipeline configuration is missing, unreadable or invalid."""
+
+
+def interval_seconds(text: str) -> float | None:
+    """A processing-time interval such as ``5 seconds`` or ``500 ms``, in seconds.
+
+    None when ``text`` is not a number and a unit (milliseconds, seconds, minutes,
+    hours): Spark may still take it, but it cannot be compared.
+    """
+    match = _INTERVAL.match(text)
+    unit = _UNIT_S.get(match.group(2).lower()) if match else None
+    return None if match is None or unit is None else float(match.group(1)) * unit
+
+
+def comparable_interval(text: str | None) -> str | None:
+    """``text`` if it is None or an interval ``interval_seconds`` reads; ValueError if not."""
+    if text is not None and interval_seconds(text) is None:
+        raise ValueError(f"must be a number and a unit (ms, seconds, minutes, hours), got {text!r}")
+    return text
 
 
 def is_secret_option(name: str) -> bool:
@@ -387,6 +413,19 @@ class StreamingServiceConfig(_Section):
     metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
 
+    def batch_interval(self, freshness: str | None) -> str:
+        """How often a table's stream runs a batch.
+
+        The service's ``trigger_interval``, or the table's ``freshness`` where that is
+        longer (a cold table batched less often).
+        """
+        if freshness is None:
+            return self.trigger_interval
+        own = interval_seconds(self.trigger_interval)
+        wanted = interval_seconds(freshness)
+        longer = own is None or (wanted is not None and wanted > own)
+        return freshness if longer else self.trigger_interval
+
 
 class IngestorConfig(StreamingServiceConfig):
     """The ingestor: Kafka source options."""
@@ -558,6 +597,9 @@ class EntityConfig(_Section):
     key_format: Format = "avro"
     # JSON decimals as Debezium's decimal.handling.mode writes them (precise: base64).
     decimal_handling: DecimalHandling = "precise"
+    # At most how often each service runs a batch for this table (e.g. "60 seconds"): a cold
+    # table batched less often leaves the cores to the hot ones. Null: every trigger.
+    freshness: str | None = None
     # The row's columns silver (and from it the change topic and the index) keeps: only
     # ``columns`` (the key always), or all but ``except_columns``; bronze keeps every one.
     columns: list[str] | None = Field(default=None, min_length=1)
@@ -576,6 +618,11 @@ class EntityConfig(_Section):
                 f"(it names tables and folders), got {name!r}"
             )
         return name
+
+    @field_validator("freshness")
+    @classmethod
+    def _an_interval(cls, freshness: str | None) -> str | None:
+        return comparable_interval(freshness)
 
     @field_validator("source_topic", "change_topic")
     @classmethod
@@ -723,7 +770,13 @@ class EntitySetConfig(_Section):
     value_format: Format = "avro"
     key_format: Format = "avro"
     decimal_handling: DecimalHandling = "precise"
+    freshness: str | None = None  # every table's; the hot ones' set back in ``overrides``
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per table name
+
+    @field_validator("freshness")
+    @classmethod
+    def _an_interval(cls, freshness: str | None) -> str | None:
+        return comparable_interval(freshness)
 
     @field_validator("topics_regex")
     @classmethod

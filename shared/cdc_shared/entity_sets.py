@@ -91,6 +91,7 @@ def set_entity(
         "value_format": entity_set.value_format,
         "key_format": entity_set.key_format,
         "decimal_handling": entity_set.decimal_handling,
+        "freshness": entity_set.freshness,
         "change_topic": entity_set.change_topic.format(**fields),
         "es_index": entity_set.es_index.format(**fields),
     }

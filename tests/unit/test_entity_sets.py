@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, entity_name_from
+from cdc_shared.config import (
+    ConfigError,
+    EntityConfig,
+    PipelineConfig,
+    entity_name_from,
+    interval_seconds,
+)
 from cdc_shared.entity_sets import resolve_entity_sets, with_discovered_entities
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.tables import SourceTableMissingError
@@ -195,3 +201,40 @@ def test_a_service_that_stops_takes_up_nothing_more() -> None:
     )
     assert discovery.look() == []
     assert discovery.started == []
+
+
+def test_cold_tables_of_a_set_are_batched_less_often_than_the_hot_ones() -> None:
+    cfg = config(
+        {
+            "topics_regex": r"dbserver1\.inventory\.(?P<table>.+)",
+            "key": ["id"],
+            "freshness": "1 minute",  # every table of the set is cold ...
+            "overrides": {"orders": {"freshness": None}},  # ... but the hot one
+        }
+    )
+    found = resolved(cfg)
+    merger = cfg.merger  # trigger_interval: 5 seconds
+    assert merger.batch_interval(found["customers"].freshness) == "1 minute"
+    assert merger.batch_interval(found["orders"].freshness) == merger.trigger_interval
+    assert merger.batch_interval("500 ms") == merger.trigger_interval  # never more often
+    with pytest.raises(ValueError, match="freshness"):
+        config({"topics": ["a"], "key": ["id"], "freshness": "often"})
+    bad_override = config({"topics": ["a"], "key": ["id"], "overrides": {"a": {"freshness": "1"}}})
+    with pytest.raises(ConfigError, match="freshness"):
+        resolve_entity_sets(bad_override, ["a"], KEYS.get)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("5 seconds", 5.0),
+        ("500 ms", 0.5),
+        ("1 minute", 60.0),
+        ("2 hours", 7200.0),
+        ("1.5 s", 1.5),
+        ("soon", None),
+        ("5 fortnights", None),
+    ],
+)
+def test_intervals_are_read_in_seconds(text: str, seconds: float | None) -> None:
+    assert interval_seconds(text) == seconds

@@ -213,7 +213,7 @@ class _ServiceStreams:
             stream.process_batch,
             self.config.checkpoint_path(self.service.name, entity.name),
             self.once,
-            self.service.settings.trigger_interval,
+            self.service.settings.batch_interval(entity.freshness),
         )
         return writer, stream.identity
 
