@@ -850,7 +850,7 @@ class PipelineConfig(BaseSettings):
     entities: list[EntityConfig] = Field(default_factory=list)
     entity_sets: list[EntitySetConfig] = Field(default_factory=list)
     # How often a running service asks the broker for topics its entity sets now select.
-    entity_discovery_interval_s: float = Field(default=10.0, gt=0)
+    entity_discovery_interval_s: float = Field(default=5.0, gt=0)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
