@@ -21,8 +21,9 @@ PUBLISHER="${PUBLISHER_PRINCIPAL:-User:cdc-publisher-kafka}"
 OPERATOR="${OPERATOR_PRINCIPAL:-User:cdc-operator}"            # the `cdc` CLI (status, verify)
 # `cdc run` (the four services in one application) connects as one principal: give it
 # both services' rows with INGESTOR_PRINCIPAL=PUBLISHER_PRINCIPAL=User:cdc-application.
-# publisher-kafka's transactional ids and progress groups: cdc-publisher-kafka.<change topic>
-PUBLISHER_IDS="cdc-publisher-kafka."
+# publisher-kafka's transactional ids and progress groups: cdc-publisher-kafka.<change topic>,
+# so they all start with cdc-publisher-kafka.<change prefix>
+PUBLISHER_IDS="cdc-publisher-kafka.${CHANGE_TOPIC_PREFIX}"
 KAFKA_ACLS="${KAFKA_ACLS:-kafka-acls.sh}"
 
 acl() {
