@@ -578,6 +578,38 @@ class ApplicationConfig(_Section):
         return self.pool_weights.get(service, 1)
 
 
+class HistoryConfig(_Section):
+    """An entity's SCD type 2 history table (``silver_history/<entity>``), off by default.
+
+    A change to a tracked column starts a new version; a change to untracked columns only
+    updates the current version in place. Tracked: ``track_columns`` only, or every row
+    column but ``except_columns`` (one of the two; neither tracks every column).
+    """
+
+    enabled: bool = False
+    track_columns: list[str] | None = Field(default=None, min_length=1)
+    except_columns: list[str] | None = Field(default=None, min_length=1)
+
+    @field_validator("track_columns", "except_columns")
+    @classmethod
+    def _names_unique(cls, names: list[str] | None) -> list[str] | None:
+        if names is not None and len(set(names)) != len(names):
+            raise ValueError(f"column names must be unique, got {names}")
+        return names
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> HistoryConfig:
+        if self.track_columns is not None and self.except_columns is not None:
+            raise ValueError("set track_columns or except_columns, not both")
+        return self
+
+    def untracked_columns(self, row: list[str], key: list[str]) -> list[str]:
+        """The non-key columns of ``row`` whose changes make no new version."""
+        if self.track_columns is not None:
+            return [c for c in row if c not in key and c not in set(self.track_columns)]
+        return [c for c in row if c in set(self.except_columns or [])]
+
+
 class EntityConfig(_Section):
     """One replicated table: its source topic, key, ordering and outputs."""
 
@@ -608,6 +640,8 @@ class EntityConfig(_Section):
     # changed fields): every non-key column (true) or the ones listed. Off: a relational
     # null is a real value.
     ignore_null_updates: bool | list[str] = False
+    # The SCD type 2 history table beside silver (``HistoryConfig``).
+    history: HistoryConfig = Field(default_factory=HistoryConfig)
 
     @field_validator("name")
     @classmethod
@@ -666,7 +700,30 @@ class EntityConfig(_Section):
         keys = sorted(set(self.key) & set(listed))
         if keys:
             raise ValueError(f"ignore_null_updates names key columns {keys}: a key is never null")
+        history = self.history.track_columns or self.history.except_columns or []
+        keys = sorted(set(self.key) & set(history))
+        if keys:
+            raise ValueError(
+                f"history names key columns {keys}: the key identifies a version, never tracked"
+            )
         return self
+
+    def history_untracked_columns(self, row: list[str]) -> list[str]:
+        """The columns of ``row`` (silver's row columns) whose change makes no new version.
+
+        A name ``history`` gives that the row lacks (or that the column selection leaves
+        out) is a configuration error, as for ``columns``.
+        """
+        history = self.history
+        listed = history.track_columns or history.except_columns or []
+        unknown = sorted(set(listed) - set(row))
+        if unknown:
+            field = "track_columns" if history.track_columns is not None else "except_columns"
+            raise ConfigError(
+                f"entities[{self.name}].history.{field}: {unknown} are not columns of its "
+                f"silver rows (they have {', '.join(row)})"
+            )
+        return history.untracked_columns(row, self.key)
 
     def null_update_columns(self, row: list[str]) -> list[str]:
         """The columns of ``row`` whose null in an update keeps the current value."""

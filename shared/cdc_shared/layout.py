@@ -56,6 +56,10 @@ class StorageLayout:
         """The current state of ``entity``, one row per key, written by the merger."""
         return self._under("silver", entity)
 
+    def history(self, entity: str) -> str:
+        """The SCD type 2 history of ``entity`` (one row per version), written by the merger."""
+        return self._under("silver_history", entity)
+
     def tombstones(self, entity: str) -> str:
         """The merger's newest delete per key of ``entity``, so late events stay out."""
         return self._under("silver", "_tombstones", entity)

@@ -236,3 +236,32 @@ def test_metrics_endpoints_bind_loopback_unless_configured_otherwise(
     assert config.publisher_es.metrics_host == "0.0.0.0"
     assert config.publisher_es.metrics_port == 9104
     assert config.publisher_kafka.metrics_host == "127.0.0.1"
+
+
+def test_history_is_off_by_default_and_tracks_named_columns() -> None:
+    row = ["id", "line", "product", "amount", "note"]
+    assert not _entity().history.enabled
+    tracked = _entity(history={"enabled": True, "track_columns": ["amount"]})
+    assert tracked.history_untracked_columns(row) == ["product", "note"]
+    excepted = _entity(history={"enabled": True, "except_columns": ["note"]})
+    assert excepted.history_untracked_columns(row) == ["note"]
+    assert _entity(history={"enabled": True}).history_untracked_columns(row) == []
+    with pytest.raises(
+        ConfigError, match=r"entities\[orders\]\.history\.track_columns: \['amont'\]"
+    ):
+        _entity(history={"enabled": True, "track_columns": ["amont"]}).history_untracked_columns(
+            row
+        )
+    with pytest.raises(ValueError, match="set track_columns or except_columns, not both"):
+        _entity(history={"track_columns": ["amount"], "except_columns": ["note"]})
+    with pytest.raises(ValueError, match=r"history names key columns \['line'\]"):
+        _entity(history={"except_columns": ["line"]})
+
+
+def test_a_bad_history_field_is_named_with_its_path(tmp_path: Path) -> None:
+    text = (
+        "entities:\n  - name: orders\n    source_topic: db.orders\n    key: [id]\n"
+        "    history: {enabled: true, track_column: [amount]}\n"
+    )
+    with pytest.raises(ConfigError, match=r"entities\.0\.history\.track_column"):
+        load_config(write(tmp_path, text))
