@@ -42,6 +42,8 @@ OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\
 #: Our setting (not Spark's) for how often, in seconds, the driver's Python process
 #: collects its cyclic garbage; ``0`` leaves it to Python. See :func:`collect_python_garbage`.
 PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
+#: How many of a service's streams are opened side by side at its start (``side_by_side``).
+START_PARALLELISM = "spark.cdc.streams.startParallelism"
 _collector_lock = threading.Lock()
 _collectors: list[threading.Thread] = []  # the one collector thread, once started
 
@@ -111,6 +113,9 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # in the driver's heap until Python's cyclic collector frees its proxy, which
         # Python runs rarely (see collect_python_garbage).
         PYTHON_GC_INTERVAL: "10",
+        # Opening a table's stream mostly waits (Delta logs read, tables made, a broker
+        # asked): a service with many tables opens this many at once.
+        START_PARALLELISM: "4",
         OPTIONS_REDACTION: OPTIONS_REDACTION_PATTERN,
     }
     jars = jvm.spark_jars()

@@ -20,7 +20,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import command_name
-from cdc_shared.spark import build_spark_session
+from cdc_shared.spark import START_PARALLELISM, build_spark_session, side_by_side
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.failures import (
     EntityStoppedError,
@@ -218,15 +218,29 @@ class _ServiceStreams:
         return writer, stream.identity
 
     def start_all(self, entities: list[EntityConfig]) -> None:
-        """Start each entity's query; one stopped alone (EntityStoppedError) lets the rest start."""
-        for entity in entities:
+        """Open and start every entity's stream, a few side by side.
+
+        Each query starts as soon as its stream is open (a merger waiting for one table's
+        bronze holds back only the tables opened beside it). One stopped alone
+        (EntityStoppedError) lets the rest start; any other error stops the start once
+        the opens under way have ended.
+        """
+
+        def start(entity: EntityConfig) -> None:
             try:
                 writer, identity = self.open_query(entity)
             except EntityStoppedError as stopped:  # that entity alone: the others start
                 self.runner.stop_entity(entity.name, str(stopped))
-                continue
+                return
             rebuild = functools.partial(self.open_query, entity)
             self.runner.start(entity.name, writer, identity, rebuild)
+
+        # The first alone: it also makes what the service's streams share (its quarantine
+        # table), which two opens side by side would both try to create.
+        at_once = max(1, int(self.session.conf.get(START_PARALLELISM, "1") or "1"))
+        rest = range(1, len(entities), at_once)
+        for group in [entities[:1], *(entities[i : i + at_once] for i in rest)]:
+            side_by_side([functools.partial(start, entity) for entity in group])
         if not self.runner.queries:  # every entity stopped: the service cannot run at all
             raise StreamFailedError(self.runner.stopped_message())
 
