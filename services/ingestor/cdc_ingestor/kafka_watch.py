@@ -35,13 +35,13 @@ class KafkaWatch:
     def __init__(
         self,
         kafka: KafkaConfig,
-        entities: list[str],
+        entities: list[str] | None,
         runner: StreamRunner,
         interval_s: float = 5.0,
         timeout_s: float = 10.0,
     ) -> None:
         self.kafka = kafka
-        self.entities = entities
+        self._entities = entities  # None: every stream the runner runs, tables taken up too
         self.runner = runner
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -52,6 +52,11 @@ class KafkaWatch:
         self._stop = threading.Event()
         self._down_since: float | None = None
         self._warned_at = 0.0
+
+    @property
+    def entities(self) -> list[str]:
+        """The entities whose ``/health`` a broker outage marks."""
+        return list(self.runner.queries) if self._entities is None else self._entities
 
     def start(self) -> KafkaWatch:
         """Probe in a daemon thread until the runner closes."""

@@ -178,7 +178,7 @@ def start(
         on_failure=kafka_failures(config),
     )
     runner = start_service(ingestor, config, entity_names, once, spark)
-    KafkaWatch(config.kafka, list(runner.queries), runner).start()
+    KafkaWatch(config.kafka, None, runner).start()
     return runner
 
 
