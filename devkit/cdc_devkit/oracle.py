@@ -205,3 +205,73 @@ def read_topic(
     for p, o, key, value in sorted(records, key=lambda r: (r[0], r[1])):
         oracle.feed(key, value, p, o)
     return oracle
+
+
+@dataclass(frozen=True)
+class SourceEvent:
+    """One source event as history sees it: a truncate (``t``) has no key and no row."""
+
+    key: Key | None
+    sequence: Sequence_
+    op: str  # c, u, r, d, t
+    row: Mapping[str, Any] | None = None
+    ts_ms: int | None = None
+
+
+@dataclass
+class Version:
+    """One version of a key in the expected history: its period and its row."""
+
+    key: Key
+    start: Sequence_
+    row: dict[str, Any]
+    start_ts_ms: int | None
+    last: Sequence_  # the newest event folded into the version
+    end: Sequence_ | None = None
+    end_ts_ms: int | None = None
+
+
+def history_versions(
+    events: Iterable[SourceEvent], untracked: Iterable[str] = ()
+) -> dict[Key, list[Version]]:
+    """The SCD type 2 history the events make, whatever order they arrived in.
+
+    Each key's events, one per sequence (re-deliveries are the same event), and every
+    truncate (a delete of every key) are replayed in sequence order: an upsert whose
+    tracked columns (all but ``untracked``) equal the open version's only updates it;
+    any other upsert closes the open version and opens one; a delete or truncate closes
+    the open version. An event older than a delete is history before that delete, never
+    a row after it.
+    """
+    skip = set(untracked)
+    truncates: dict[Sequence_, SourceEvent] = {}
+    per_key: dict[Key, dict[Sequence_, SourceEvent]] = {}
+    for event in events:
+        if event.op == "t":
+            truncates.setdefault(event.sequence, event)
+        elif event.key is not None:
+            per_key.setdefault(event.key, {}).setdefault(event.sequence, event)
+    history: dict[Key, list[Version]] = {}
+    for key, by_sequence in per_key.items():
+        timeline = sorted({**truncates, **by_sequence}.items(), key=lambda item: item[0])
+        versions: list[Version] = []
+        current: Version | None = None
+        for sequence, event in timeline:
+            if event.op in ("d", "t"):
+                if current is not None:
+                    current.end, current.end_ts_ms = sequence, event.ts_ms
+                current = None
+                continue
+            row = dict(event.row or {})
+            tracked = {c: v for c, v in row.items() if c not in skip}
+            if current is not None and tracked == {
+                c: v for c, v in current.row.items() if c not in skip
+            }:
+                current.row, current.last = row, sequence
+                continue
+            if current is not None:
+                current.end, current.end_ts_ms = sequence, event.ts_ms
+            current = Version(key, sequence, row, event.ts_ms, sequence)
+            versions.append(current)
+        history[key] = versions
+    return history

@@ -23,9 +23,10 @@ from cdc_merger.apply import (
     ensure_tables,
     expire_tombstones,
 )
+from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config import EntityConfig
+from cdc_shared.config import EntityConfig, HistoryConfig
 from cdc_shared.schemas import entity_schemas
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
@@ -45,6 +46,7 @@ class Silver:
         entity: EntityConfig,
         schema_dir: Path = SCHEMAS,
         silver_bronze_schema: T.StructType | None = None,
+        history: HistoryConfig | None = None,
     ) -> None:
         self.spark = spark
         self.entity = entity
@@ -55,7 +57,11 @@ class Silver:
             decode(spark, empty, plan, entity.sequence_by)
         ).schema
         self.layout = SilverLayout(
-            str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), entity.key
+            str(root / "silver"),
+            str(root / "tombstones"),
+            str(root / "truncates"),
+            entity.key,
+            None if history is None else HistoryTable(str(root / "history"), history),
         )
         ensure_tables(spark, silver_bronze_schema or self.bronze_schema, self.layout)
         self.state = MergeState(spark, self.layout)  # kept, as the merger
@@ -100,7 +106,12 @@ class Silver:
             "ingested_at": dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
         }
 
-    def apply(self, *events: dict[str, Any], null_updates: tuple[str, ...] = ()) -> ApplyResult:
+    def apply(
+        self,
+        *events: dict[str, Any],
+        null_updates: tuple[str, ...] = (),
+        dropped: tuple[str, ...] = (),
+    ) -> ApplyResult:
         frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
         try:
             return apply_batch(
@@ -109,6 +120,7 @@ class Silver:
                 self.layout,
                 self.quarantine,
                 self.state,
+                dropped=dropped,
                 null_updates=null_updates,
             )
         finally:

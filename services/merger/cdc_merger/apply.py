@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,6 +32,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_merger.guards import TombstoneIndex, TruncateFloor, key_values, sequence_literal
+from cdc_merger.history import HistoryTable, history_events, history_schema, write_history
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 
 log = logging.getLogger("cdc_merger")
@@ -65,6 +67,8 @@ class SilverLayout:
     tombstone_path: str
     truncate_path: str
     key: list[str]
+    #: The entity's SCD type 2 history, when it has one (``cdc_merger.history``).
+    history: HistoryTable | None = None
 
 
 def silver_schema(bronze_schema: T.StructType, key: list[str]) -> T.StructType:
@@ -121,6 +125,8 @@ def ensure_tables(spark: SparkSession, bronze_schema: T.StructType, layout: Silv
         spark, layout.tombstone_path, tombstone_schema(silver, layout.key), TOMBSTONE_PROPERTIES
     )
     ensure_table(spark, layout.truncate_path, TRUNCATE_SCHEMA, TOMBSTONE_PROPERTIES)
+    if layout.history is not None:
+        ensure_table(spark, layout.history.path, history_schema(silver), SILVER_PROPERTIES)
 
 
 def rejection(events: DataFrame, key: list[str], silver: T.StructType) -> tuple[Column, Column]:
@@ -419,7 +425,7 @@ def apply_batch(
     truncate = summary["truncate"]
     if truncate is not None:
         truncate = [int(v) for v in truncate]
-        _truncate(spark, layout, truncate)
+        _truncate(spark, layout, truncate, [list(t[0]) for t in summary["truncates"]])
         state.truncates.raise_to(truncate)
         candidates = candidates.where(F.col(SEQUENCE) > sequence_literal(truncate))
         lap("truncate")
@@ -438,6 +444,9 @@ def apply_batch(
         _write_silver(spark, candidates, layout, kept, with_tombstones=offered.deletes.num_rows > 0)
         state.tombstones.record(offered.deletes, offered.upserts)
         lap("merge")
+    if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
+        _history(spark, layout, layout.history, rows, summary)
+        lap("history")
     return ApplyResult(
         events=int(summary["events"]),
         rejected=rejected,
@@ -450,8 +459,28 @@ def apply_batch(
     )
 
 
+def _history(
+    spark: SparkSession,
+    layout: SilverLayout,
+    history: HistoryTable,
+    rows: DataFrame,
+    summary: dict[str, Any],
+) -> None:
+    """The batch's events and truncate into the entity's history (after silver's MERGE)."""
+    events = history_events(rows, layout.key) if int(summary["applicable"]) else None
+    if events is None and not summary["truncates"]:
+        return
+    closing = sorted(([int(v) for v in sequence], at) for sequence, at in summary["truncates"])
+    write_history(
+        spark, history, layout.key, events, layout.tombstone_path, layout.truncate_path, closing
+    )
+
+
 def _batch_metrics() -> list[Column]:
-    """Counted while the batch is read: events, rejected, applicable, truncate, ingest time."""
+    """Counted while the batch is read: events, rejected, applicable, truncate, ingest time.
+
+    ``truncates``: every truncate's sequence and source time (history closes at each).
+    """
     error = F.col(ERROR_KIND)
     op = F.col("op")
     applicable = error.isNull() & ~F.col("is_tombstone") & op.isin(*UPSERT_OPS, DELETE)
@@ -460,6 +489,12 @@ def _batch_metrics() -> list[Column]:
         F.count(error).alias("rejected"),
         F.count(F.when(applicable, 1)).alias("applicable"),
         F.max(F.when((op == TRUNCATE) & error.isNull(), F.col("sequence"))).alias("truncate"),
+        F.collect_set(
+            F.when(
+                (op == TRUNCATE) & error.isNull(),
+                F.struct(F.col("sequence"), F.timestamp_millis(F.col("source.ts_ms"))),
+            )
+        ).alias("truncates"),
         F.max("ingested_at").alias("ingested_until"),
     ]
 
@@ -526,15 +561,21 @@ def _on(key: list[str], target: str, source: str) -> str:
 
 
 @on_conflict_retry
-def _truncate(spark: SparkSession, layout: SilverLayout, sequence: list[int]) -> None:
+def _truncate(
+    spark: SparkSession, layout: SilverLayout, sequence: list[int], every: list[list[int]]
+) -> None:
     """Delete every row older than the truncate, then remember it (late events stay out).
+
+    ``sequence`` is the batch's newest truncate; ``every`` one of the batch is remembered
+    (the entity's history closes its versions at each).
 
     In this order a crash in between replays the delete, which then finds nothing.
     """
     DeltaTable.forPath(spark, layout.silver_path).delete(
         F.col(SEQUENCE) < sequence_literal(sequence)
     )
-    marker = frame_from_rows(spark, [(sequence, dt.datetime.now(dt.UTC))], TRUNCATE_SCHEMA)
+    now = dt.datetime.now(dt.UTC)
+    marker = frame_from_rows(spark, [([int(v) for v in s], now) for s in every], TRUNCATE_SCHEMA)
     marker.write.format("delta").mode("append").save(layout.truncate_path)
     log.info("truncate at sequence %s applied to %s", sequence, layout.silver_path)
 

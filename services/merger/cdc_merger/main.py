@@ -48,6 +48,7 @@ from cdc_merger.apply import (
     lost_local_checkpoint,
     without_columns,
 )
+from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
 
 SERVICE = MERGER
@@ -55,12 +56,20 @@ log = logging.getLogger("cdc_merger")
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
-    """``silver/<entity>``, its tombstones and its truncates under ``silver/_*/<entity>``."""
+    """Where one entity's silver and side tables live.
+
+    ``silver/<entity>``, its tombstones and truncates under ``silver/_*/<entity>``, and
+    its history (``silver_history/<entity>``) when the entity has one.
+    """
+    history = None
+    if entity.history.enabled:
+        history = HistoryTable(config.layout.history(entity.name), entity.history)
     return SilverLayout(
         silver_path=config.layout.silver(entity.name),
         tombstone_path=config.layout.tombstones(entity.name),
         truncate_path=config.layout.truncates(entity.name),
         key=list(entity.key),
+        history=history,
     )
 
 
@@ -115,6 +124,9 @@ class EntityMerge(EntityStreamBase):
         bronze = self.spark.read.format("delta").load(self.bronze_path)
         dropped = self.dropped_columns(bronze)  # checks the selection's names
         self.null_update_columns(bronze)  # and ignore_null_updates' names
+        if self.entity.history.enabled:  # and history's
+            kept = [c for c in _row_columns(bronze) if c not in dropped]
+            self.entity.history_untracked_columns(kept)
         ensure_tables(self.spark, without_columns(bronze, dropped).schema, self.layout)
         self.warn_selection_narrowed(dropped)
         self.state.load()

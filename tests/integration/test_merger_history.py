@@ -1,0 +1,254 @@
+"""The merger's SCD type 2 history on real Spark + Delta, against the dev kit's history oracle.
+
+Batches are hand-made bronze events driven through ``apply_batch`` in this process, as in
+``test_merger_apply.py``, with the entity's history on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cdc_devkit.oracle import SourceEvent, history_versions
+from cdc_merger.history import END, END_TS, START, START_TS
+from cdc_shared.config import HistoryConfig
+from pyspark.sql import Row, SparkSession
+from pyspark.sql import types as T
+from support.entities import CUSTOMERS
+from test_merger_apply import Silver, customer
+
+pytestmark = pytest.mark.integration
+
+#: Names make versions; email and phone changes update the current version in place.
+TRACKED = HistoryConfig(enabled=True, track_columns=["first_name", "last_name"])
+UNTRACKED = ("email", "phone", "created_at")
+BASE_MS = 1_767_225_600_000  # the source time ``Silver.event`` gives sequence 0
+
+
+@pytest.fixture
+def customers(spark: SparkSession, tmp_path: Path) -> Silver:
+    return Silver(spark, tmp_path, CUSTOMERS, history=TRACKED)
+
+
+def history_rows(silver: Silver) -> list[Row]:
+    assert silver.layout.history is not None
+    rows = silver.spark.read.format("delta").load(silver.layout.history.path).collect()
+    return sorted(rows, key=lambda r: (r.id, r[START]))
+
+
+def periods(silver: Silver) -> list[tuple[Any, ...]]:
+    """(key, start, end, first name) of every version: the history's shape."""
+    return [
+        (r.id, r[START][0], None if r[END] is None else r[END][0], r.first_name)
+        for r in history_rows(silver)
+    ]
+
+
+def history_changes(silver: Silver) -> int:
+    assert silver.layout.history is not None
+    feed = (
+        silver.spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", 0)
+        .load(silver.layout.history.path)
+    )
+    return feed.count()
+
+
+def at(sequence: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp((BASE_MS + sequence) / 1000, dt.UTC).replace(tzinfo=None)
+
+
+def random_events(
+    silver: Silver, rng: random.Random
+) -> tuple[list[dict[str, Any]], list[SourceEvent]]:
+    """Bronze events in sequence order on ten keys, and the same as the oracle's events."""
+    alive: dict[int, dict[str, Any]] = {}
+    events: list[dict[str, Any]] = []
+    truth: list[SourceEvent] = []
+    for sequence in range(10, 10 + 140):
+        if sequence in (60, 115):
+            events.append(silver.event("t", None, [sequence]))
+            truth.append(SourceEvent(None, (sequence,), "t", None, BASE_MS + sequence))
+            alive.clear()
+            continue
+        key = rng.randint(1, 10)
+        roll = rng.random()
+        if key not in alive:
+            op, row = "c", customer(rng.choice("abc"))
+        elif roll < 0.2:
+            op, row = "d", None
+        elif roll < 0.5:
+            op, row = "u", {**alive[key], "first_name": rng.choice("abcd")}
+        elif roll < 0.9:
+            op, row = "u", {**alive[key], "phone": str(rng.randint(0, 99))}
+        else:
+            op, row = "u", dict(alive[key])  # nothing changed
+        if row is None:
+            alive.pop(key)
+        else:
+            alive[key] = row
+        events.append(silver.event(op, {"id": key}, [sequence], row))
+        image = None if row is None else {**row, "id": key}
+        truth.append(SourceEvent((key,), (sequence,), op, image, BASE_MS + sequence))
+    return events, truth
+
+
+def test_history_equals_the_oracle_after_shuffled_redelivered_batches(customers: Silver) -> None:
+    """Random inserts, tracked and untracked-only updates, deletes, re-inserts, truncates;
+    re-delivered and shuffled into batches: the table holds the ordered events' history."""
+    rng = random.Random(7)
+    events, truth = random_events(customers, rng)
+    delivered = events + [dict(e) for e in rng.sample(events, 25)]  # re-deliveries
+    rng.shuffle(delivered)
+    for start in range(0, len(delivered), 56):  # three batches
+        customers.apply(*delivered[start : start + 56])
+    assert customers.rejected == []
+
+    expected = history_versions(truth, UNTRACKED)
+    got = history_rows(customers)
+    tracked = ("first_name", "last_name")
+
+    def shape(key: int, start: int, end: int | None, row: dict[str, Any]) -> tuple[Any, ...]:
+        return (key, start, end, *(row[c] for c in tracked))
+
+    shapes = [shape(r.id, r[START][0], r[END] and r[END][0], r.asDict()) for r in got]
+    wanted = sorted(
+        shape(k[0], v.start[0], v.end and v.end[0], v.row)
+        for k, versions in expected.items()
+        for v in versions
+    )
+    assert shapes == wanted, (sorted(set(wanted) - set(shapes)), sorted(set(shapes) - set(wanted)))
+    by_start = {(k[0], v.start[0]): v for k, versions in expected.items() for v in versions}
+    for row in got:
+        version = by_start[(row.id, row[START][0])]
+        assert row[START_TS] == at(version.start[0])
+        # The end's source time is known unless only a tombstone or a truncate the
+        # history had not seen then remembers the delete.
+        assert row[END_TS] is None or (
+            version.end is not None and row[END_TS] == at(version.end[0])
+        )
+        if version.end is None:  # the current version: every column, as the newest event
+            assert row.phone == version.row["phone"] and row._cdc_seq == list(version.last)
+    assert sum(r[END_TS] is not None for r in got if r[END] is not None) > len(got) // 2
+
+    # The current versions are silver (what `cdc verify` would compare).
+    current = {(r.id, r.first_name, r.phone, tuple(r._cdc_seq)) for r in got if r[END] is None}
+    assert current == {
+        (r.id, r.first_name, r.phone, tuple(r._cdc_seq)) for r in customers.rows().collect()
+    }
+    in_place = [v for versions in expected.values() for v in versions if v.last != v.start]
+    assert in_place and any(v.end is not None for v in in_place)  # the load had both kinds
+
+
+def test_a_replayed_batch_changes_nothing_in_history(customers: Silver) -> None:
+    first = [
+        customers.event("c", {"id": 1}, [10], customer("a")),
+        customers.event("c", {"id": 2}, [11], customer("b")),
+        customers.event("u", {"id": 1}, [30], customer("c")),
+    ]
+    second = [
+        customers.event("u", {"id": 1}, [20], customer("late")),
+        customers.event("u", {"id": 2}, [25], {**customer("b"), "phone": "1"}),
+        customers.event("d", {"id": 2}, [40]),
+    ]
+    customers.apply(*first)
+    customers.apply(*second)
+    rows, changes = history_rows(customers), history_changes(customers)
+    assert periods(customers) == [
+        (1, 10, 20, "a"),
+        (1, 20, 30, "late"),
+        (1, 30, None, "c"),
+        (2, 11, 40, "b"),
+    ]
+    customers.apply(*second)
+    customers.apply(*first)
+    customers.restart()
+    customers.apply(*second)
+    assert history_rows(customers) == rows
+    assert history_changes(customers) == changes  # no commit changed a row
+
+
+def test_a_late_event_after_a_delete_does_not_resurrect(customers: Silver) -> None:
+    customers.apply(customers.event("c", {"id": 1}, [10], customer("a")))
+    customers.apply(customers.event("d", {"id": 1}, [30]))
+    customers.apply(customers.event("d", {"id": 2}, [50]))  # a delete history never saw open
+    customers.restart()  # the delete is remembered by silver's tombstones, not in memory
+    customers.apply(
+        customers.event("u", {"id": 1}, [20], customer("late")),
+        customers.event("c", {"id": 2}, [40], customer("older than its delete")),
+    )
+    assert periods(customers) == [
+        (1, 10, 20, "a"),
+        (1, 20, 30, "late"),
+        (2, 40, 50, "older than its delete"),
+    ]
+    assert customers.rows().count() == 0
+    customers.apply(customers.event("c", {"id": 1}, [60], customer("reborn")))
+    assert periods(customers)[2] == (1, 60, None, "reborn")
+
+
+def test_untracked_changes_update_in_place_and_a_truncate_closes_every_version(
+    customers: Silver,
+) -> None:
+    customers.apply(
+        customers.event("c", {"id": 1}, [10], customer("a")),
+        customers.event("u", {"id": 1}, [20], {**customer("a"), "phone": "2"}),
+        customers.event("c", {"id": 2}, [12], customer("b")),
+    )
+    row = history_rows(customers)[0]
+    assert (row[START], row[END], row.phone, row._cdc_seq) == ([10], None, "2", [20])
+    customers.apply(customers.event("u", {"id": 1}, [30], customer("c")))
+    customers.apply(
+        customers.event("t", None, [40]), customers.event("c", {"id": 3}, [45], customer("d"))
+    )
+    assert periods(customers) == [
+        (1, 10, 30, "a"),
+        (1, 30, 40, "c"),
+        (2, 12, 40, "b"),
+        (3, 45, None, "d"),
+    ]
+    assert all(r[END_TS] == at(40) for r in history_rows(customers) if r[END] == [40])
+    customers.apply(customers.event("u", {"id": 2}, [35], customer("late, before the truncate")))
+    assert periods(customers)[2:4] == [(2, 12, 35, "b"), (2, 35, 40, "late, before the truncate")]
+    customers.apply(customers.event("c", {"id": 1}, [50], customer("re-inserted")))
+    assert periods(customers)[2] == (1, 50, None, "re-inserted")
+
+
+def test_history_has_the_selected_columns_a_new_column_and_a_change_feed(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """Column selection narrows history as silver; a new source column appears in it."""
+    plain = Silver(spark, tmp_path / "plain", CUSTOMERS)
+    after = plain.bronze_schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    # Tables made as the merger makes them: email left out by the selection; phone comes later.
+    narrow = T.StructType([f for f in after.fields if f.name not in ("phone", "email")])
+    bronze = T.StructType(
+        [
+            T.StructField(f.name, narrow if f.name == "after" else f.dataType, f.nullable)
+            for f in plain.bronze_schema.fields
+        ]
+    )
+    history = HistoryConfig(enabled=True)
+    silver = Silver(spark, tmp_path / "h", CUSTOMERS, silver_bronze_schema=bronze, history=history)
+    assert silver.layout.history is not None
+    path = silver.layout.history.path
+    assert "phone" not in spark.read.format("delta").load(path).columns
+    silver.apply(
+        silver.event("c", {"id": 1}, [10], {**customer("a"), "phone": "1"}),
+        silver.event("u", {"id": 1}, [20], {**customer("a"), "phone": "2"}),
+        dropped=("email",),
+    )
+    columns = spark.read.format("delta").load(path).columns
+    assert "phone" in columns and "email" not in columns
+    assert [(r[START], r[END], r.phone) for r in history_rows(silver)] == [
+        ([10], [20], "1"),
+        ([20], None, "2"),
+    ]
+    detail = spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first()
+    assert detail is not None and detail["properties"]["delta.enableChangeDataFeed"] == "true"
+    assert history_changes(silver) > 0
