@@ -20,9 +20,9 @@ from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CDC = str(Path(sys.executable).with_name("cdc"))
-# The first three kills hit the processes, the last two the one application (each of
+# The first two kills hit the processes, the last two the one application (each of
 # those restarts all four services). Every service's own process test kills it alone too.
-KILLS = 5
+KILLS = 4
 MODES = ("services", "application")
 # Below the test's own timeout, so a run that hangs still reports what it saw.
 RUN_LIMIT_S = 1350
