@@ -251,23 +251,29 @@ def test_verify_agrees_then_reports_a_document_deleted_from_es(
         "elasticsearch": len(world.documents),
         "change_topic": len(world.documents),
     }
+    # A few hundred rows make one bucket; no bucket differs.
+    assert [(t["buckets"], t["buckets_differing"]) for t in entity["targets"]] == [(1, 0)] * 2
 
     index = world.pipeline.config.entity(ENTITY).es_index_name
     victim = sorted(world.documents)[0]
     es = make_elasticsearch(es_config)
     try:
         es.delete(index=index, id=victim, refresh=True)
-        result = cdc("verify", *world.config_args, "--json")
+        result = cdc("verify", *world.config_args, "--json", "--buckets", "8")
         assert result.exit_code == 1, result.output
         (entity,) = json.loads(result.stdout)["entities"]
         targets = {t["target"]: t for t in entity["targets"]}
-        assert targets["change_topic"]["missing"] == 0
+        topic_side = targets["change_topic"]
+        assert (topic_side["missing"], topic_side["buckets_differing"]) == (0, 0)
+        assert topic_side["buckets"] == 8
         es_side = targets["elasticsearch"]
         assert (es_side["missing"], es_side["extra"], es_side["different"]) == (1, 0, 0)
         assert es_side["examples"] == {"missing": [f"id={victim}"]}
+        assert (es_side["buckets"], es_side["buckets_differing"]) == (8, 1)  # drilled into one
 
-        text = cdc("verify", *world.config_args, "--target", "elasticsearch")
+        text = cdc("verify", *world.config_args, "--target", "elasticsearch", "--buckets", "8")
         assert text.exit_code == 1 and f"missing: id={victim}" in text.stdout
+        assert "1 of 8 buckets differ" in text.stdout
     finally:
         index_documents(es_config, index, {victim: world.documents[victim]})
         es.close()
@@ -502,3 +508,4 @@ def test_verify_reports_a_row_deleted_from_silver(world: World, spark: SparkSess
     for target in entity["targets"]:
         assert (target["missing"], target["extra"], target["different"]) == (0, 1, 0)
         assert target["examples"] == {"extra": [f"id={victim}"]}
+        assert (target["buckets"], target["buckets_differing"]) == (1, 1)

@@ -320,6 +320,11 @@ def verify_command(
         help="elasticsearch or change_topic (repeatable; default: both).",
     ),
     examples: int = typer.Option(5, min=0, help="Example keys to print per difference."),
+    buckets: int | None = typer.Option(
+        None,
+        min=1,
+        help="Key buckets per entity (default: one per 20,000 silver rows).",
+    ),
     as_json: bool = AsJson,
 ) -> None:
     """Reconcile silver with Elasticsearch and the change topics; exit 1 on any difference.
@@ -328,6 +333,8 @@ def verify_command(
     from _source) and against the change topic's last committed event per key (keys whose
     last event is a delete do not count). Each row is reduced to a content hash of the
     entity's columns, so keys missing, extra or different are listed with examples.
+    Each side is read once and spilled into key buckets in $TMPDIR; only buckets whose
+    digests differ are compared key by key, so memory stays bounded by one bucket.
     Lagging publishers show as differences: run it when `cdc status` shows lag 0.
     """
     from cdc_cli import verify
@@ -335,7 +342,11 @@ def verify_command(
     pipeline = _config(config)
     with _problems(ValueError):
         report = verify.verify(
-            pipeline, entity or None, targets=tuple(target or verify.TARGETS), examples=examples
+            pipeline,
+            entity or None,
+            targets=tuple(target or verify.TARGETS),
+            examples=examples,
+            buckets=buckets,
         )
     _emit(as_json, report.to_dict, lambda: verify.render(report))
     if not report.ok:

@@ -1,18 +1,33 @@
 """``cdc verify``: reconcile silver with Elasticsearch and the change topics, key by key.
 
-Silver is the truth. For each entity every target is reduced to a map key -> content
-hash and compared with silver's:
+Silver is the truth. For each entity every side is read once and reduced to records
+key -> content hash:
 
-- Elasticsearch: every document behind the alias ``es_index_name``; the key columns are
-  read from ``_source`` (publisher-es indexes the whole silver row);
+- silver: every row, read through Spark and streamed to this process one partition at a
+  time;
+- Elasticsearch: every document behind the alias ``es_index_name`` (``helpers.scan``);
+  the key columns are read from ``_source`` (publisher-es indexes the whole silver row);
 - the change topic: every committed event (``read_committed``), the last one per key in
-  partition order (a key lives in one partition); keys whose last event is a delete are
-  absent.
+  partition order (a key lives in one partition; the later offset wins); keys whose last
+  event is a delete are absent.
 
 The hash covers the entity's own columns (no ``_cdc_*`` metadata), each value brought to
 one canonical form by its silver column type first, so a timestamp read from JSON text,
 an Avro ``timestamp-millis`` and a Spark timestamp hash alike. Differences are keys
 missing from a target, extra in it, or with different content.
+
+At table scale the records are not held in memory: each side is spilled into N key
+buckets in local files, a digest per bucket is compared, and only the buckets whose
+digests differ are compared key by key (``cdc_cli.verify_buckets``). N is silver's row
+count over ``ROWS_PER_BUCKET`` (or ``--buckets``). Memory bound of this process: a
+16 MiB write buffer, N digests, and while comparing one bucket of silver and one of the
+target (about ``ROWS_PER_BUCKET`` keys each, a few MiB), whatever the table's size; plus
+the batch of rows pyspark hands over from the partition being read. Disk: about 100
+bytes per row and side under ``$TMPDIR``, removed at the end.
+
+Rows are hashed here, not in Spark: the executors run no Python (docs/operations.md),
+and the canonical forms (Python's float ``repr``, its JSON text) have no exact Spark SQL
+twin; a second implementation of the hash would make false differences.
 
 Targets that lag (see ``cdc status``) show as differences: verify a quiet pipeline.
 """
@@ -24,12 +39,15 @@ import datetime as dt
 import hashlib
 import json
 import math
+import shutil
+import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 from cdc_shared.avro import AvroDecoder, AvroSerdeError
 from cdc_shared.changefeed import row_columns
@@ -39,10 +57,17 @@ from cdc_shared.schemas import make_registry
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, TransportError
 from elasticsearch.helpers import scan
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
 from cdc_cli.checkpoints import is_delta_table
+from cdc_cli.verify_buckets import (
+    BucketComparison,
+    BucketSpill,
+    bucket_count,
+    compare_spills,
+    key_text,
+)
 
 TARGETS = ("elasticsearch", "change_topic")
 Key = tuple[Any, ...]
@@ -61,6 +86,8 @@ class TargetComparison:
     different: int = 0  # in both, content differs
     examples: dict[str, list[str]] = field(default_factory=dict)  # kind -> a few keys
     error: str | None = None  # the target could not be read
+    buckets: int = 0  # key buckets compared
+    buckets_differing: int = 0  # buckets whose digests differed: compared key by key
 
     @property
     def ok(self) -> bool:
@@ -190,22 +217,65 @@ class RowShape:
 # --- reading each side --------------------------------------------------------------------
 
 
+class TargetRecord(NamedTuple):
+    """One record read from a target, in the target's own form."""
+
+    key: dict[str, Any]  # the key fields (a document's ``_source``, an event's ``key``)
+    content: dict[str, Any] | None  # the row; None: the key was deleted
+    position: int  # orders one key's records: the later wins (a topic's offset)
+
+
+def spill_silver(
+    spark: SparkSession, path: str, entity: EntityConfig, folder: Path, buckets: int | None
+) -> tuple[RowShape, BucketSpill]:
+    """Silver's rows as (key, hash) in ``buckets`` buckets (default: from its row count).
+
+    The rows are streamed to this process one partition at a time and hashed here (see
+    the module docstring for why not in Spark).
+    """
+    shape, frame = _silver(spark, path, entity)
+    spill = BucketSpill(folder, buckets or bucket_count(frame.count()))
+    for position, row in enumerate(frame.toLocalIterator()):
+        record = row.asDict(recursive=False)
+        spill.add(key_text(shape.key_of(record)), shape.hash_of(record), position)
+    return shape, spill
+
+
 def silver_hashes(
     spark: SparkSession, path: str, entity: EntityConfig
 ) -> tuple[RowShape, dict[Key, str]]:
-    """Silver's key -> hash, streamed to the driver partition by partition."""
-    frame = spark.read.format("delta").load(path)
-    shape = RowShape.of(frame.schema, entity)
-    rows = frame.select(*[f"`{f.name}`" for f in shape.fields]).toLocalIterator()
+    """Silver's key -> hash held in memory, for tables known to be small.
+
+    The chaos run's fingerprint of silver uses it; ``verify`` spills to buckets instead.
+    """
+    shape, frame = _silver(spark, path, entity)
     hashes = {}
-    for row in rows:
+    for row in frame.toLocalIterator():
         record = row.asDict(recursive=False)
         hashes[shape.key_of(record)] = shape.hash_of(record)
     return shape, hashes
 
 
-def es_hashes(config: PipelineConfig, entity: EntityConfig, shape: RowShape) -> dict[Key, str]:
-    """Every document behind the entity's alias: key from ``_source`` -> hash."""
+def _silver(spark: SparkSession, path: str, entity: EntityConfig) -> tuple[RowShape, DataFrame]:
+    """Silver's shape, and its entity columns (no metadata)."""
+    frame = spark.read.format("delta").load(path)
+    shape = RowShape.of(frame.schema, entity)
+    return shape, frame.select(*[f"`{f.name}`" for f in shape.fields])
+
+
+def spill_target(
+    records: Iterable[TargetRecord], shape: RowShape, folder: Path, buckets: int
+) -> BucketSpill:
+    """A target's records as (key, hash or None, position) in ``buckets`` buckets."""
+    spill = BucketSpill(folder, buckets)
+    for record in records:
+        content = None if record.content is None else shape.hash_of(record.content)
+        spill.add(key_text(shape.key_of(record.key)), content, record.position)
+    return spill
+
+
+def es_records(config: PipelineConfig, entity: EntityConfig) -> Iterator[TargetRecord]:
+    """Every document behind the entity's alias (``helpers.scan``), keyed by ``_source``."""
     es = make_elasticsearch(config.elasticsearch)
     alias = entity.es_index_name
     try:
@@ -214,22 +284,22 @@ def es_hashes(config: PipelineConfig, entity: EntityConfig, shape: RowShape) -> 
                 f"index or alias {alias!r} does not exist (publisher-es not started?)"
             )
         es.indices.refresh(index=alias)
-        hashes: dict[Key, str] = {}
         documents: Iterable[dict[str, Any]] = scan(
             es, index=alias, query={"query": {"match_all": {}}}, size=1000
         )
-        for document in documents:
+        for position, document in enumerate(documents):
             source = document.get("_source") or {}
-            hashes[shape.key_of(source)] = shape.hash_of(source)
-        return hashes
+            yield TargetRecord(source, source, position)
     finally:
         es.close()
 
 
-def change_topic_hashes(
-    config: PipelineConfig, entity: EntityConfig, shape: RowShape
-) -> dict[Key, str]:
-    """The change topic's live keys (last event not a delete) -> hash of ``after``."""
+def change_topic_records(config: PipelineConfig, entity: EntityConfig) -> Iterator[TargetRecord]:
+    """Every committed event of the change topic (``read_committed``), read once to its end.
+
+    The position is the offset: a key lives in one partition, so its later offset wins.
+    A delete event is a record without content; compaction tombstones are skipped.
+    """
     topic = entity.change_topic_name
     decoder = AvroDecoder(make_registry(config))
     consumer = make_consumer(
@@ -237,7 +307,6 @@ def change_topic_hashes(
         group_id=f"cdc-verify-{uuid.uuid4().hex[:8]}",
         **{"isolation.level": "read_committed"},
     )
-    last: dict[Key, dict[str, Any] | None] = {}
     try:
         metadata = consumer.list_topics(topic, timeout=KAFKA_TIMEOUT_S).topics.get(topic)
         if metadata is None or metadata.error is not None or not metadata.partitions:
@@ -269,8 +338,8 @@ def change_topic_hashes(
                         f"does not decode: {exc}"
                     ) from None
                 assert event is not None
-                key = shape.key_of(event["key"])
-                last[key] = None if event["op"] == "d" else event["after"]
+                after = None if event["op"] == "d" else event["after"]
+                yield TargetRecord(event["key"], after, message.offset() or 0)
             positions = consumer.position(assigned)
             # Transaction markers take offsets too: done once past each start-time end.
             if all(tp.offset >= ends[tp.partition] for tp in positions):
@@ -279,10 +348,26 @@ def change_topic_hashes(
                 raise LookupError(f"could not read {topic} to its end in 600 s")
     finally:
         consumer.close()
-    return {key: shape.hash_of(after) for key, after in last.items() if after is not None}
 
 
 # --- comparing -------------------------------------------------------------------------------
+
+
+def compare_target(
+    target: str,
+    name: str,
+    shape: RowShape,
+    silver: BucketSpill,
+    records: Iterable[TargetRecord],
+    examples: int = 5,
+) -> TargetComparison:
+    """Spill a target's records beside silver's and compare them bucket by bucket."""
+    folder = silver.folder.with_name(target)
+    try:
+        spill = spill_target(records, shape, folder, silver.buckets)
+        return _comparison(target, name, shape, compare_spills(silver, spill, examples))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def compare(
@@ -292,21 +377,40 @@ def compare(
     expected: dict[Key, str],
     got: dict[Key, str],
     examples: int = 5,
+    buckets: int | None = None,
 ) -> TargetComparison:
-    """Keys missing from ``got``, extra in it, and with different hashes."""
-    missing = sorted((k for k in expected if k not in got), key=repr)
-    extra = sorted((k for k in got if k not in expected), key=repr)
-    different = sorted((k for k in expected if k in got and got[k] != expected[k]), key=repr)
+    """Keys missing from ``got``, extra in it, and with different hashes (maps in memory).
 
-    def few(keys: Iterable[Key]) -> list[str]:
-        return [shape.render(k) for k in list(keys)[:examples]]
+    The same bucket comparison as ``verify``, for maps small enough to hold.
+    """
+    with tempfile.TemporaryDirectory(prefix="cdc-verify-") as folder:
+        count = buckets or bucket_count(len(expected))
+        silver, spill = (
+            BucketSpill(Path(folder) / "silver", count),
+            BucketSpill(Path(folder) / target, count),
+        )
+        for side, hashes in ((silver, expected), (spill, got)):
+            for position, (key, content) in enumerate(hashes.items()):
+                side.add(key_text(key), content, position)
+        return _comparison(target, name, shape, compare_spills(silver, spill, examples))
 
-    shown = {
-        kind: few(keys)
-        for kind, keys in (("missing", missing), ("extra", extra), ("different", different))
-        if keys
-    }
-    return TargetComparison(target, name, len(got), len(missing), len(extra), len(different), shown)
+
+def _comparison(
+    target: str, name: str, shape: RowShape, result: BucketComparison
+) -> TargetComparison:
+    """The report's form of a bucket comparison: example keys rendered."""
+    shown = {kind: [shape.render(k) for k in keys] for kind, keys in result.examples.items()}
+    return TargetComparison(
+        target,
+        name,
+        result.rows,
+        result.counts["missing"],
+        result.counts["extra"],
+        result.counts["different"],
+        examples=shown,
+        buckets=result.buckets,
+        buckets_differing=result.buckets_differing,
+    )
 
 
 def verify(
@@ -315,14 +419,21 @@ def verify(
     *,
     targets: tuple[str, ...] = TARGETS,
     examples: int = 5,
+    buckets: int | None = None,
     spark: SparkSession | None = None,
 ) -> VerifyReport:
-    """Compare silver with each target for the selected entities (default: all)."""
+    """Compare silver with each target for the selected entities (default: all).
+
+    ``buckets``: N key buckets per entity; by default one per ``ROWS_PER_BUCKET`` rows
+    of silver.
+    """
     from cdc_shared.spark import build_spark_session
 
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise ValueError(f"unknown targets {unknown}; choose from {TARGETS}")
+    if buckets is not None and buckets < 1:
+        raise ValueError(f"buckets must be 1 or more, not {buckets}")
     entities = config.select_entities(entity_names)
     spark = spark or build_spark_session(config.spark, "cdc-verify")
     results = []
@@ -331,21 +442,20 @@ def verify(
         if not is_delta_table(spark, path):
             results.append(EntityVerification(entity.name, None, ()))
             continue
-        shape, expected = silver_hashes(spark, path, entity)
-        comparisons = []
-        for target in targets:
-            name = entity.es_index_name if target == "elasticsearch" else entity.change_topic_name
-            try:
-                got = (
-                    es_hashes(config, entity, shape)
-                    if target == "elasticsearch"
-                    else change_topic_hashes(config, entity, shape)
-                )
-            except (LookupError, KafkaException, ApiError, TransportError) as exc:
-                comparisons.append(TargetComparison(target, name, error=str(exc)))
-                continue
-            comparisons.append(compare(target, name, shape, expected, got, examples))
-        results.append(EntityVerification(entity.name, len(expected), tuple(comparisons)))
+        with tempfile.TemporaryDirectory(prefix=f"cdc-verify-{entity.name}-") as folder:
+            shape, silver = spill_silver(spark, path, entity, Path(folder) / "silver", buckets)
+            comparisons = []
+            for target in targets:
+                if target == "elasticsearch":
+                    name, records = entity.es_index_name, es_records(config, entity)
+                else:
+                    name, records = entity.change_topic_name, change_topic_records(config, entity)
+                try:
+                    comparison = compare_target(target, name, shape, silver, records, examples)
+                except (LookupError, KafkaException, ApiError, TransportError) as exc:
+                    comparison = TargetComparison(target, name, error=str(exc))
+                comparisons.append(comparison)
+        results.append(EntityVerification(entity.name, silver.records, tuple(comparisons)))
     return VerifyReport(tuple(results))
 
 
@@ -365,7 +475,8 @@ def render(report: VerifyReport) -> str:
             verdict = "agrees" if t.ok else "DIFFERS"
             lines.append(
                 f"{label}: {t.rows:,} keys, {verdict} "
-                f"(missing {t.missing}, extra {t.extra}, different {t.different})"
+                f"(missing {t.missing}, extra {t.extra}, different {t.different}; "
+                f"{t.buckets_differing:,} of {t.buckets:,} buckets differ)"
             )
             for kind, keys in t.examples.items():
                 lines.append(f"      {kind}: {'; '.join(keys)}")
