@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from cdc_cli.application import (
     Application,
     driver_memory,
     fair_scheduler_conf,
+    heap_capacity,
     select_services,
     without_service_endpoints,
 )
@@ -73,3 +77,35 @@ def test_the_driver_heap_grows_with_the_queries_unless_configured() -> None:
         == "3g"
     )
     assert driver_memory(400) == "6912m"  # rounded up to 256 MiB
+
+
+def test_tables_taken_up_beyond_the_heap_sized_at_start_are_warned_of_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Queries started later (tables an entity set selects while running) outgrow the heap
+    sized at start: one warning saying how to size it again; none while they fit."""
+    app = Application(PipelineConfig(entities=_tables(2)), list(SERVICE_NAMES))
+    app.spark_config()  # sized for 8 queries: 1024m, room for 32
+    assert heap_capacity(8) == 32
+
+    def running(queries: int) -> None:
+        share = {f"t{n}": object() for n in range(queries // 4)}
+        app.runners = {s: cast(Any, SimpleNamespace(queries=share)) for s in SERVICE_NAMES}
+        app.warn_if_heap_outgrown()
+
+    with caplog.at_level(logging.WARNING):
+        running(32)
+        assert caplog.records == []
+        running(36)
+        running(40)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("36 streaming queries run now, more than the 32 the driver heap")
+    assert "spark.driver.memory" in warning and "restart `cdc run`" in warning
+
+    configured = PipelineConfig(entities=_tables(2), spark={"conf": {"spark.driver.memory": "2g"}})
+    own = Application(configured, list(SERVICE_NAMES))
+    own.spark_config()
+    own.runners = {"merger": cast(Any, SimpleNamespace(queries={str(n): 0 for n in range(99)}))}
+    caplog.clear()
+    own.warn_if_heap_outgrown()
+    assert caplog.records == []  # the operator sized it: no guess of ours to warn about

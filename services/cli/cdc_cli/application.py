@@ -89,6 +89,11 @@ def fair_scheduler_conf(
     return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
 
 
+def _heap_mib(queries: int) -> int:
+    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
+    return -(-mib // 256) * 256
+
+
 def driver_memory(queries: int) -> str:
     """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
 
@@ -96,8 +101,29 @@ def driver_memory(queries: int) -> str:
     heap: with Spark's 1 GiB a few dozen of them exhaust it and the application dies of
     "GC overhead limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
     """
-    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
-    return f"{-(-mib // 256) * 256}m"
+    return f"{_heap_mib(queries)}m"
+
+
+def heap_capacity(queries: int) -> int:
+    """How many streaming queries the heap sized for ``queries`` holds (its rounding's room)."""
+    return (_heap_mib(queries) - BASE_HEAP_MIB) // HEAP_PER_QUERY_MIB
+
+
+def heap_outgrown(sized_for: int, running: int) -> str | None:
+    """A warning when ``running`` queries outgrew a heap sized at start for ``sized_for``.
+
+    The heap is fixed once the JVM runs; tables an entity set selects later (taken up
+    without a restart) add queries to it. A restart sizes it for the tables found then.
+    """
+    capacity = heap_capacity(sized_for)
+    if running <= capacity:
+        return None
+    return (
+        f"{running} streaming queries run now, more than the {capacity} the driver heap "
+        f"({driver_memory(sized_for)}) was sized for at start, as tables were taken up: "
+        "restart `cdc run` (it sizes the heap for the tables it finds) or set "
+        "spark.conf spark.driver.memory; an exhausted heap stops the application"
+    )
 
 
 def without_service_endpoints(config: PipelineConfig) -> PipelineConfig:
@@ -129,6 +155,8 @@ class Application:
         self._server: HealthServer | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="cdc-run-")
         self._spark = spark
+        self._heap_sized_for: int | None = None  # queries; None: spark.conf sets the heap
+        self._heap_warned = False
 
     @property
     def spark(self) -> SparkSession:
@@ -146,6 +174,7 @@ class Application:
         queries = len(self.config.select_entities(self.entity_names)) * len(self.services)
         heap = {DRIVER_MEMORY: driver_memory(queries)}
         if DRIVER_MEMORY not in self.config.spark.conf:
+            self._heap_sized_for = queries
             log.info(
                 "driver heap sized for the streaming queries",
                 extra={"queries": queries, DRIVER_MEMORY: heap[DRIVER_MEMORY]},
@@ -261,9 +290,20 @@ class Application:
                 self._server.stop()
             self._scratch.cleanup()
 
+    def warn_if_heap_outgrown(self) -> None:
+        """Warn once when tables taken up while running outgrew the heap sized at start."""
+        if self._heap_sized_for is None or self._heap_warned:
+            return
+        running = sum(len(runner.queries) for runner in list(self.runners.values()))
+        warning = heap_outgrown(self._heap_sized_for, running)
+        if warning is not None:
+            self._heap_warned = True
+            log.warning("%s", warning, extra={"service": APPLICATION, "queries": running})
+
     def supervise(self, runners: Sequence[Supervised]) -> None:
         """Run the runners side by side until all end; the first to fail stops the others.
 
+        Meanwhile it warns when the queries outgrew the heap (``warn_if_heap_outgrown``).
         Raises StreamFailedError naming every service that failed.
         """
 
@@ -288,6 +328,7 @@ class Application:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.5)  # the main thread stays free to take signals
+                self.warn_if_heap_outgrown()
         if self._failures:
             raise StreamFailedError("; ".join(self._failures.values()))
 
