@@ -9,9 +9,10 @@ request is being applied), restarts the Kafka broker, stops Elasticsearch for a 
 and slows it down (the server frozen in bursts). Asked for registry outages, the pipeline
 reads its schemas from the real registry through a loopback proxy, which answers HTTP 503
 for a while as a service restarts into it (a running service has its schemas cached, a
-starting one must ask). Given two modes, the run switches
-deployment halfway through the kills: it SIGKILLs every process of the first mode at
-once and goes on in the second on the same storage root. When load and faults are over
+starting one must ask). Given several modes, the run switches deployment at equal
+shares of the kills (services, application, services: after a third and two thirds):
+it SIGKILLs every process of one mode at once and goes on in the next on the same
+storage root. When load and faults are over
 and the pipeline caught up, it checks bronze + quarantine against the source topics' offsets,
 silver / change topics / indexes against the oracle, the change topics for duplicates,
 the quarantine for each poison record (and nothing else: a valid record quarantined,
@@ -125,8 +126,8 @@ class ChaosOptions:
     window_timeout_s: float = 60.0  # an aimed kill fires anyway after this long
     workdir: Path = Path("data/chaos")
     catch_up_timeout_s: float = 1800.0
-    # The deployments in turn (application: a kill takes every service down); with two,
-    # the run switches from the first to the second halfway through the kills.
+    # The deployments in turn (application: a kill takes every service down); the run
+    # switches from one to the next at equal shares of the kills (``switch_points``).
     modes: tuple[RunMode, ...] = (RunMode.SERVICES,)
 
 

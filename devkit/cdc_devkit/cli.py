@@ -288,9 +288,9 @@ def chaos(
         [RunMode.SERVICES],
         "--mode",
         help="services: four processes, each killed alone; application: one "
-        "(`cdc run`), each kill takes every service down. Given twice (e.g. services, then "
-        "application), the run kills every process at once halfway through the kills and "
-        "goes on in the second mode.",
+        "(`cdc run`), each kill takes every service down. Given more than once (e.g. "
+        "services, application, services), the run kills every process at once at equal "
+        "shares of the kills and goes on in the next mode.",
     ),
 ) -> None:
     """Run the pipeline under SIGKILLs, broker restarts, Elasticsearch and registry outages.

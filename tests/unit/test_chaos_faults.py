@@ -17,6 +17,7 @@ from cdc_devkit.chaos import (
     FaultRecord,
     plan_faults,
     summary_rows,
+    switch_points,
 )
 from cdc_devkit.checks import Difference, PoisonCheck
 
@@ -45,6 +46,14 @@ def test_registry_outages_are_planned_and_shuffled_with_the_other_faults() -> No
 
 def _table(result: ChaosResult) -> str:
     return "\n".join(f"{label:<28}{value}" for label, value in summary_rows(result))
+
+
+def test_deployments_switch_at_equal_shares_of_the_kills() -> None:
+    """Each mode before the last is killed; kills too few for the last switch: at the end."""
+    plan = ["kill", "es-outage", "kill", "broker-restart", "kill", "kill"]
+    assert switch_points(plan, 2) == [5]  # two kills in each mode
+    assert switch_points(plan, 3) == [5, 6]  # 2, 1, 1: the first mode the remainder
+    assert switch_points(["kill", "es-outage", "kill"], 3) == [3, 4]  # the third: at the end
 
 
 def test_the_summary_counts_registry_outages_and_the_requests_they_refused() -> None:
