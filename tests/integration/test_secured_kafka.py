@@ -2,7 +2,8 @@
 
 Debezium-style records produced by the admin land in bronze exactly once through the
 ingestor's own principal, which may only read its source topics; a wrong password stops
-the service at start with one line naming the broker and the mechanism; the password
+the service at start with one line naming the broker and the mechanism, and so does a CA
+bundle that did not sign the broker's certificate; the password
 shows in no log and no Spark plan. publisher-kafka's transactions run with only its rows
 of the ACL table (deploy/kafka-acls/README.md); a revoked Write on one change topic stops
 that entity's stream alone, naming the permission, and a restart once it is granted again
@@ -17,8 +18,10 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
+import trustme
 import yaml
 from cdc_devkit.workload import ProduceReport, ensure_topics, produce
 from cdc_ingestor.kafka_watch import KafkaWatch
@@ -415,6 +418,31 @@ def test_wrong_password_stops_at_start_with_one_line(
     assert "unreachable" not in warnings[0]
     logged = caplog.text + "".join(capfd.readouterr())
     assert wrong not in logged and secured_broker.password(INGESTOR) not in logged
+
+
+def test_an_untrusted_broker_certificate_stops_at_start_with_one_line(
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The right password, but a CA bundle that did not sign the broker's certificate (as
+    after the broker's certificate was renewed by another CA): one line naming the broker
+    and the TLS handshake, not "unreachable", and no retrying until a timeout."""
+    other_ca = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    document = yaml.safe_load(secured_pipeline.path.read_text())
+    document["kafka"]["tls"]["ca_file"] = str(other_ca)
+    secured_pipeline.path.write_text(yaml.safe_dump(document))
+    started = time.monotonic()
+    assert run_ingestor(secured_pipeline) == 1
+    assert time.monotonic() - started < 60
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert secured_broker.bootstrap_servers in errors[0], errors
+    assert "refused the TLS handshake" in errors[0], errors
+    assert "unreachable" not in caplog.text
+    assert secured_broker.password(INGESTOR) not in caplog.text
 
 
 def test_publisher_transactions_with_only_their_acls(secured_broker: SecuredBroker) -> None:
