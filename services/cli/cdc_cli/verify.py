@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -71,6 +71,7 @@ from cdc_cli.verify_buckets import (
 
 TARGETS = ("elasticsearch", "change_topic")
 Key = tuple[Any, ...]
+Canonical = Callable[[Any], Any]  # a value -> its canonical form
 KAFKA_TIMEOUT_S = 30.0
 
 
@@ -151,39 +152,74 @@ def _micros(value: Any, zoned: bool) -> int:
 
 def canonical(data_type: T.DataType, value: Any) -> Any:
     """``value`` in one JSON-able form per Spark type, whatever system it came from."""
-    if value is None:
-        return None
+    return converter(data_type)(value)
+
+
+def converter(data_type: T.DataType) -> Canonical:
+    """The function that brings values of ``data_type`` to their canonical form.
+
+    Chosen once per column: verify applies it to every value of every row, where a
+    choice by type per value costs as much as the conversion.
+    """
+    convert = _non_null(data_type)
+    return lambda value: None if value is None else convert(value)
+
+
+def _non_null(data_type: T.DataType) -> Canonical:
+    """``converter`` for values known not to be None."""
     if isinstance(data_type, T.TimestampType | T.TimestampNTZType):
-        return _micros(value, zoned=isinstance(data_type, T.TimestampType))
+        zoned = isinstance(data_type, T.TimestampType)
+        return lambda value: _micros(value, zoned)
     if isinstance(data_type, T.DateType):
-        return value.isoformat() if isinstance(value, dt.date) else str(value)[:10]
+        return lambda value: value.isoformat() if isinstance(value, dt.date) else str(value)[:10]
     if isinstance(data_type, T.DecimalType):
-        number = Decimal(str(value))
-        return str(number.quantize(Decimal(1).scaleb(-data_type.scale)))
+        quantum = Decimal(1).scaleb(-data_type.scale)
+        return lambda value: str(Decimal(str(value)).quantize(quantum))
     if isinstance(data_type, T.BinaryType):
-        if isinstance(value, bytes | bytearray):
-            return base64.b64encode(bytes(value)).decode()
-        return str(value)
+        return _binary
     if isinstance(data_type, T.FloatType | T.DoubleType):
-        real = float(value)
-        return repr(real) if math.isfinite(real) else str(real)
+        return _real
     if isinstance(data_type, T.IntegralType):
-        return int(value)
+        return int
     if isinstance(data_type, T.BooleanType):
-        return bool(value)
+        return bool
     if isinstance(data_type, T.StringType):
-        return str(value)
+        return str
     if isinstance(data_type, T.StructType):
-        record = value.asDict() if isinstance(value, T.Row) else dict(value)
-        return [canonical(f.dataType, record.get(f.name)) for f in data_type.fields]
+        fields = [(f.name, converter(f.dataType)) for f in data_type.fields]
+
+        def struct(value: Any) -> list[Any]:
+            record = value.asDict() if isinstance(value, T.Row) else dict(value)
+            return [convert(record.get(name)) for name, convert in fields]
+
+        return struct
     if isinstance(data_type, T.ArrayType):
-        return [canonical(data_type.elementType, v) for v in value]
+        element = converter(data_type.elementType)
+        return lambda value: [element(v) for v in value]
     if isinstance(data_type, T.MapType):
-        items = value.items() if isinstance(value, dict) else value
-        return sorted(
-            [canonical(data_type.keyType, k), canonical(data_type.valueType, v)] for k, v in items
-        )
+        key, item = converter(data_type.keyType), converter(data_type.valueType)
+
+        def entries(value: Any) -> list[list[Any]]:
+            pairs = value.items() if isinstance(value, dict) else value
+            return sorted([key(k), item(v)] for k, v in pairs)
+
+        return entries
+    return str
+
+
+def _binary(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(bytes(value)).decode()
     return str(value)
+
+
+def _real(value: Any) -> str:
+    real = float(value)
+    return repr(real) if math.isfinite(real) else str(real)
+
+
+#: The JSON text hashed: compact, keys sorted (one encoder: ``json.dumps`` makes one a call).
+_CONTENT_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -192,6 +228,13 @@ class RowShape:
 
     key: tuple[T.StructField, ...]
     fields: tuple[T.StructField, ...]
+    _key: tuple[tuple[str, Canonical], ...] = field(init=False, repr=False, compare=False)
+    _content: tuple[tuple[str, Canonical], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name, fields in (("_key", self.key), ("_content", self.fields)):
+            converters = tuple((f.name, converter(f.dataType)) for f in fields)
+            object.__setattr__(self, name, converters)
 
     @classmethod
     def of(cls, silver: T.StructType, entity: EntityConfig) -> RowShape:
@@ -201,13 +244,12 @@ class RowShape:
 
     def key_of(self, row: dict[str, Any]) -> Key:
         """The canonical key of a row (dict-like)."""
-        return tuple(canonical(f.dataType, row.get(f.name)) for f in self.key)
+        return tuple(convert(row.get(name)) for name, convert in self._key)
 
     def hash_of(self, row: dict[str, Any]) -> str:
         """SHA-256 of the canonical content."""
-        values = [canonical(f.dataType, row.get(f.name)) for f in self.fields]
-        text = json.dumps(values, separators=(",", ":"), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
+        values = [convert(row.get(name)) for name, convert in self._content]
+        return hashlib.sha256(_CONTENT_JSON.encode(values).encode()).hexdigest()
 
     def render(self, key: Key) -> str:
         """``id=5`` or ``order_id=7,line_no=2``."""
