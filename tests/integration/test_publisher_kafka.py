@@ -29,6 +29,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
+from support.change_topics import ChangeRecord
 from support.ingestion import generate, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
 from support.publishing import assert_change_topics_exactly_once, change_records, publish_once
@@ -97,15 +98,39 @@ def _set_max_message_bytes(kafka: KafkaConfig, topic: str, limit: int) -> None:
         time.sleep(0.2)
 
 
+def _assert_before_images_and_tombstones(records: list[ChangeRecord]) -> None:
+    """Each event's ``before`` is the row as its topic last showed it (None for an insert);
+    a tombstone (null value) follows each delete of its key at once."""
+    last_after: dict[object, dict[str, object] | None] = {}
+    deletes = 0
+    for position, record in enumerate(records):
+        key = record.key["id"]
+        if record.event is None:
+            previous = records[position - 1]
+            assert previous.event is not None and previous.event["op"] == "d"
+            assert previous.key == record.key
+            continue
+        op, before = record.event["op"], record.event["before"]
+        if op == "c":
+            assert before is None
+        else:
+            assert before == last_after[key]
+        deletes += op == "d"
+        last_after[key] = record.event["after"]
+    assert deletes > 0
+    assert sum(r.event is None for r in records) == deletes
+
+
 def test_change_topics_equal_silver_feed_and_oracle(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Exactly once, also across a replayed batch; an event over its topic's
-    max.message.bytes goes to quarantine while the rest goes on; a change topic deleted
-    since the last start stops the next one; a column selection narrows the events."""
+    """Exactly once, also across a replayed batch; before images and delete tombstones; an
+    event over its topic's max.message.bytes goes to quarantine while the rest goes on; a
+    change topic deleted since the last start stops the next one; a column selection
+    narrows the events."""
     pipeline = make_pipeline(
         merger={"max_files_per_trigger": 2, "metrics_port": 0},
         ingestor={"max_offsets_per_trigger": 1000, "metrics_port": 0},
@@ -113,6 +138,7 @@ def test_change_topics_equal_silver_feed_and_oracle(
             "max_files_per_trigger": 2,
             "metrics_port": 0,
             "include_before": True,
+            "delete_tombstones": True,
             "retry_attempts": 3,  # a transaction that cannot go through fails fast
             "max_backoff_s": 2,
         },
@@ -140,6 +166,7 @@ def test_change_topics_equal_silver_feed_and_oracle(
     publish_once(pipeline, spark)  # returns: the stream went on past the large event
     second = assert_change_topics_exactly_once(spark, pipeline, kafka_config, left_out)
     assert all(second[e] > first[e] for e in first)
+    _assert_before_images_and_tombstones(change_records(pipeline, kafka_config, "customers"))
     quarantine = config.layout.quarantine("publisher_kafka")
     (row,) = spark.read.format("delta").load(quarantine).collect()
     assert (row.service, row.entity, row.error_kind) == (
@@ -170,37 +197,6 @@ def test_change_topics_equal_silver_feed_and_oracle(
     assert f"change topic {customers.change_topic_name} holds less" in caplog.text
     assert f"--delete --group cdc-publisher-kafka.{customers.change_topic_name}" in caplog.text
     assert config.checkpoint_path("publisher_kafka", "customers") in caplog.text
-
-
-def test_before_images_and_delete_tombstones(
-    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
-) -> None:
-    pipeline = make_pipeline(
-        entities=("customers",),
-        publisher_kafka={"metrics_port": 0, "include_before": True, "delete_tombstones": True},
-    )
-    _load(pipeline, kafka_config, spark, part=0)
-    _load(pipeline, kafka_config, spark, part=1)
-    publish_once(pipeline, spark)
-    records = change_records(pipeline, kafka_config, "customers")
-    last_after: dict[object, dict[str, object] | None] = {}
-    deletes = 0
-    for position, record in enumerate(records):
-        key = record.key["id"]
-        if record.event is None:  # a tombstone follows its delete at once
-            previous = records[position - 1]
-            assert previous.event is not None and previous.event["op"] == "d"
-            assert previous.key == record.key
-            continue
-        op, before = record.event["op"], record.event["before"]
-        if op == "c":
-            assert before is None
-        else:  # before is the row as this topic last showed it
-            assert before == last_after[key]
-        deletes += op == "d"
-        last_after[key] = record.event["after"]
-    assert deletes > 0
-    assert sum(r.event is None for r in records) == deletes
 
 
 def test_a_limit_lowered_while_running_leaves_out_only_the_large_event(
