@@ -73,6 +73,7 @@ TARGETS = ("elasticsearch", "change_topic")
 Key = tuple[Any, ...]
 Canonical = Callable[[Any], Any]  # a value -> its canonical form
 KAFKA_TIMEOUT_S = 30.0
+STALL_S = 600.0  # reading a change topic fails after this long without a message
 
 
 @dataclass(frozen=True)
@@ -364,9 +365,12 @@ def change_topic_records(config: PipelineConfig, entity: EntityConfig) -> Iterat
         }
         assigned = [TopicPartition(topic, p, 0) for p in partitions if ends[p] > 0]
         consumer.assign(assigned)
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + STALL_S
         while assigned:
-            for message in consumer.consume(5000, timeout=0.5):
+            messages = consumer.consume(5000, timeout=0.5)
+            if messages:
+                deadline = time.monotonic() + STALL_S  # a big topic takes long; a stall fails
+            for message in messages:
                 if message.error() is not None:
                     raise LookupError(f"reading {topic}: {message.error()}")
                 value = message.value()
@@ -387,7 +391,10 @@ def change_topic_records(config: PipelineConfig, entity: EntityConfig) -> Iterat
             if all(tp.offset >= ends[tp.partition] for tp in positions):
                 break
             if time.monotonic() > deadline:
-                raise LookupError(f"could not read {topic} to its end in 600 s")
+                raise LookupError(
+                    f"could not read {topic} to its end: nothing read in {STALL_S:.0f} s "
+                    "(a transaction left open?)"
+                )
     finally:
         consumer.close()
 
