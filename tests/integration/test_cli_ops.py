@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -295,6 +296,34 @@ def _tombstones(spark: SparkSession, world: World) -> DataFrame:
     return spark.read.format("delta").load(world.pipeline.config.layout.tombstones(ENTITY))
 
 
+def _dry_run_then_run(world: World, spark: SparkSession, *args: str) -> dict[str, Any]:
+    """``cdc maintenance --dry-run`` then the run; the run's tables.
+
+    The dry run commits to no table; it counts the files the run's OPTIMIZE then
+    bin-packs, and its VACUUM lists at most what the run's deletes (the run's OPTIMIZE
+    replaces files too).
+    """
+    layout = world.pipeline.config.layout
+    paths = (layout.bronze(ENTITY), layout.silver(ENTITY), layout.tombstones(ENTITY))
+
+    def versions() -> list[int]:
+        return [DeltaTable.forPath(spark, p).history(1).first()["version"] for p in paths]
+
+    before = versions()
+    planned = cdc_json(*args, "--dry-run")
+    assert planned["dry_run"] is True and versions() == before
+    would = {t["table"]: t for t in planned["tables"]}
+    tables = {t["table"]: t for t in cdc_json(*args)["tables"]}
+    assert set(would) == set(tables)
+    silver = f"silver/{ENTITY}"
+    assert would[silver]["optimized_files_removed"] is None
+    assert tables[silver]["optimized_files_removed"] == would[silver]["files"] > 1
+    for table in would:
+        assert tables[table]["vacuumed_files"] >= would[table]["vacuumed_files"] >= 0, table
+        assert tables[table]["tombstones_expired"] == would[table]["tombstones_expired"], table
+    return tables
+
+
 def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stopped(
     world: World, spark: SparkSession
 ) -> None:
@@ -340,7 +369,9 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
     newest = _tombstones(spark, world).agg(F.max("deleted_at")).first()[0]
     assert newest.astimezone(dt.UTC) < dt.datetime.now(dt.UTC) - dt.timedelta(hours=hours)
     short = _maintenance_config(world, "short", metrics_port=port, tombstone_retention_hours=hours)
-    report = cdc_json(
+    tables = _dry_run_then_run(
+        world,
+        spark,
         *stopped,
         *short,
         "--ignore-service",
@@ -348,7 +379,6 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
         "--tombstone-retention-hours",
         str(hours),
     )
-    tables = {t["table"]: t for t in report["tables"]}
     assert set(tables) == {f"bronze/{ENTITY}", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
     assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == 0
     assert (
@@ -429,6 +459,10 @@ def test_maintenance_expires_tombstones_by_the_ingest_time_the_merger_reached(
     expected = _tombstones(spark, world).where(F.col("deleted_at") < F.lit(cutoff)).count()
     remaining = _tombstones(spark, world).count() - expected
     assert expected > 0
+    planned = cdc_json("maintenance", *args, "--dry-run")
+    would = {t["table"]: t for t in planned["tables"]}[f"silver/_tombstones/{ENTITY}"]
+    assert would["tombstones_expired"] == expected and "would expire" in would["tombstones_note"]
+    assert _tombstones(spark, world).count() == remaining + expected  # none expired yet
     report = cdc_json("maintenance", *args)
     expiry = {t["table"]: t for t in report["tables"]}[f"silver/_tombstones/{ENTITY}"]
     assert expiry["tombstones_expired"] == expected, expiry

@@ -256,6 +256,12 @@ def maintenance_command(
         help="A service that is not deployed (publisher_es, publisher_kafka, merger): its "
         "checkpoint, or its absence, does not hold VACUUM back. Repeatable.",
     ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check as a run would, then say what it would do (files VACUUM would delete, "
+        "tombstones that would expire, files OPTIMIZE would bin-pack); change nothing.",
+    ),
     writers_stopped: bool = typer.Option(
         False,
         "--writers-stopped",
@@ -280,6 +286,9 @@ def maintenance_command(
     Tombstones expire once the merger has merged events ingested
     merger.tombstone_retention_hours after them (bronze's ingest time, not the wall clock;
     null keeps them). --tombstone-retention-hours may only lengthen that.
+
+    --dry-run makes the same checks (and refuses what a run would), then reports what a
+    run would do, changing nothing.
     """
     import datetime as dt
 
@@ -307,6 +316,7 @@ def maintenance_command(
             writers_stopped=writers_stopped,
             force_short_retention=force_short_retention,
             quiet=dt.timedelta(minutes=quiet_minutes),
+            dry_run=dry_run,
         )
     _emit(as_json, report.to_dict, lambda: maintenance.render(report))
 

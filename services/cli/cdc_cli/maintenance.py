@@ -25,6 +25,12 @@ change-data files) longer ago than the retention. Two limits keep it safe:
 
 Both are checked before anything runs, and again right before each VACUUM.
 
+A dry run (``dry_run``) makes the same checks, refuses what a run would refuse, and
+changes nothing: it lists the files each VACUUM would delete (Delta's own ``VACUUM ...
+DRY RUN``, so the count is the one a VACUUM right then would delete, OPTIMIZE aside), the
+tombstones that would expire (counted by the same cutoff), and each table's file count
+for OPTIMIZE, which Delta cannot plan without running it.
+
 Tombstones (deleted keys and the sequence of their delete) stop a late, older event
 from resurrecting a deleted row. They expire as the merger expires them
 (``merger.tombstone_retention_hours``; ``null`` keeps them): once the merger has merged
@@ -78,6 +84,7 @@ HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 _INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
+_DELETED_AT = "deleted_at"  # a tombstone's time (cdc_merger.apply.expire_tombstones)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
@@ -120,9 +127,10 @@ class StreamNeed:
 
 @dataclass(frozen=True)
 class TableResult:
-    """What maintenance did to one table."""
+    """What maintenance did to one table (a dry run: what it would do)."""
 
     table: str
+    files: int | None = None  # a dry run's data files now, in place of OPTIMIZE's figures
     optimized_files_removed: int | None = None
     optimized_files_added: int | None = None
     vacuum_retention_hours: float | None = None
@@ -137,10 +145,12 @@ class MaintenanceReport:
 
     tables: list[TableResult] = field(default_factory=list)
     needs: list[StreamNeed] = field(default_factory=list)
+    dry_run: bool = False  # nothing was changed: the figures are what a run would do
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``cdc maintenance --json``)."""
         return {
+            "dry_run": self.dry_run,
             "tables": [asdict(t) for t in self.tables],
             "needs": [
                 {**asdict(n), "since": n.since.isoformat(timespec="seconds")} for n in self.needs
@@ -281,6 +291,12 @@ def compact(spark: SparkSession, path: str) -> tuple[int, int]:
         return 0, 0
     m = metrics["metrics"]
     return int(m["numFilesRemoved"]), int(m["numFilesAdded"])
+
+
+def data_file_count(spark: SparkSession, path: str) -> int:
+    """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
+    detail = DeltaTable.forPath(spark, path).detail().select("numFiles").head()
+    return 0 if detail is None else int(detail["numFiles"])
 
 
 def interval_hours(text: str) -> float:
@@ -535,12 +551,17 @@ def merged_ingest_time(
 
 
 def expire_by_ingest_time(
-    config: PipelineConfig, entity: EntityConfig, spark: SparkSession, hours: float | None
+    config: PipelineConfig,
+    entity: EntityConfig,
+    spark: SparkSession,
+    hours: float | None,
+    dry_run: bool = False,
 ) -> tuple[int, str]:
     """Expire the entity's tombstones as the merger does: (how many, which and why).
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
     recorded (:func:`merged_ingest_time`), through the merger's own ``expire_tombstones``.
+    ``dry_run``: count those that would go, and expire none.
     """
     if hours is None:
         return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
@@ -548,20 +569,34 @@ def expire_by_ingest_time(
     if until is None:
         return 0, "kept: the merger has merged nothing yet"
     cutoff = until - dt.timedelta(hours=hours)
-    expired = expire_tombstones(spark, config.layout.tombstones(entity.name), cutoff)
+    path = config.layout.tombstones(entity.name)
+    if dry_run:
+        table = spark.read.format("delta").load(path)
+        expired = table.where(F.col(_DELETED_AT) < F.lit(cutoff)).count()
+    else:
+        expired = expire_tombstones(spark, path, cutoff)
+    verb = "would expire" if dry_run else "expired"
     return expired, (
-        f"expired those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "
+        f"{verb} those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "
         f"hours of bronze ingest time before the last merged event's, "
         f"{until.isoformat(timespec='seconds')}"
     )
 
 
-def _vacuum(spark: SparkSession, path: str, hours: float, below_minimum: bool) -> int | None:
-    """VACUUM; Delta's own minimum check stays on unless a short retention was allowed."""
+def _vacuum(
+    spark: SparkSession, path: str, hours: float, below_minimum: bool, dry_run: bool = False
+) -> int | None:
+    """VACUUM (``dry_run``: list what it would delete); the files deleted (or listed).
+
+    Delta's own minimum check stays on unless a short retention was allowed.
+    """
     previous = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _VACUUM_LOGGING)}
     spark.conf.set(_RETENTION_CHECK, "false" if below_minimum else "true")
     spark.conf.set(_VACUUM_LOGGING, "true")
     try:
+        if dry_run:
+            listed = spark.sql(f"VACUUM delta.`{path}` RETAIN {hours!r} HOURS DRY RUN")
+            return listed.count()
         table = DeltaTable.forPath(spark, path)
         table.vacuum(hours)
         last = table.history(1).select("operation", "operationMetrics").head()
@@ -598,9 +633,13 @@ def run_maintenance(
     writers_stopped: bool = False,
     force_short_retention: bool = False,
     quiet: dt.timedelta = DEFAULT_QUIET,
+    dry_run: bool = False,
     spark: SparkSession | None = None,
 ) -> MaintenanceReport:
     """Check every retention first, then OPTIMIZE, VACUUM, expire tombstones.
+
+    ``dry_run``: the same checks and refusals, then what each step would do, changing
+    nothing (see the module docstring).
 
     ``vacuum_hours`` None skips VACUUM; ``tombstones`` False skips the tombstone tables.
     Tombstones expire by ``merger.tombstone_retention_hours`` or by a longer
@@ -615,7 +654,7 @@ def run_maintenance(
     from cdc_shared.spark import build_spark_session
 
     entities = config.select_entities(entity_names)
-    if s3a_bucket(config.storage_root) is not None and not writers_stopped:
+    if s3a_bucket(config.storage_root) is not None and not writers_stopped and not dry_run:
         # Delta's S3 log store orders commits within one JVM only (docs/operations.md): a
         # commit of ours (OPTIMIZE, VACUUM's log entries, tombstone expiry) racing the
         # ingestor's or merger's could overwrite theirs.
@@ -655,22 +694,24 @@ def run_maintenance(
             check_vacuum_retention([n for n in fresh if n.table == table], vacuum_hours)
         if table in below:
             check_services_stopped(config, entities, spark, short, vacuum_hours, quiet)
-        return _vacuum(spark, tables[table], vacuum_hours, table in below)
+        return _vacuum(spark, tables[table], vacuum_hours, table in below, dry_run)
 
-    report = MaintenanceReport(needs=all_needs)
+    report = MaintenanceReport(needs=all_needs, dry_run=dry_run)
     for entity in entities:
         for table in (f"bronze/{entity.name}", f"silver/{entity.name}"):
             if table not in tables:
                 continue
-            removed = added = vacuumed = None
-            if optimize:
+            removed = added = vacuumed = files = None
+            if optimize and dry_run:
+                files = data_file_count(spark, tables[table])
+            elif optimize:
                 removed, added = compact(spark, tables[table])
             if vacuum_hours is not None:
                 vacuumed = vacuum(entity, table)
-            report.tables.append(TableResult(table, removed, added, vacuum_hours, vacuumed))
+            report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:
-            expired, note = expire_by_ingest_time(config, entity, spark, expiry_hours)
+            expired, note = expire_by_ingest_time(config, entity, spark, expiry_hours, dry_run)
             vacuumed = None if vacuum_hours is None else vacuum(entity, table)
             report.tables.append(
                 TableResult(
@@ -687,7 +728,8 @@ def run_maintenance(
 def render(report: MaintenanceReport) -> str:
     """The report as text: the streams' needs, then one line per table."""
     now = dt.datetime.now(dt.UTC)
-    lines = ["streams still reading older versions:" if report.needs else "no stream lags"]
+    lines = ["dry run: nothing was changed"] if report.dry_run else []
+    lines.append("streams still reading older versions:" if report.needs else "no stream lags")
     lines.extend(
         f"  {n.table:<28} {n.service:<16} version {n.version} ({n.note}), "
         f"needs >= {math.ceil(n.hours(now))} h retention"
@@ -695,13 +737,17 @@ def render(report: MaintenanceReport) -> str:
     )
     for t in report.tables:
         parts = []
+        if t.files is not None:
+            parts.append(f"optimize would bin-pack {t.files} files")
         if t.optimized_files_removed is not None:
             parts.append(f"optimize {t.optimized_files_removed} -> {t.optimized_files_added} files")
         if t.tombstones_expired is not None:
-            parts.append(f"expired {t.tombstones_expired} tombstones")
+            verb = "would expire" if report.dry_run else "expired"
+            parts.append(f"{verb} {t.tombstones_expired} tombstones")
         if t.vacuum_retention_hours is not None:
             files = "?" if t.vacuumed_files is None else str(t.vacuumed_files)
-            parts.append(f"vacuum {t.vacuum_retention_hours:g} h: {files} files deleted")
+            deleted = "would be deleted" if report.dry_run else "deleted"
+            parts.append(f"vacuum {t.vacuum_retention_hours:g} h: {files} files {deleted}")
         lines.append(f"{t.table:<30} {'; '.join(parts) or 'nothing to do'}")
         if t.tombstones_note is not None:
             lines.append(f"{'':<30} tombstones {t.tombstones_note}")
