@@ -7,14 +7,14 @@ untracked columns only updates the version in place (its ``_cdc_seq`` is then th
 event folded into it).
 
 Per batch, for the keys it touches, the history is rebuilt from events: the keys'
-existing versions read back as events (an upsert at ``__start_at``, one at ``_cdc_seq``
-and a delete at ``__end_at``), the batch's events, the keys' tombstones and every
-truncate as deletes. Deduplicated by (key, sequence) and ordered by sequence, they give
-the versions again, which replace the keys' rows in one MERGE. Rebuilding what the
-history already holds gives the same rows, so a replayed batch changes nothing, and an
-event older than the newest version lands between the right two versions whatever order
-the batches came in. A late event older than a delete becomes a version closed by that
-delete: history never resurrects what silver keeps deleted.
+existing versions read back as events (each folded event an upsert with its own values,
+the end a delete), the batch's events, the keys' tombstones and every truncate as
+deletes. Deduplicated by (key, sequence) and ordered by sequence, they give the versions
+again, which replace the keys' rows in one MERGE. Rebuilding what the history already
+holds gives the same rows, so a replayed batch changes nothing, and an event older than
+the newest version lands between the right two versions whatever order the batches came
+in. A late event older than a delete becomes a version closed by that delete: history
+never resurrects what silver keeps deleted.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -41,14 +41,17 @@ END = "__end_at"  # array<long>: the sequence of the event that ended it; null: 
 START_TS = "__start_ts"  # the source's commit time of the event that began the version
 END_TS = "__end_ts"  # the source's commit time of the event that ended it (when known)
 PERIOD = (START, END, START_TS, END_TS)
-#: Every event folded into the version (sequence and source time), so a late delete,
-#: truncate or tracked change between two of them splits the version at the right event.
+#: Every event of the version (sequence, source time and its untracked columns' values as
+#: JSON), so a late delete, truncate or tracked change between two of them splits the
+#: version at the right event, and each part holds the values its own last event brought.
 FOLDED = "__folded"
+UNTRACKED = "untracked"  # the field of a folded event holding its untracked values
 _FOLDED_TYPE = T.ArrayType(
     T.StructType(
         [
             T.StructField(SEQUENCE, T.ArrayType(T.LongType()), True),
             T.StructField(SOURCE_TS, T.TimestampType(), True),
+            T.StructField(UNTRACKED, T.StringType(), True),
         ]
     )
 )
@@ -113,74 +116,27 @@ def write_history(
     ``events`` are the batch's ``history_events`` (None when it has none); ``truncates``
     the batch's truncates (sequence and source time): the keys with a version open at
     one are rebuilt too, so each such version closes there.
-    """
-    if events is not None:
-        _remember_deletes(spark, events, key, tombstone_path)
-    known, versions = rebuilt_versions(
-        spark, table, key, events, tombstone_path, truncate_path, truncates
-    )
-    _replace_versions(spark, table.path, key, known, versions)
 
-
-@on_conflict_retry
-def _remember_deletes(
-    spark: SparkSession, events: DataFrame, key: list[str], tombstone_path: str
-) -> None:
-    """Record every delete of the batch as a tombstone, not only each key's newest.
-
-    Silver needs only the newest; history needs each, since a delete that ended no
-    version yet ends the one a later-arriving older event begins. Older tombstones change
-    nothing for silver (the newest per key counts); one already recorded is not repeated.
-    """
-    tombstones = spark.read.format("delta").load(tombstone_path)
-    schema = tombstones.schema
-    deletes = events.where(F.col(OP) == DELETE).select(
-        *[F.col(f"`{k}`").try_cast(schema[k].dataType).alias(k) for k in key],
-        SEQUENCE,
-        F.current_timestamp().alias("deleted_at"),
-    )
-    new = deletes.join(tombstones.select(*key, SEQUENCE), on=[*key, SEQUENCE], how="left_anti")
-    new.coalesce(1).write.format("delta").mode("append").save(tombstone_path)
-
-
-def rebuilt_versions(
-    spark: SparkSession,
-    table: HistoryTable,
-    key: list[str],
-    events: DataFrame | None,
-    tombstone_path: str,
-    truncate_path: str,
-    truncates: list[tuple[list[int], object]],
-) -> tuple[DataFrame, DataFrame]:
-    """The rows the history holds of the keys the batch touches, and their versions rebuilt.
-
-    Touched: the keys of ``events`` and those with a version open at one of ``truncates``.
-    Rebuilt from every event known of them: the rows read back as events, the batch's
-    events and truncates, the keys' tombstones and every truncate remembered.
+    Each input is read once: the batch's events, the history rows of the keys it touches
+    and their tombstones are local checkpoints (three small jobs), the rebuild is one
+    shuffle by key, and its result the MERGE's source.
     """
     current = DeltaTable.forPath(spark, table.path).toDF()
     schema = current.schema
-    row_columns = [] if events is None else [c for c in events.columns if c not in _EVENT]
-    columns = list(
-        dict.fromkeys([*[f.name for f in schema.fields if f.name not in _META], *row_columns])
-    )
-
-    def typed(name: str) -> Column:
-        column = F.col(f"`{name}`")
-        return column.try_cast(schema[name].dataType) if name in schema.fieldNames() else column
-
-    parts: list[DataFrame] = []
-    touching: list[DataFrame] = []
+    batch: DataFrame | None = None
+    deletes = 0
     if events is not None:
-        batch = events.select(
-            *[typed(c).alias(c) for c in row_columns],
-            SEQUENCE,
-            OP,
-            SOURCE_TS,
-            F.when(F.col(OP) == DELETE, 2).otherwise(0).alias(_PRIORITY),
+        counted = Observation()
+        batch = (
+            events.select(
+                *[_typed(schema, c).alias(c) for c in events.columns if c not in _EVENT],
+                *_EVENT,
+            )
+            .observe(counted, F.count(F.when(F.col(OP) == DELETE, 1)).alias("deletes"))
+            .localCheckpoint(eager=True)
         )
-        parts.append(batch)
-        touching.append(batch.select(*key))
+        deletes = int(counted.get["deletes"])
+    touching: list[DataFrame] = [] if batch is None else [batch.select(*key)]
     if truncates:
         spanning = [
             (F.col(START) < sequence_literal(s))
@@ -188,18 +144,94 @@ def rebuilt_versions(
             for s, _ in truncates
         ]
         touching.append(current.where(reduce(lambda a, b: a | b, spanning)).select(*key))
-    touched = reduce(DataFrame.unionByName, touching).distinct()
-    known = current.join(touched, on=key, how="left_semi")
-    values = [c for c in known.columns if c not in _META]
+    touched = reduce(DataFrame.unionByName, touching).distinct().localCheckpoint(eager=True)
+    known = current.join(F.broadcast(touched), on=key, how="left_semi").localCheckpoint(eager=True)
+    tombstones = (
+        spark.read.format("delta")
+        .load(tombstone_path)
+        .join(F.broadcast(touched), on=key, how="left_semi")
+        .select(*key, SEQUENCE)
+        .localCheckpoint(eager=True)
+    )
+    if batch is not None and deletes:
+        _remember_deletes(spark, batch, key, tombstone_path, tombstones)
+    versions = rebuilt_versions(
+        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates
+    )
+    _replace_versions(spark, table.path, key, known, versions)
 
-    def upsert(sequence: str, at: str) -> list[Column]:
-        return [
-            *[F.col(f"`{c}`") for c in values],
-            F.col(sequence).alias(SEQUENCE),
-            F.lit("u").alias(OP),
-            F.col(at).alias(SOURCE_TS),
-            F.lit(1).alias(_PRIORITY),
-        ]
+
+def _typed(schema: T.StructType, name: str) -> Column:
+    """Column ``name`` cast to history's type of it (a column history lacks: as it is)."""
+    column = F.col(f"`{name}`")
+    return column.try_cast(schema[name].dataType) if name in schema.fieldNames() else column
+
+
+@on_conflict_retry
+def _remember_deletes(
+    spark: SparkSession,
+    batch: DataFrame,
+    key: list[str],
+    tombstone_path: str,
+    recorded: DataFrame,
+) -> None:
+    """Record every delete of the batch as a tombstone, not only each key's newest.
+
+    Silver needs only the newest; history needs each, since a delete that ended no
+    version yet ends the one a later-arriving older event begins. Older tombstones change
+    nothing for silver (the newest per key counts); one already ``recorded`` (the
+    tombstones of the batch's keys) is not repeated.
+    """
+    schema = spark.read.format("delta").load(tombstone_path).schema
+    deletes = batch.where(F.col(OP) == DELETE).select(
+        *[F.col(f"`{k}`").try_cast(schema[k].dataType).alias(k) for k in key],
+        SEQUENCE,
+        F.current_timestamp().alias("deleted_at"),
+    )
+    new = deletes.join(recorded, on=[*key, SEQUENCE], how="left_anti")
+    new.coalesce(1).write.format("delta").mode("append").save(tombstone_path)
+
+
+def rebuilt_versions(
+    spark: SparkSession,
+    table: HistoryTable,
+    key: list[str],
+    batch: DataFrame | None,
+    known: DataFrame,
+    touched: DataFrame,
+    tombstones: DataFrame,
+    truncate_path: str,
+    truncates: list[tuple[list[int], object]],
+) -> DataFrame:
+    """The versions of the ``touched`` keys, rebuilt from every event known of them.
+
+    ``known`` are the rows the history holds of them, read back as events: each folded
+    event an upsert with the version's tracked values and the event's own untracked ones,
+    the version's end a delete. With them: the ``batch``'s events and ``truncates``, the
+    keys' ``tombstones`` and every truncate remembered.
+
+    When two of these share a (key, sequence), the first by priority is kept: the batch's
+    upserts, the history's, the history's ends, the batch's deletes and truncates, then
+    tombstones and remembered truncates (their source time is unknown). An end the history
+    holds wins over the batch's delete at the same sequence, so a replayed delete does not
+    fill in a source time the first pass did not know: a replay changes nothing.
+    """
+    schema = known.schema
+    row_columns = [] if batch is None else [c for c in batch.columns if c not in _EVENT]
+    columns = list(
+        dict.fromkeys([*[f.name for f in schema.fields if f.name not in _META], *row_columns])
+    )
+    untracked = table.config.untracked_columns(columns, key)
+    types = {f.name: f.dataType for f in schema.fields}
+    if batch is not None:
+        types = {f.name: f.dataType for f in batch.schema.fields} | types
+    values_type = T.StructType([T.StructField(c, types[c], True) for c in untracked])
+
+    parts: list[DataFrame] = []
+    if batch is not None:
+        parts.append(
+            batch.select("*", F.when(F.col(OP) == DELETE, 3).otherwise(0).alias(_PRIORITY))
+        )
 
     def deletes(frame: DataFrame, priority: int) -> DataFrame:
         return frame.select(
@@ -210,37 +242,42 @@ def rebuilt_versions(
             F.lit(priority).alias(_PRIORITY),
         )
 
-    parts.append(known.select(*upsert(START, START_TS)))
-    parts.append(known.where(F.col(SEQUENCE) != F.col(START)).select(*upsert(SEQUENCE, SOURCE_TS)))
-    each = known.select("*", F.explode(FOLDED).alias("_folded"))
-    parts.append(each.select(*upsert("_folded." + SEQUENCE, "_folded." + SOURCE_TS)))
+    held = [c for c in known.columns if c not in _META]
+    each = known.select(*held, F.explode(FOLDED).alias("_f")).select(
+        *[F.col(f"`{c}`") for c in held if c not in untracked],
+        F.from_json(F.col(f"_f.{UNTRACKED}"), values_type, _JSON).alias("_v"),
+        F.col(f"_f.{SEQUENCE}").alias(SEQUENCE),
+        F.lit("u").alias(OP),
+        F.col(f"_f.{SOURCE_TS}").alias(SOURCE_TS),
+        F.lit(1).alias(_PRIORITY),
+    )
+    parts.append(each.select("*", *[F.col(f"_v.`{c}`").alias(c) for c in untracked]).drop("_v"))
     ended = known.where(F.col(END).isNotNull())
     parts.append(
-        deletes(ended.select(*key, F.col(END).alias(SEQUENCE), F.col(END_TS).alias(SOURCE_TS)), 3)
+        deletes(ended.select(*key, F.col(END).alias(SEQUENCE), F.col(END_TS).alias(SOURCE_TS)), 2)
     )
     if truncates:
         closing = frame_from_rows(spark, [(s, at) for s, at in truncates], _TRUNCATES)
         parts.append(deletes(closing.crossJoin(touched), 3))
-    tombstones = (
-        spark.read.format("delta")
-        .load(tombstone_path)
-        .join(touched, on=key, how="left_semi")
-        .select(*key, SEQUENCE)
-    )
     remembered = spark.read.format("delta").load(truncate_path).select(SEQUENCE)
     unknown_time = F.lit(None).cast(T.TimestampType()).alias(SOURCE_TS)
     parts.append(
         deletes(tombstones.unionByName(remembered.crossJoin(touched)).select("*", unknown_time), 4)
     )
     every = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), parts)
-    untracked = table.config.untracked_columns(columns, key)
-    return known, _versions(every, key, columns, untracked)
+    return _versions(every, key, columns, untracked)
 
 
 #: History's own columns (the period and the newest event folded into the version).
 _META = (*PERIOD, SEQUENCE, SOURCE_TS, FOLDED)
 #: An event's columns besides the row's.
 _EVENT = (SEQUENCE, OP, SOURCE_TS)
+#: Folded events' untracked values as JSON: timestamps to the microsecond (the default
+#: keeps milliseconds), so a value read back is the value written.
+_JSON = {
+    "timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+    "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS",
+}
 #: A batch's truncates: sequence and source time.
 _TRUNCATES = T.StructType(
     [
@@ -253,12 +290,18 @@ _TRUNCATES = T.StructType(
 def _versions(
     events: DataFrame, key: list[str], columns: list[str], untracked: list[str]
 ) -> DataFrame:
-    """Versions from events: dedupe by (key, sequence), order, fold, intervals from lead()."""
+    """Versions from events: dedupe by (key, sequence), order, fold, ends from lead().
+
+    One shuffle by key: every window and the grouping are within a key. A version's end
+    is the event after its last upsert (the next version's first, or a delete).
+    """
+    by_key = events.repartition(*key)
     same = Window.partitionBy(*key, SEQUENCE).orderBy(
         F.col(_PRIORITY), F.col(SOURCE_TS).desc_nulls_last()
     )
-    unique = events.withColumn("_n", F.row_number().over(same)).where(F.col("_n") == 1)
+    unique = by_key.withColumn("_n", F.row_number().over(same)).where(F.col("_n") == 1)
     order = Window.partitionBy(*key).orderBy(SEQUENCE)
+    running = order.rowsBetween(Window.unboundedPreceding, 0)
     tracked_names = [c for c in columns if c not in key and c not in untracked]
     tracked = F.struct(*[F.col(f"`{c}`") for c in tracked_names]) if tracked_names else F.lit(True)
     is_delete = F.col(OP) == DELETE
@@ -266,36 +309,39 @@ def _versions(
     new_version = ~is_delete & (
         before.isNull() | (before == DELETE) | ~F.lag(tracked).over(order).eqNullSafe(tracked)
     )
-    flagged = unique.withColumn("_new", new_version)
-    boundaries = flagged.where(F.col("_new") | is_delete).select(
-        *key,
-        F.col("_new"),
-        F.col(SEQUENCE).alias(START),
-        F.lead(SEQUENCE).over(order).alias(END),
-        F.col(SOURCE_TS).alias(START_TS),
-        F.lead(SOURCE_TS).over(order).alias(END_TS),
+    flagged = unique.select(
+        "*",
+        new_version.alias("_new"),
+        F.lead(SEQUENCE).over(order).alias("_next"),
+        F.lead(SOURCE_TS).over(order).alias("_next_ts"),
     )
-    periods = boundaries.where(F.col("_new")).drop("_new")
-    running = Window.partitionBy(*key).orderBy(SEQUENCE).rowsBetween(Window.unboundedPreceding, 0)
     upserts = flagged.withColumn("_version", F.sum(F.col("_new").cast("int")).over(running)).where(
         ~is_delete
     )
     others = [c for c in columns if c not in key]
     newest = F.max_by(
-        F.struct(*[F.col(f"`{c}`") for c in others], SEQUENCE, SOURCE_TS), F.col(SEQUENCE)
+        F.struct(*[F.col(f"`{c}`") for c in others], SEQUENCE, SOURCE_TS, "_next", "_next_ts"),
+        F.col(SEQUENCE),
     )
+    first = F.min_by(F.struct(SEQUENCE, SOURCE_TS), F.col(SEQUENCE))
+    values = F.to_json(F.struct(*[F.col(f"`{c}`") for c in untracked]), _JSON)
     grouped = upserts.groupBy(*key, "_version").agg(
-        F.min(SEQUENCE).alias(START),
+        first.alias("_first"),
         newest.alias("_newest"),
-        F.array_sort(F.collect_list(F.struct(SEQUENCE, SOURCE_TS))).alias(FOLDED),
+        F.array_sort(F.collect_list(F.struct(SEQUENCE, SOURCE_TS, values.alias(UNTRACKED)))).alias(
+            FOLDED
+        ),
     )
-    return grouped.join(periods, on=[*key, START]).select(
+    return grouped.select(
         *key,
         *[F.col(f"_newest.`{c}`").alias(c) for c in others],
-        *PERIOD,
+        F.col(f"_first.{SEQUENCE}").alias(START),
+        F.col("_newest._next").alias(END),
+        F.col(f"_first.{SOURCE_TS}").alias(START_TS),
+        F.col("_newest._next_ts").alias(END_TS),
         F.col(f"_newest.{SEQUENCE}").alias(SEQUENCE),
         F.col(f"_newest.{SOURCE_TS}").alias(SOURCE_TS),
-        F.filter(FOLDED, lambda e: e[SEQUENCE] != F.col(START)).alias(FOLDED),
+        FOLDED,
     )
 
 
