@@ -113,15 +113,20 @@ class EntityPublication(EntityStreamBase):
                 self.contract.topic,
                 on_problem=self.set_problem,
             )
+            started = False
             try:
                 publisher.start()
+                started = True
             except ChangeTopicResetError as exc:
                 raise StreamFailedError(f"{exc}. {self._republish_hint(publisher)}") from None
             except TransactionalIdRefusedError as exc:  # no transaction at all: the service
                 raise StreamFailedError(f"stream for entity {self.entity.name!r} {exc}") from None
             except PermissionRefusedError as exc:  # its own topic or group: this entity alone
                 raise EntityStoppedError(str(exc)) from None
-            self.publisher = publisher  # only once started: a failed start is made again
+            finally:
+                if not started:  # its producer and consumer: a failed start is made anew
+                    publisher.close()
+            self.publisher = publisher  # only once started
 
     def _republish_hint(self, publisher: TransactionalPublisher) -> str:
         """How to publish silver again into a change topic that was recreated."""
