@@ -22,8 +22,9 @@ digests differ are compared key by key (``cdc_cli.verify_buckets``). N is silver
 count over ``ROWS_PER_BUCKET`` (or ``--buckets``). Memory bound of this process: a
 16 MiB write buffer, N digests, and while comparing one bucket of silver and one of the
 target (about ``ROWS_PER_BUCKET`` keys each, a few MiB), whatever the table's size; plus
-the batch of rows pyspark hands over from the partition being read. Disk: about 100
-bytes per row and side under ``$TMPDIR``, removed at the end.
+the rows pyspark hands over from the partition being read (silver is repartitioned into
+``ROWS_PER_TRANSFER`` rows a partition, so the driver JVM collects no more at a time).
+Disk: about 100 bytes per row and side under ``$TMPDIR``, removed at the end.
 
 Rows are hashed here, not in Spark: the executors run no Python (docs/operations.md),
 and the canonical forms (Python's float ``repr``, its JSON text) have no exact Spark SQL
@@ -73,6 +74,7 @@ TARGETS = ("elasticsearch", "change_topic")
 Key = tuple[Any, ...]
 Canonical = Callable[[Any], Any]  # a value -> its canonical form
 KAFKA_TIMEOUT_S = 30.0
+ROWS_PER_TRANSFER = 100_000  # silver rows per partition handed to this process
 STALL_S = 600.0  # reading a change topic fails after this long without a message
 
 
@@ -277,8 +279,12 @@ def spill_silver(
     the module docstring for why not in Spark).
     """
     shape, frame = _silver(spark, path, entity)
-    spill = BucketSpill(folder, buckets or bucket_count(frame.count()))
-    for position, row in enumerate(frame.toLocalIterator()):
+    rows = frame.count()
+    spill = BucketSpill(folder, buckets or bucket_count(rows))
+    # toLocalIterator collects one partition at a time in the driver: a table's files
+    # make partitions of millions of rows, too big to collect; these are small.
+    small = frame.repartition(max(1, math.ceil(rows / ROWS_PER_TRANSFER)))
+    for position, row in enumerate(small.toLocalIterator()):
         record = row.asDict(recursive=False)
         spill.add(key_text(shape.key_of(record)), shape.hash_of(record), position)
     return shape, spill
