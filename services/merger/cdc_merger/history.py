@@ -58,6 +58,7 @@ _FOLDED_TYPE = T.ArrayType(
 DELETE = "d"  # the op of a delete (a truncate is one for every key)
 _PRIORITY = "_cdc_priority"  # which of the events of one (key, sequence) is kept
 _DROP = "_cdc_drop"
+_HELD = "_cdc_held"  # an event that began a version the history held
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def write_history(
     versions = rebuilt_versions(
         spark, table, key, batch, known, touched, tombstones, truncate_path, truncates
     )
-    _replace_versions(spark, table.path, key, known, versions)
+    _replace_versions(spark, table.path, key, set(known.columns), versions)
 
 
 def _typed(schema: T.StructType, name: str) -> Column:
@@ -203,7 +204,9 @@ def rebuilt_versions(
     truncate_path: str,
     truncates: list[tuple[list[int], object]],
 ) -> DataFrame:
-    """The versions of the ``touched`` keys, rebuilt from every event known of them.
+    """The ``touched`` keys' versions rebuilt, and the held ones now begun by none.
+
+    Rebuilt from every event known of them; the rows to delete as ``_versions`` says.
 
     ``known`` are the rows the history holds of them, read back as events: each folded
     event an upsert with the version's tracked values and the event's own untracked ones,
@@ -243,13 +246,14 @@ def rebuilt_versions(
         )
 
     held = [c for c in known.columns if c not in _META]
-    each = known.select(*held, F.explode(FOLDED).alias("_f")).select(
+    each = known.select(*held, START, F.explode(FOLDED).alias("_f")).select(
         *[F.col(f"`{c}`") for c in held if c not in untracked],
         F.from_json(F.col(f"_f.{UNTRACKED}"), values_type, _JSON).alias("_v"),
         F.col(f"_f.{SEQUENCE}").alias(SEQUENCE),
         F.lit("u").alias(OP),
         F.col(f"_f.{SOURCE_TS}").alias(SOURCE_TS),
         F.lit(1).alias(_PRIORITY),
+        (F.col(f"_f.{SEQUENCE}") == F.col(START)).alias(_HELD),
     )
     parts.append(each.select("*", *[F.col(f"_v.`{c}`").alias(c) for c in untracked]).drop("_v"))
     ended = known.where(F.col(END).isNotNull())
@@ -293,13 +297,19 @@ def _versions(
     """Versions from events: dedupe by (key, sequence), order, fold, ends from lead().
 
     One shuffle by key: every window and the grouping are within a key. A version's end
-    is the event after its last upsert (the next version's first, or a delete).
+    is the event after its last upsert (the next version's first, or a delete). Besides
+    the versions (``_cdc_drop`` false), the (key, ``__start_at``) of each version the
+    history held that begins no version any more (``_cdc_drop`` true: an older event with
+    the same tracked values moved its start), so the MERGE deletes it.
     """
     by_key = events.repartition(*key)
-    same = Window.partitionBy(*key, SEQUENCE).orderBy(
-        F.col(_PRIORITY), F.col(SOURCE_TS).desc_nulls_last()
+    at = Window.partitionBy(*key, SEQUENCE)
+    same = at.orderBy(F.col(_PRIORITY), F.col(SOURCE_TS).desc_nulls_last())
+    unique = (
+        by_key.withColumn("_n", F.row_number().over(same))
+        .withColumn(_HELD, F.max(F.coalesce(F.col(_HELD), F.lit(False))).over(at))
+        .where(F.col("_n") == 1)
     )
-    unique = by_key.withColumn("_n", F.row_number().over(same)).where(F.col("_n") == 1)
     order = Window.partitionBy(*key).orderBy(SEQUENCE)
     running = order.rowsBetween(Window.unboundedPreceding, 0)
     tracked_names = [c for c in columns if c not in key and c not in untracked]
@@ -332,7 +342,10 @@ def _versions(
             FOLDED
         ),
     )
-    return grouped.select(
+    gone = flagged.where(F.col(_HELD) & ~F.col("_new")).select(
+        *key, F.col(SEQUENCE).alias(START), F.lit(True).alias(_DROP)
+    )
+    versions = grouped.select(
         *key,
         *[F.col(f"_newest.`{c}`").alias(c) for c in others],
         F.col(f"_first.{SEQUENCE}").alias(START),
@@ -342,29 +355,25 @@ def _versions(
         F.col(f"_newest.{SEQUENCE}").alias(SEQUENCE),
         F.col(f"_newest.{SOURCE_TS}").alias(SOURCE_TS),
         FOLDED,
+        F.lit(False).alias(_DROP),
     )
+    return versions.unionByName(gone, allowMissingColumns=True)
 
 
 @on_conflict_retry
 def _replace_versions(
-    spark: SparkSession, path: str, key: list[str], known: DataFrame, versions: DataFrame
+    spark: SparkSession, path: str, key: list[str], existing: set[str], versions: DataFrame
 ) -> None:
     """Replace the touched keys' rows by ``versions`` in one MERGE on (key, ``__start_at``).
 
-    ``known`` are the rows the history held of those keys: the ones the rebuild no longer
-    has (an older event with the same tracked values moves a version's start) are
-    deleted. Unchanged rows are left alone, so a replay changes no row.
+    ``versions`` also name the rows to delete (``_cdc_drop``): versions the history held
+    that begin no version any more. ``existing``: the history's columns. Unchanged rows
+    are left alone, so a replay changes no row.
     """
     history = DeltaTable.forPath(spark, path)
     on = [*key, START]
-    gone = known.select(*on).join(versions.select(*on), on=on, how="left_anti")
-    source = (
-        versions.withColumn(_DROP, F.lit(False))
-        .unionByName(gone.withColumn(_DROP, F.lit(True)), allowMissingColumns=True)
-        .localCheckpoint(eager=True)  # read before the MERGE changes its target
-    )
-    columns = list(versions.columns)
-    existing = set(known.columns)
+    source = versions.localCheckpoint(eager=True)  # read before the MERGE changes its target
+    columns = [c for c in versions.columns if c != _DROP]
     if set(columns) <= existing:
         changed = " OR ".join(f"NOT (t.`{c}` <=> s.`{c}`)" for c in columns)
     else:
