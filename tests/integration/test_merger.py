@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -17,6 +18,7 @@ from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
+from support.history import assert_history_equals_bronze
 from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
 from support.silver import (
@@ -31,6 +33,10 @@ MERGER = str(Path(sys.executable).with_name("cdc-merger"))
 # SIGKILLs per test: two land in the dangerous window (after the sink's commit, before
 # the checkpoint's), the third elsewhere; every restart costs a Spark start.
 KILLS = 3
+
+
+def _logged_since(log: Path, offset: int, text: str) -> bool:
+    return text in log.read_text()[offset:]
 
 
 def silver_version(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:
@@ -74,6 +80,9 @@ def test_workload_through_ingestor_and_merger_equals_oracle(
 def test_exactly_once_effect_under_sigkill(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
+    """SIGKILLs of the merger, two right after a silver commit: silver equals the oracle,
+    its feed repeats nothing, and the SCD type 2 history written in the same batches
+    equals the history the bronze events make (phone untracked: updated in place)."""
     pipeline = make_pipeline(
         entities=("customers",),
         merger={
@@ -82,6 +91,7 @@ def test_exactly_once_effect_under_sigkill(
             "metrics_port": 0,
         },
         ingestor={"max_offsets_per_trigger": 600, "metrics_port": 0},
+        overrides={"customers": {"history": {"enabled": True, "except_columns": ["phone"]}}},
     )
     produce(
         kafka_config,
@@ -95,27 +105,38 @@ def test_exactly_once_effect_under_sigkill(
     rng = random.Random(11)
     log = tmp_path / "merger.log"
     for kill in range(KILLS):  # two of them in the dangerous window
+        logged = log.stat().st_size if log.exists() else 0
         process = subprocess.Popen(
             [MERGER, "--config", str(pipeline.path)],
             stdout=subprocess.DEVNULL,
             stderr=log.open("ab"),
             start_new_session=True,
         )
-        if kill % 2 == 0:  # right after a silver commit, before the checkpoint commit
-            seen = len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0
+        if kill % 2 == 0:  # right after a batch's silver commit, before the checkpoint's
+            # (version 0, the table's creation, is no batch's)
+            seen = max(1, len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0)
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and (
-                not log_dir.is_dir() or len(list(log_dir.glob("*.json"))) == seen
+                not log_dir.is_dir() or len(list(log_dir.glob("*.json"))) <= seen
             ):
                 time.sleep(0.02)
-        else:
-            time.sleep(rng.uniform(6, 12))
+        else:  # anywhere in the batches, once the stream runs
+            started = functools.partial(_logged_since, log, logged, '"stream started"')
+            wait_for(started, timeout_s=120)
+            time.sleep(rng.uniform(1, 6))
         assert process.poll() is None, f"merger died by itself; see {log}"
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
-    merge_once(pipeline, spark)  # the drain: in this process, whose Spark is warm
+    # The drain: in this process, whose Spark is warm, in one batch.
+    merger = pipeline.config.merger.model_copy(update={"max_files_per_trigger": 100_000})
+    start_merger(
+        pipeline.config.model_copy(update={"merger": merger}), once=True, spark=spark
+    ).run()
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)
+    versions = assert_history_equals_bronze(spark, pipeline, "customers")
+    keys = spark.read.format("delta").load(pipeline.config.layout.silver("customers")).count()
+    assert versions > keys  # updates and deletes made more versions than keys alive
 
 
 def test_bronze_schema_change_is_merged_without_a_restart(
