@@ -84,7 +84,6 @@ HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 _INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
-_DELETED_AT = "deleted_at"  # a tombstone's time (cdc_merger.apply.expire_tombstones)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
@@ -570,11 +569,7 @@ def expire_by_ingest_time(
         return 0, "kept: the merger has merged nothing yet"
     cutoff = until - dt.timedelta(hours=hours)
     path = config.layout.tombstones(entity.name)
-    if dry_run:
-        table = spark.read.format("delta").load(path)
-        expired = table.where(F.col(_DELETED_AT) < F.lit(cutoff)).count()
-    else:
-        expired = expire_tombstones(spark, path, cutoff)
+    expired = expire_tombstones(spark, path, cutoff, dry_run)
     verb = "would expire" if dry_run else "expired"
     return expired, (
         f"{verb} those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "
