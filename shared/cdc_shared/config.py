@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc_shared.layout import StorageLayout
+from cdc_shared.layout import ALL_ENTITIES, INGESTOR, StorageLayout
 from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
@@ -436,6 +436,10 @@ class IngestorConfig(StreamingServiceConfig):
     # Records whose writer schema the reader cannot resolve: stop the entity (docs/design.md),
     # or quarantine them as incompatible_schema and go on.
     on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
+    # One streaming query reads every entity's topic (one Kafka source, the batch split
+    # by topic), instead of one query per entity: what an idle table costs drops to
+    # nothing (docs/configuration.md, "One ingestion query for all tables").
+    one_query: bool = False
 
 
 class MergerConfig(StreamingServiceConfig):
@@ -998,7 +1002,13 @@ class PipelineConfig(BaseSettings):
         return StorageLayout(self.storage_root)
 
     def checkpoint_path(self, service: str, entity: str) -> str:
-        """``<storage_root>/_checkpoints/<service>/<entity>``."""
+        """``<storage_root>/_checkpoints/<service>/<entity>``: where ``entity``'s stream resumes.
+
+        With ``ingestor.one_query`` every entity's ingestion resumes from the one query's
+        checkpoint, ``_checkpoints/ingestor/_all`` (its offsets are keyed by topic).
+        """
+        if service == INGESTOR and self.ingestor.one_query:
+            entity = ALL_ENTITIES
         return self.layout.checkpoint(service, entity)
 
 

@@ -18,6 +18,10 @@ PUBLISHER_ES = "publisher_es"
 SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The services that quarantine what they cannot process (publisher-kafka: oversized events).
 QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
+#: The name, in place of an entity's, of a service's one query over all its entities
+#: (``ingestor.one_query``): its checkpoint folder and its stream in ``/health``. No
+#: entity can take it: entity names start with a letter.
+ALL_ENTITIES = "_all"
 
 
 def display_name(service: str) -> str:

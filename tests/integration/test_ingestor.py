@@ -12,7 +12,7 @@ import pytest
 from cdc_devkit.workload import (
     produce,
 )
-from cdc_ingestor import main as ingestor_main
+from cdc_ingestor import ingestion as ingestor_main
 from cdc_ingestor.main import start
 from cdc_shared.config import KafkaConfig
 from cdc_shared.streaming import StreamFailedError

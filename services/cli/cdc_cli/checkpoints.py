@@ -3,7 +3,8 @@
 Both ``cdc status`` and ``cdc maintenance`` need to know how far each stream got. A
 Structured Streaming checkpoint records, per micro-batch ``n``, the end offsets of its
 sources in ``offsets/<n>`` and marks the batch done with ``commits/<n>``; the offsets of the
-last committed batch are where the stream resumes; telling whether a Delta source read
+last committed batch are where the stream resumes (read by
+:mod:`cdc_shared.stream_checkpoint`, which the ingestor shares); telling whether a Delta source read
 the version its offset names to the end can take one commit file of the table's log
 (:func:`delta_position`).
 
@@ -26,19 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from cdc_shared.stream_checkpoint import CommittedBatch, HadoopFiles
+from cdc_shared.stream_checkpoint import last_committed_batch as read_last_committed_batch
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 # Delta's END_INDEX (Long.MaxValue - 100) marks "every file of this version was read".
 _END_INDEX_THRESHOLD = 1 << 62
-
-
-@dataclass(frozen=True)
-class CommittedBatch:
-    """The last micro-batch a stream committed, and its sources' end offsets (parsed JSON)."""
-
-    batch_id: int
-    sources: tuple[Any, ...]
 
 
 @runtime_checkable
@@ -84,32 +80,9 @@ def last_committed_batch(
 ) -> CommittedBatch | None:
     """The last committed batch of the stream checkpointed at ``checkpoint``; None if none.
 
-    A batch planned but not committed (``offsets/<n>`` without ``commits/<n>``) is run again
-    from the previous batch's end on restart, so it is ignored here.
+    (:func:`cdc_shared.stream_checkpoint.last_committed_batch`, through either reader.)
     """
-    reader = state_reader(source)
-    folder = checkpoint.rstrip("/")
-    commits = reader.list_names(f"{folder}/commits")
-    done = [int(name) for name in commits or [] if name.isdigit()]
-    if not done:
-        return None
-    batch_id = max(done)
-    text = reader.read_text_if_exists(f"{folder}/offsets/{batch_id}")
-    if text is None:
-        raise FileNotFoundError(
-            f"the stream checkpoint {checkpoint} committed batch {batch_id} but has no "
-            f"offsets/{batch_id}: the checkpoint is damaged; restore it or rebuild the stream"
-        )
-    return CommittedBatch(batch_id, parse_offsets(text))
-
-
-def parse_offsets(text: str) -> tuple[Any, ...]:
-    """The sources' end offsets in an ``offsets/<n>`` file (None for a source without one).
-
-    Line 1 is the format version, line 2 the batch metadata, then one line per source.
-    """
-    lines = text.splitlines()
-    return tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])
+    return read_last_committed_batch(state_reader(source), checkpoint)
 
 
 @dataclass(frozen=True)
@@ -254,30 +227,12 @@ def as_utc(value: dt.datetime) -> dt.datetime:
     return value.astimezone(dt.UTC)
 
 
-class SparkState:
+class SparkState(HadoopFiles):
     """A :class:`StateReader` through a SparkSession: Hadoop's file systems and Delta Lake.
 
     Timestamps are those of Delta Lake's history: the commit file's modification time,
     unless the table has in-commit timestamps.
     """
-
-    def __init__(self, spark: SparkSession) -> None:
-        self.spark = spark
-
-    def list_names(self, path: str) -> list[str] | None:
-        """Names of the entries in the folder ``path``; None when it does not exist."""
-        from cdc_shared.jvm_bridge import hadoop_path
-
-        fs, folder = hadoop_path(self.spark, path)
-        if not fs.exists(folder):
-            return None
-        return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
-
-    def read_text_if_exists(self, path: str) -> str | None:
-        """The file ``path`` as UTF-8 text; None when there is no such file."""
-        from cdc_shared.jvm_bridge import read_text_if_exists
-
-        return read_text_if_exists(self.spark, path)
 
     def table_version(self, path: str) -> int | None:
         """The latest version of the Delta table at ``path``; None when there is no table."""

@@ -15,7 +15,7 @@ from cdc_shared.clients import (
     kafka_missing_permission,
 )
 from cdc_shared.config import PipelineConfig
-from cdc_shared.layout import INGESTOR
+from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.streaming import Failure, OnFailure
 
 from cdc_ingestor.incompatible_schema import INCOMPATIBLE
@@ -48,7 +48,7 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
                 entity_only=True,
             )
         if KAFKA_DATA_LOSS.search(error):
-            topic = config.entity(entity).source_topic
+            topic = _topic_named(config, entity, error)
             partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
             where = ", ".join(map(str, partitions)) or "unknown (see Spark's reason)"
             spark_reason = re.search(r"Reason: (.*)", error)  # Spark's KAFKA_DATA_LOSS line
@@ -68,7 +68,7 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
         if KAFKA_TOPIC_AUTHORIZATION_FAILED.search(error):
             # The driver only describes the topic (offsets); the executors read it.
             operation = "Describe" if "KafkaOffsetReader" in error else "Read"
-            topic = config.entity(entity).source_topic
+            topic = _topic_named(config, entity, error)
             return Failure(
                 kafka_missing_permission(config.kafka, operation, "topic", topic),
                 entity_only=True,  # the other entities' topics have their own ACLs
@@ -82,3 +82,16 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
         return None
 
     return read
+
+
+def _topic_named(config: PipelineConfig, stream: str, error: str) -> str:
+    """The source topic a failure of ``stream`` is about.
+
+    An entity's stream reads one topic; the one query (``ALL_ENTITIES``) reads them all:
+    the first topic the error names (every one when it names none).
+    """
+    if stream != ALL_ENTITIES:
+        return config.entity(stream).source_topic
+    topics = [entity.source_topic for entity in config.entities]
+    named = [topic for topic in topics if re.search(rf"\b{re.escape(topic)}-\d+", error)]
+    return named[0] if named else ", ".join(topics)

@@ -1,7 +1,8 @@
 """Running Structured Streaming queries as a service: one runtime for every service.
 
 A service describes itself (:class:`StreamService`) and builds one :class:`EntityStream`
-per entity; :func:`start_service` opens them all and hands the queries to a
+per entity (or one :class:`GroupStream` over all of them, a service run as one query);
+:func:`start_service` opens them all and hands the queries to a
 :class:`StreamRunner`, which serves health and metrics, logs one JSON line per
 micro-batch, stops after the batch in flight on SIGTERM (exit 0), and surfaces a failed
 query as an error naming the entity, or restarts it from its checkpoint when the
@@ -27,7 +28,9 @@ from cdc_shared.streaming.runtime import (
     SOURCE_WAIT_S,
     EntityStream,
     EntityStreamBase,
+    GroupStream,
     OpenEntity,
+    OpenGroup,
     StreamService,
     foreach_batch_writer,
     start_service,
@@ -43,9 +46,11 @@ __all__ = [
     "EntityStream",
     "EntityStreamBase",
     "Failure",
+    "GroupStream",
     "LagReader",
     "OnFailure",
     "OpenEntity",
+    "OpenGroup",
     "QueryIdentity",
     "StreamFailedError",
     "StreamRunner",

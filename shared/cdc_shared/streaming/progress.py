@@ -56,6 +56,9 @@ class BatchStats:
 
     counts: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # A query over many entities: the counts of each (``counts`` holds their sums). The
+    # rows metrics are then labelled by entity, not by the query.
+    by_entity: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def source_metric(name: str) -> LagReader:
@@ -182,11 +185,15 @@ class _ProgressLogger:
         input_rows = stats.counts.pop("input_rows", progress.numInputRows)
         BATCH_SECONDS.labels(self.runner.service, entity).observe(duration_ms / 1000)
         BATCHES.labels(self.runner.service, entity).inc()
-        INPUT_ROWS.labels(self.runner.service, entity).inc(input_rows)
         if lag is not None:
             LAG.labels(self.runner.service, entity).set(lag)
-        for outcome, count in stats.counts.items():
-            ROWS.labels(self.runner.service, entity, outcome).inc(count)
+        rows_by_entity = {name: {**counts} for name, counts in stats.by_entity.items()} or {
+            entity: {"input_rows": input_rows, **stats.counts}
+        }
+        for name, counts in rows_by_entity.items():
+            INPUT_ROWS.labels(self.runner.service, name).inc(counts.pop("input_rows", 0))
+            for outcome, count in counts.items():
+                ROWS.labels(self.runner.service, name, outcome).inc(count)
         log.info(
             "batch",
             extra={

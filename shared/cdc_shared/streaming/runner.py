@@ -90,6 +90,7 @@ class StreamRunner:
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
         self._rebuilders: dict[str, BuildQuery] = {}
         self._to_rebuild: set[str] = set()
+        self._replacing: set[str] = set()  # queries stopped to start again (``restart_rebuilt``)
         # entity -> (failures since its last progress, restart time or None once restarted, why)
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
         self._on_close: list[Callable[[], object]] = []
@@ -139,6 +140,28 @@ class StreamRunner:
             if not self._accepting or self._stop.is_set():
                 return False
             self.start(entity, writer, identity, rebuild)
+            return True
+
+    def restart_rebuilt(self, entity: str, timeout_s: float = 600.0) -> bool:
+        """Stop ``entity``'s query after its batch in flight, then start it rebuilt.
+
+        For a query whose sources change while it runs (a service's one query taking up
+        a new table); it resumes from its checkpoint. Called from another thread while
+        ``run()`` runs; False once the runner is stopping.
+        """
+        with self._accepting_lock:
+            if not self._accepting or self._stop.is_set():
+                return False
+            with self._lock:
+                self._replacing.add(entity)
+            try:
+                self._stop_after_batch(entity, self.queries[entity], time.monotonic() + timeout_s)
+                rebuild = self._rebuilders[entity]
+                writer, identity = rebuild()
+                self.start(entity, writer, identity, rebuild)
+            finally:
+                with self._lock:
+                    self._replacing.discard(entity)
             return True
 
     def _refuse_new_queries(self) -> None:
@@ -314,19 +337,23 @@ class StreamRunner:
         """
         deadline = time.monotonic() + timeout_s
         for entity, query in self.queries.items():
-            if query.isActive and query.status.get("isTriggerActive"):
+            self._stop_after_batch(entity, query, deadline)
+
+    def _stop_after_batch(self, entity: str, query: StreamingQuery, deadline: float) -> None:
+        """Stop ``query`` once the batch in flight is reported complete (or at ``deadline``)."""
+        if query.isActive and query.status.get("isTriggerActive"):
+            last = query.lastProgress
+            in_flight = (last["batchId"] if last else -1) + 1
+            while query.isActive and time.monotonic() < deadline:
                 last = query.lastProgress
-                in_flight = (last["batchId"] if last else -1) + 1
-                while query.isActive and time.monotonic() < deadline:
-                    last = query.lastProgress
-                    if (last and last["batchId"] >= in_flight) or not query.status.get(
-                        "isTriggerActive"
-                    ):
-                        break
-                    time.sleep(0.2)
-            if query.isActive:
-                query.stop()
-                log.info("stream stopped", extra={"service": self.service, "entity": entity})
+                if (last and last["batchId"] >= in_flight) or not query.status.get(
+                    "isTriggerActive"
+                ):
+                    break
+                time.sleep(0.2)
+        if query.isActive:
+            query.stop()
+            log.info("stream stopped", extra={"service": self.service, "entity": entity})
 
     def _raise_if_failed(self, entity: str, query: StreamingQuery) -> None:
         error = query.exception()
@@ -349,8 +376,11 @@ class StreamRunner:
         raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
 
     def _restarts_due(self) -> bool:
+        """A query stopped or failed is to start again: ``run()`` must not end yet."""
         with self._lock:
-            return any(at is not None for _, at, _ in self._restarts.values())
+            return bool(self._replacing) or any(
+                at is not None for _, at, _ in self._restarts.values()
+            )
 
     def _restart_later(self, entity: str, reason: str) -> None:
         """Restart a transiently failed query from its checkpoint, after a backoff.

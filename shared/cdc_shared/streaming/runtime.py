@@ -19,7 +19,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
-from cdc_shared.layout import command_name
+from cdc_shared.layout import ALL_ENTITIES, command_name
 from cdc_shared.spark import START_PARALLELISM, build_spark_session, side_by_side
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.failures import (
@@ -54,6 +54,21 @@ class EntityStream(Protocol):
 
 #: Builds an entity's stream: (spark, config, entity, the service's runner) -> stream.
 OpenEntity = Callable[[SparkSession, PipelineConfig, EntityConfig, StreamRunner], EntityStream]
+
+
+class GroupStream(EntityStream, Protocol):
+    """One stream over many entities: a service's one query for all its tables.
+
+    ``prepare`` makes what its entities write (those not made yet); ``add`` takes up one
+    more entity, read from the next start of the query.
+    """
+
+    def add(self, entity: EntityConfig) -> None:
+        """Take ``entity`` up from the query's next start."""
+
+
+#: Builds the one stream of a service over ``entities``: (spark, config, entities, runner).
+OpenGroup = Callable[[SparkSession, PipelineConfig, list[EntityConfig], StreamRunner], GroupStream]
 
 
 @dataclass(eq=False)
@@ -91,6 +106,8 @@ class StreamService:
     ``lag``: the name of a source metric (e.g. Kafka offsets behind), a reader of the
     progress event, or None when each batch reports it (``BatchStats.extra["lag"]``).
     ``on_failure``: the failures the service knows (a full disk is known to all).
+    ``open_group``: when set, the service runs one query for all its entities, the
+    stream it builds, named ``ALL_ENTITIES`` in the runner and the checkpoints.
     """
 
     name: str
@@ -98,6 +115,7 @@ class StreamService:
     open_entity: OpenEntity
     lag: str | LagReader | None = None
     on_failure: OnFailure | None = None
+    open_group: OpenGroup | None = None
 
 
 def with_trigger(writer: DataStreamWriter, once: bool, interval: str) -> DataStreamWriter:
@@ -180,7 +198,10 @@ def start_service(
 
     streams = _ServiceStreams(service, config, session, runner, once, lost)
     try:
-        streams.start_all(entities)
+        if service.open_group is not None:
+            streams.start_group(service.open_group, entities)
+        else:
+            streams.start_all(entities)
     except BaseException:
         runner.stop_now()
         raise
@@ -201,6 +222,7 @@ class _ServiceStreams:
     runner: StreamRunner
     once: bool
     lost: Callable[[str], object]  # a writer lease was taken over
+    group: list[GroupStream] = field(default_factory=list)  # the one stream, if so run
 
     def open_query(
         self, entity: EntityConfig, wait_s: float | None = None
@@ -244,18 +266,46 @@ class _ServiceStreams:
         if not self.runner.queries:  # every entity stopped: the service cannot run at all
             raise StreamFailedError(self.runner.stopped_message())
 
+    def open_group_query(
+        self, wait_s: float | None = None
+    ) -> tuple[DataStreamWriter, QueryIdentity]:
+        """Prepare the one stream over every entity (sources awaited ``wait_s``); its writer."""
+        (stream,) = self.group
+        stream.prepare((0 if self.once else SOURCE_WAIT_S) if wait_s is None else wait_s)
+        writer = foreach_batch_writer(
+            stream.source(),
+            stream.process_batch,
+            self.config.layout.checkpoint(self.service.name, ALL_ENTITIES),
+            self.once,
+            self.service.settings.trigger_interval,
+        )
+        return writer, stream.identity
+
+    def start_group(self, open_group: OpenGroup, entities: list[EntityConfig]) -> None:
+        """Open the one stream over ``entities`` and start its query (``ALL_ENTITIES``)."""
+        self.group.append(open_group(self.session, self.config, entities, self.runner))
+        writer, identity = self.open_group_query()
+        rebuild = functools.partial(self.open_group_query, wait_s=0)
+        self.runner.start(ALL_ENTITIES, writer, identity, rebuild)
+
     def start_discovered(self, entity: EntityConfig) -> bool:
         """A table an entity set selected since start: its writer lease, then its stream.
 
+        Run as one query, the service takes the table into it and starts the query
+        again (after the batch in flight), from its checkpoint.
         SourceTableMissingError (from ``prepare``) while its upstream table is not there.
         """
         lease = acquire_writer_leases(
             self.config.storage_root, self.service.name, [entity.name], self.lost, self.session
         )
         try:
-            writer, identity = self.open_query(entity, wait_s=0)
-            rebuild = functools.partial(self.open_query, entity)
-            started = self.runner.start_while_running(entity.name, writer, identity, rebuild)
+            if self.group:
+                self.group[0].add(entity)
+                started = self.runner.restart_rebuilt(ALL_ENTITIES)
+            else:
+                writer, identity = self.open_query(entity, wait_s=0)
+                rebuild = functools.partial(self.open_query, entity)
+                started = self.runner.start_while_running(entity.name, writer, identity, rebuild)
         except EntityStoppedError as stopped:
             self.runner.stop_entity(entity.name, str(stopped))
             started = True

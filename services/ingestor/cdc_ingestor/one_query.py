@@ -1,0 +1,227 @@
+"""The ingestor as one streaming query for every entity (``ingestor.one_query``).
+
+One Kafka source subscribes to every entity's topic; each micro-batch is cached once,
+split by topic, and each entity present in it is written exactly as its own stream
+would write it (:class:`cdc_ingestor.ingestion.EntityIngestion`: decode, bronze and
+quarantine appended idempotently, its ``txnAppId`` naming the entity and the one
+query's id, its ``txnVersion`` the batch id). An entity without records in a batch runs
+no Spark job, so an idle table costs nothing; the entities of a batch are written a few
+side by side, to keep both cores of a small machine busy.
+
+The query's checkpoint is ``_checkpoints/ingestor/_all``. Its first start carries on from
+where the per-entity streams committed (their checkpoints' last committed offsets,
+:func:`starting_offsets`), so switching a running pipeline over loses and repeats
+nothing. A per-entity stream with a batch planned but not committed must finish it
+first (:func:`refuse_unfinished_per_entity_batches`), and going back to one query per
+entity is refused (:func:`cdc_ingestor.ingestion.refuse_per_entity_after_one_query`):
+both would write records to bronze twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdc_shared.avro import SchemaRegistry
+from cdc_shared.clients import make_admin
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.layout import ALL_ENTITIES, INGESTOR
+from cdc_shared.observability import Stopwatch
+from cdc_shared.spark import side_by_side
+from cdc_shared.stream_checkpoint import (
+    CheckpointFiles,
+    HadoopFiles,
+    last_committed_batch,
+    planned_batches,
+)
+from cdc_shared.streaming import BatchStats, QueryIdentity, StreamRunner
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from cdc_ingestor.ingestion import EntityIngestion, kafka_source
+
+#: How many entities of one batch are written side by side: two cores, and each
+#: entity's write waits part of its time on Delta's log and the registry.
+TABLES_AT_ONCE = 4
+#: Spark's Kafka source offsets for "from the start" and "from the end" of a partition.
+EARLIEST, LATEST = -2, -1
+METADATA_TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False)
+class AllTopicsIngestion:
+    """Every entity's topic through one query into each entity's bronze table."""
+
+    spark: SparkSession
+    config: PipelineConfig
+    entities: list[EntityConfig]
+    runner: StreamRunner
+    registry: SchemaRegistry
+    identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
+
+    def __post_init__(self) -> None:
+        self.by_topic: dict[str, EntityIngestion] = {}
+        self._prepared: set[str] = set()
+        for entity in self.entities:
+            self.add(entity)
+
+    def add(self, entity: EntityConfig) -> None:
+        """Take ``entity`` up: its topic is read from the query's next start."""
+        stream = EntityIngestion(self.spark, self.config, entity, self.runner, self.registry)
+        stream.identity = self.identity  # its txnAppId: the entity and the one query's id
+        self.by_topic[entity.source_topic] = stream
+
+    def prepare(self, wait_s: float) -> None:
+        """Every entity's bronze (and the quarantine) unless made already; the first alone."""
+        waiting = [s for t, s in self.by_topic.items() if t not in self._prepared]
+        for group in _chunks(waiting[:1], 1) + _chunks(waiting[1:], TABLES_AT_ONCE):
+            side_by_side([functools.partial(stream.prepare, wait_s) for stream in group])
+        self._prepared.update(s.entity.source_topic for s in waiting)
+
+    def source(self) -> DataFrame:
+        """One Kafka source over every entity's topic (see :func:`starting_offsets`)."""
+        topics = sorted(self.by_topic)
+        start = starting_offsets(self.config, topics, HadoopFiles(self.spark))
+        return kafka_source(self.spark, self.config, ",".join(topics), start)
+
+    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """Each entity present in the batch written as its own stream would (idempotently).
+
+        The batch is cached so that Kafka is read once, whatever the number of entities;
+        the topics present are found on the cache.
+        """
+        lap = Stopwatch()
+        batch.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            present = sorted(row[0] for row in batch.select("topic").distinct().collect())
+            lap("split")
+            unknown = [topic for topic in present if topic not in self.by_topic]
+            if unknown:  # cannot happen with a subscription by name: never drop records
+                raise RuntimeError(f"records of topics no entity reads: {unknown}")
+            streams = [self.by_topic[topic] for topic in present]
+            writes = [
+                functools.partial(
+                    stream.process_batch,
+                    batch.where(F.col("topic") == stream.entity.source_topic),
+                    batch_id,
+                )
+                for stream in streams
+            ]
+            for group in _chunks(writes, TABLES_AT_ONCE):
+                side_by_side(group)
+            lap("tables")
+        finally:
+            batch.unpersist()
+        stats = self._combined(streams, batch_id)
+        stats.extra.update(lap.laps)
+        self.runner.report(ALL_ENTITIES, batch_id, stats)
+
+    def _combined(self, streams: list[EntityIngestion], batch_id: int) -> BatchStats:
+        """The batch's counts over its entities, and each entity's own."""
+        counts: dict[str, int] = {}
+        by_entity: dict[str, dict[str, int]] = {}
+        errors: dict[str, int] = {}
+        tables: dict[str, dict[str, object]] = {}
+        for stream in streams:
+            stats = self.runner.take_stats(stream.entity.name, batch_id)
+            by_entity[stream.entity.name] = stats.counts
+            tables[stream.entity.name] = {**stats.counts, **stats.extra}
+            for name, value in stats.counts.items():
+                counts[name] = counts.get(name, 0) + value
+            for kind, value in stats.extra.get("errors", {}).items():
+                errors[kind] = errors.get(kind, 0) + value
+        extra = {"errors": errors, "tables": tables}
+        return BatchStats(counts=counts, extra=extra, by_entity=by_entity)
+
+
+def open_all_topics(
+    spark: SparkSession,
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    runner: StreamRunner,
+    registry: SchemaRegistry,
+) -> AllTopicsIngestion:
+    """The ingestor's one stream over ``entities`` (an ``OpenGroup``)."""
+    refuse_unfinished_per_entity_batches(config, HadoopFiles(spark))
+    return AllTopicsIngestion(spark, config, entities, runner, registry)
+
+
+def refuse_unfinished_per_entity_batches(config: PipelineConfig, files: CheckpointFiles) -> None:
+    """ConfigError when the one query would start before a batch that may be in bronze.
+
+    Only for its first start (its checkpoint new), which carries on from each per-entity
+    stream's last committed batch: a batch such a stream planned but did not commit may
+    have been written to bronze already, under that stream's own ``txnAppId``.
+    """
+    if planned_batches(files, config.layout.checkpoint(INGESTOR, ALL_ENTITIES)):
+        return  # the one query resumes from its own checkpoint
+    for entity in config.entities:
+        checkpoint = config.layout.checkpoint(INGESTOR, entity.name)
+        planned = planned_batches(files, checkpoint)
+        committed = last_committed_batch(files, checkpoint)
+        if planned and (committed is None or committed.batch_id != planned[-1]):
+            raise ConfigError(
+                f"the ingestor's stream for entity {entity.name!r} planned batch "
+                f"{planned[-1]} but did not commit it ({checkpoint}); it may be in bronze "
+                "already. Finish it first: run `cdc-ingestor --once` with "
+                "ingestor.one_query off, then start with it on."
+            )
+
+
+#: The partitions of each of the topics that exists on the broker (``topic_partitions``).
+PartitionLister = Callable[[PipelineConfig, list[str]], dict[str, list[int]]]
+
+
+def starting_offsets(
+    config: PipelineConfig,
+    topics: list[str],
+    files: CheckpointFiles,
+    partitions: PartitionLister | None = None,
+) -> str:
+    """Where the one query starts when its checkpoint is new (Spark's ``startingOffsets``).
+
+    Each topic whose entity's own stream committed a batch starts at that batch's end
+    offsets (its partitions not in them from their start, as Spark reads a new
+    partition); the others where ``ingestor.starting_offsets`` says. Without any
+    per-entity checkpoint, that setting as it is.
+    """
+    setting = config.ingestor.starting_offsets
+    carried: dict[str, dict[str, int]] = {}
+    for entity in config.entities:
+        if entity.source_topic not in topics:
+            continue
+        batch = last_committed_batch(files, config.layout.checkpoint(INGESTOR, entity.name))
+        if batch is not None and batch.sources and batch.sources[0]:
+            offsets = batch.sources[0].get(entity.source_topic, {})
+            carried[entity.source_topic] = {p: int(o) for p, o in offsets.items()}
+    if not carried:
+        return setting
+    given: dict[str, dict[str, int]] = (
+        json.loads(setting) if setting.lstrip().startswith("{") else {}
+    )
+    default = LATEST if setting == "latest" else EARLIEST
+    start: dict[str, dict[str, int]] = {}
+    for topic, numbers in (partitions or topic_partitions)(config, topics).items():
+        own = carried.get(topic) or given.get(topic, {})
+        fallback = EARLIEST if topic in carried else default
+        start[topic] = {str(p): int(own.get(str(p), fallback)) for p in numbers}
+    return json.dumps(start, sort_keys=True)
+
+
+def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, list[int]]:
+    """The partitions of each of ``topics`` that exists on the broker."""
+    admin = make_admin(config.kafka)
+    metadata = admin.list_topics(timeout=METADATA_TIMEOUT_S).topics
+    return {
+        topic: sorted(metadata[topic].partitions)
+        for topic in topics
+        if topic in metadata and metadata[topic].error is None
+    }
+
+
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,97 @@
+"""Reading a Structured Streaming checkpoint: which batch it committed, at which offsets.
+
+A checkpoint records, per micro-batch ``n``, the end offsets of its sources in
+``offsets/<n>`` and marks the batch done with ``commits/<n>``; the offsets of the last
+committed batch are where the stream resumes. ``cdc status`` and ``cdc maintenance``
+read them to tell how far a stream got, and the ingestor to carry its per-entity
+streams' positions into its one query (``cdc_ingestor.one_query``). Files are read
+through a :class:`CheckpointFiles` (:class:`HadoopFiles`: Spark's Hadoop file systems,
+so local paths and object storage alike).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # the CLI's read-only commands read checkpoints without importing PySpark
+    from pyspark.sql import SparkSession
+
+
+@dataclass(frozen=True)
+class CommittedBatch:
+    """The last micro-batch a stream committed, and its sources' end offsets (parsed JSON)."""
+
+    batch_id: int
+    sources: tuple[Any, ...]
+
+
+class CheckpointFiles(Protocol):
+    """Read access to the files of a checkpoint (paths as configured)."""
+
+    def list_names(self, path: str) -> list[str] | None:
+        """Names of the entries in the folder ``path``; None when it does not exist."""
+        ...
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        """The file ``path`` as UTF-8 text; None when there is no such file."""
+        ...
+
+
+class HadoopFiles:
+    """:class:`CheckpointFiles` through a SparkSession's Hadoop file systems."""
+
+    def __init__(self, spark: SparkSession) -> None:
+        self.spark = spark
+
+    def list_names(self, path: str) -> list[str] | None:
+        """Names of the entries in the folder ``path``; None when it does not exist."""
+        from cdc_shared.jvm_bridge import hadoop_path
+
+        fs, folder = hadoop_path(self.spark, path)
+        if not fs.exists(folder):
+            return None
+        return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        """The file ``path`` as UTF-8 text; None when there is no such file."""
+        from cdc_shared.jvm_bridge import read_text_if_exists
+
+        return read_text_if_exists(self.spark, path)
+
+
+def last_committed_batch(files: CheckpointFiles, checkpoint: str) -> CommittedBatch | None:
+    """The last committed batch of the stream checkpointed at ``checkpoint``; None if none.
+
+    A batch planned but not committed (``offsets/<n>`` without ``commits/<n>``) is run again
+    from the previous batch's end on restart, so it is ignored here.
+    """
+    folder = checkpoint.rstrip("/")
+    commits = files.list_names(f"{folder}/commits")
+    done = [int(name) for name in commits or [] if name.isdigit()]
+    if not done:
+        return None
+    batch_id = max(done)
+    text = files.read_text_if_exists(f"{folder}/offsets/{batch_id}")
+    if text is None:
+        raise FileNotFoundError(
+            f"the stream checkpoint {checkpoint} committed batch {batch_id} but has no "
+            f"offsets/{batch_id}: the checkpoint is damaged; restore it or rebuild the stream"
+        )
+    return CommittedBatch(batch_id, parse_offsets(text))
+
+
+def planned_batches(files: CheckpointFiles, checkpoint: str) -> list[int]:
+    """The batch ids the stream at ``checkpoint`` planned (``offsets/<n>``), in order."""
+    names = files.list_names(f"{checkpoint.rstrip('/')}/offsets")
+    return sorted(int(name) for name in names or [] if name.isdigit())
+
+
+def parse_offsets(text: str) -> tuple[Any, ...]:
+    """The sources' end offsets in an ``offsets/<n>`` file (None for a source without one).
+
+    Line 1 is the format version, line 2 the batch metadata, then one line per source.
+    """
+    lines = text.splitlines()
+    return tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])

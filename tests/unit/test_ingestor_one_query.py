@@ -1,0 +1,119 @@
+"""Where the ingestor's one query starts: carried on from the per-entity streams' checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cdc_ingestor.ingestion import refuse_per_entity_after_one_query
+from cdc_ingestor.one_query import (
+    EARLIEST,
+    LATEST,
+    refuse_unfinished_per_entity_batches,
+    starting_offsets,
+)
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.layout import ALL_ENTITIES, INGESTOR
+
+ROOT = "/data"
+
+
+class Files:
+    """A checkpoint's files held in a dict (path -> text); folders are implied."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+
+    def list_names(self, path: str) -> list[str] | None:
+        prefix = path.rstrip("/") + "/"
+        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
+        return sorted(names) or None
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        return self.files.get(path)
+
+
+def _config(one_query: bool = True, starting: str = "earliest") -> PipelineConfig:
+    return PipelineConfig(
+        storage_root=ROOT,
+        entities=[
+            EntityConfig(name="customers", source_topic="db.customers", key=["id"]),
+            EntityConfig(name="orders", source_topic="db.orders", key=["id"]),
+        ],
+        ingestor={"one_query": one_query, "starting_offsets": starting},
+    )
+
+
+def _batch(checkpoint: str, batch_id: int, offsets: dict[str, object], committed: bool) -> dict:
+    text = "v1\n{}\n" + json.dumps(offsets)
+    files = {f"{checkpoint}/offsets/{batch_id}": text}
+    if committed:
+        files[f"{checkpoint}/commits/{batch_id}"] = "v1\n{}"
+    return files
+
+
+def _partitions(_config: PipelineConfig, topics: list[str]) -> dict[str, list[int]]:
+    return {topic: [0, 1, 2] for topic in topics}
+
+
+def test_the_one_query_starts_where_each_entity_stream_committed() -> None:
+    config = _config()
+    customers = config.layout.checkpoint(INGESTOR, "customers")
+    files = Files(
+        {
+            **_batch(customers, 3, {"db.customers": {"0": 10, "1": 20}}, committed=True),
+            **_batch(customers, 4, {"db.customers": {"0": 15, "1": 25}}, committed=True),
+        }
+    )
+    start = json.loads(starting_offsets(config, ["db.customers", "db.orders"], files, _partitions))
+    # customers from its last committed batch (a partition it never saw: from the start);
+    # orders, without a checkpoint, where ingestor.starting_offsets says.
+    assert start == {
+        "db.customers": {"0": 15, "1": 25, "2": EARLIEST},
+        "db.orders": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
+    }
+    latest = _config(starting="latest")
+    start = json.loads(starting_offsets(latest, ["db.customers", "db.orders"], files, _partitions))
+    assert start["db.orders"] == {"0": LATEST, "1": LATEST, "2": LATEST}
+    assert start["db.customers"]["2"] == EARLIEST
+
+
+def test_without_per_entity_checkpoints_the_setting_is_used_as_it_is() -> None:
+    config = _config(starting="latest")
+    assert starting_offsets(config, ["db.customers"], Files({}), _partitions) == "latest"
+
+
+def test_per_entity_streams_after_the_one_query_are_refused() -> None:
+    config = _config(one_query=False)
+    group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    refuse_per_entity_after_one_query(config, Files({}))  # never ran as one query: fine
+    files = Files(_batch(group, 0, {"db.customers": {"0": 1}}, committed=False))
+    with pytest.raises(ConfigError, match=r"ingestor\.one_query is off"):
+        refuse_per_entity_after_one_query(config, files)
+
+
+def test_the_checkpoint_of_every_entity_is_the_one_query_s() -> None:
+    config = _config()
+    assert config.checkpoint_path(INGESTOR, "orders") == f"{ROOT}/_checkpoints/ingestor/_all"
+    assert config.checkpoint_path("merger", "orders") == f"{ROOT}/_checkpoints/merger/orders"
+    per_entity = _config(one_query=False)
+    assert per_entity.checkpoint_path(INGESTOR, "orders").endswith("/ingestor/orders")
+
+
+def test_a_per_entity_batch_planned_but_not_committed_must_finish_first() -> None:
+    config = _config()
+    orders = config.layout.checkpoint(INGESTOR, "orders")
+    files = Files(
+        {
+            **_batch(orders, 0, {"db.orders": {"0": 5}}, committed=True),
+            **_batch(orders, 1, {"db.orders": {"0": 9}}, committed=False),
+        }
+    )
+    with pytest.raises(ConfigError, match="'orders' planned batch 1 but did not commit it"):
+        refuse_unfinished_per_entity_batches(config, files)
+    del files.files[f"{orders}/offsets/1"]
+    refuse_unfinished_per_entity_batches(config, files)  # every planned batch committed
+    group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    files.files.update(_batch(group, 0, {"db.orders": {"0": 9}}, committed=True))
+    files.files.update(_batch(orders, 1, {"db.orders": {"0": 9}}, committed=False))
+    refuse_unfinished_per_entity_batches(config, files)  # the one query has its own start
