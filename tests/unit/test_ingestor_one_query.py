@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cdc_ingestor.failures import kafka_failures
 from cdc_ingestor.ingestion import refuse_per_entity_after_one_query
 from cdc_ingestor.one_query import (
     EARLIEST,
@@ -117,3 +118,26 @@ def test_a_per_entity_batch_planned_but_not_committed_must_finish_first() -> Non
     files.files.update(_batch(group, 0, {"db.orders": {"0": 9}}, committed=True))
     files.files.update(_batch(orders, 1, {"db.orders": {"0": 9}}, committed=False))
     refuse_unfinished_per_entity_batches(config, files)  # the one query has its own start
+
+
+def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:
+    read = kafka_failures(_config())
+    lost = (
+        "org.apache.spark.SparkException: [KAFKA_DATA_LOSS] Some data may have been lost "
+        "because they are not available in Kafka any more; partitions db.orders-2 ..."
+    )
+    failure = read(ALL_ENTITIES, lost)
+    assert failure is not None
+    assert "topic 'db.orders' partition(s) 2" in failure.message
+    assert "restarts every table" in failure.message  # and how to start where it stood
+    refused = (
+        "org.apache.kafka.common.errors.TopicAuthorizationException: "
+        "Not authorized to access topics: [db.customers]"
+    )
+    failure = read(ALL_ENTITIES, refused)
+    assert failure is not None
+    assert "db.customers" in failure.message and "db.orders" not in failure.message
+    per_entity = kafka_failures(_config(one_query=False))(  # a table's own stream
+        "orders", lost
+    )
+    assert per_entity is not None and "restarts every table" not in per_entity.message

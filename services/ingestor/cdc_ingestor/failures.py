@@ -52,6 +52,14 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
             partitions = sorted({int(p) for p in re.findall(rf"{re.escape(topic)}-(\d+)", error)})
             where = ", ".join(map(str, partitions)) or "unknown (see Spark's reason)"
             spark_reason = re.search(r"Reason: (.*)", error)  # Spark's KAFKA_DATA_LOSS line
+            one_query = (
+                " A new checkpoint of the one query restarts every table: set "
+                "ingestor.starting_offsets to the last line of its last committed "
+                "offsets/<n> file, the lost partitions set to -2 (docs/configuration.md, "
+                "One ingestion query for all tables)."
+                if entity == ALL_ENTITIES
+                else ""
+            )
             return Failure(
                 f"stopped: Kafka no longer has records it must ingest from topic {topic!r} "
                 f"partition(s) {where} (deleted by retention or delete-records, or the topic "
@@ -60,7 +68,7 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
                 "accept the gap and restart with a new checkpoint (move "
                 f"{config.checkpoint_path(INGESTOR, entity)} aside), then re-snapshot the "
                 "source table if its rows are needed; raise the topic's retention.ms so it "
-                "does not happen again. Spark: "
+                f"does not happen again.{one_query} Spark: "
                 + (spark_reason.group(1) if spark_reason else error.partition("\n")[0])[:600]
             )
         if (refused := kafka_authentication_failure(config.kafka, error)) is not None:
@@ -93,5 +101,9 @@ def _topic_named(config: PipelineConfig, stream: str, error: str) -> str:
     if stream != ALL_ENTITIES:
         return config.entity(stream).source_topic
     topics = [entity.source_topic for entity in config.entities]
-    named = [topic for topic in topics if re.search(rf"\b{re.escape(topic)}-\d+", error)]
+    named = [  # as a topic ("[db.orders]") or a partition of it ("db.orders-2")
+        topic
+        for topic in topics
+        if re.search(rf"(?<![\w.-]){re.escape(topic)}(-\d+)?(?![\w.-])", error)
+    ]
     return named[0] if named else ", ".join(topics)
