@@ -47,6 +47,7 @@ class Silver:
         schema_dir: Path = SCHEMAS,
         silver_bronze_schema: T.StructType | None = None,
         history: HistoryConfig | None = None,
+        layout: SilverLayout | None = None,  # the tables' paths (default: under root)
     ) -> None:
         self.spark = spark
         self.entity = entity
@@ -56,7 +57,7 @@ class Silver:
         self.bronze_schema: T.StructType = bronze_rows(
             decode(spark, empty, plan, entity.sequence_by)
         ).schema
-        self.layout = SilverLayout(
+        self.layout = layout or SilverLayout(
             str(root / "silver"),
             str(root / "tombstones"),
             str(root / "truncates"),

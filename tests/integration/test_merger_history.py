@@ -15,10 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cdc_cli.verify import TargetComparison, verify
 from cdc_devkit.oracle import SourceEvent, history_versions
 from cdc_merger.history import END, END_TS, START, START_TS
-from cdc_shared.config import HistoryConfig
+from cdc_merger.main import silver_layout
+from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
+from cdc_shared.config import HistoryConfig, PipelineConfig
+from delta.tables import DeltaTable
 from pyspark.sql import Row, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from support.entities import CUSTOMERS
 from test_merger_apply import Silver, customer
@@ -32,9 +37,10 @@ DROPPED = ("email",)  # the entity's column selection leaves email out
 BASE_MS = 1_767_225_600_000  # the source time ``Silver.event`` gives sequence 0
 
 
-def narrow_customers(spark: SparkSession, root: Path) -> Silver:
+def narrow_customers(spark: SparkSession, root: Path) -> tuple[Silver, PipelineConfig]:
     """Customers' silver and history made as the merger makes them with a column selection
-    leaving email out, before phone existed: phone is a new source column in the batches."""
+    leaving email out, before phone existed: phone is a new source column in the batches;
+    where a pipeline configuration (returned) has them."""
     plain = Silver(spark, root / "plain", CUSTOMERS)
     after = plain.bronze_schema["after"].dataType
     assert isinstance(after, T.StructType)
@@ -45,7 +51,10 @@ def narrow_customers(spark: SparkSession, root: Path) -> Silver:
             for f in plain.bronze_schema.fields
         ]
     )
-    return Silver(spark, root / "h", CUSTOMERS, silver_bronze_schema=bronze, history=TRACKED)
+    entity = CUSTOMERS.model_copy(update={"history": TRACKED})
+    config = PipelineConfig(storage_root=str(root / "h"), entities=[entity])
+    layout = silver_layout(config, entity)
+    return Silver(spark, root / "h", entity, silver_bronze_schema=bronze, layout=layout), config
 
 
 def history_rows(silver: Silver) -> list[Row]:
@@ -111,7 +120,7 @@ def test_history_equals_the_oracle_after_shuffled_redelivered_batches(
     truncates (closing every open version); re-delivered and shuffled into batches: the
     table holds the ordered events' history, and whole batches replayed change nothing.
     With the column selection (email left out) and a new source column (phone)."""
-    customers = narrow_customers(spark, tmp_path)
+    customers, config = narrow_customers(spark, tmp_path)
     assert customers.layout.history is not None
     path = customers.layout.history.path
     assert "phone" not in spark.read.format("delta").load(path).columns
@@ -164,10 +173,69 @@ def test_history_equals_the_oracle_after_shuffled_redelivered_batches(
         assert (row.phone, row._cdc_seq) == (version.row["phone"], list(version.last))
     assert sum(r[END_TS] is not None for r in got if r[END] is not None) > len(got) // 2
 
-    # The current versions are silver (what `cdc verify` would compare).
+    # The current versions are silver.
     current = {(r.id, r.first_name, r.phone, tuple(r._cdc_seq)) for r in got if r[END] is None}
     assert current == {
         (r.id, r.first_name, r.phone, tuple(r._cdc_seq)) for r in customers.rows().collect()
     }
     in_place = [v for versions in expected.values() for v in versions if v.last != v.start]
     assert in_place and any(v.end is not None for v in in_place)  # the load had both kinds
+    assert_verify_checks_the_history(spark, customers, config, got)
+
+
+def assert_verify_checks_the_history(
+    spark: SparkSession, customers: Silver, config: PipelineConfig, got: list[Row]
+) -> None:
+    """`cdc verify`'s history target agrees with silver, reports seeded differences by
+    key, and agrees again once the history is restored."""
+    assert customers.layout.history is not None
+    path = customers.layout.history.path
+    alive = sorted(r.id for r in customers.rows().collect())
+    agreeing = TargetComparison("history", path, len(alive), buckets=1)
+    (entity,) = verify(config, targets=("history",), spark=spark).entities
+    assert entity.targets == (agreeing,)
+
+    history = DeltaTable.forPath(spark, path)
+    restore_to = int(history.history(1).head()["version"])  # type: ignore[index]
+    gone = next(r for r in got if r.id not in alive)  # a version of a key silver deleted
+    older = next(r for r in got if r.id in alive and r[END] is not None)  # a closed one
+    dropped, altered, unsent = [k for k in alive if k != older.id][:3]
+    # In one commit: dropped's current version closed, altered's and unsent's changed (the
+    # placeholder: a value the source did not send, not compared), and two closed ones
+    # current again: a version of a deleted key, and a second one of a key.
+    key, current = F.col("id"), F.col(END).isNull()
+    reopened = [
+        (key == r.id) & (F.col(START) == F.array(*map(F.lit, r[START]))) for r in (gone, older)
+    ]
+    placeholder = F.lit(DEBEZIUM_PLACEHOLDER)
+    history.update(
+        (current & key.isin(dropped, altered, unsent)) | reopened[0] | reopened[1],
+        {
+            END: F.when(key == dropped, F.col(START)),  # the others current (null)
+            "first_name": F.when(key == altered, "zz")
+            .when(key == unsent, placeholder)
+            .otherwise(F.col("first_name")),
+            "phone": F.when(key == unsent, placeholder).otherwise(F.col("phone")),
+        },
+    )
+    # Silver has a column the history lacks (silver narrowed after it had it): verify
+    # compares on the history's columns, spilling silver again on those.
+    silver = customers.layout.silver_path
+    spark.sql(f"ALTER TABLE delta.`{silver}` ADD COLUMNS (nickname STRING)")
+    DeltaTable.forPath(spark, silver).update(set={"nickname": F.lit("nick")})
+
+    report = verify(config, targets=("history",), spark=spark)
+    assert not report.ok
+    (entity,) = report.entities
+    (seeded,) = entity.targets
+    assert (seeded.missing, seeded.extra, seeded.different) == (1, 1, 2), seeded
+    assert seeded.examples == {
+        "missing": [f"id={dropped}"],
+        "extra": [f"id={gone.id}"],
+        "different": [f"id={k}" for k in sorted((altered, older.id), key=lambda k: repr((k,)))],
+    }
+    assert seeded.rows == len(alive)  # one dropped, one of a deleted key come back
+
+    history.restoreToVersion(restore_to)
+    (entity,) = verify(config, targets=("history",), spark=spark).entities
+    assert entity.targets == (agreeing,)

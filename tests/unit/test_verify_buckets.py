@@ -7,9 +7,16 @@ from pathlib import Path
 
 import pytest
 from cdc_cli import verify_buckets
-from cdc_cli.verify import RowShape, TargetRecord, compare_target, spill_target
+from cdc_cli.verify import (
+    RowShape,
+    TargetRecord,
+    compare_target,
+    null_update_columns,
+    spill_target,
+)
 from cdc_cli.verify_buckets import (
     MAX_BUCKETS,
+    REPEATED,
     BucketSpill,
     bucket_count,
     bucket_of,
@@ -152,3 +159,47 @@ def test_a_small_write_buffer_spills_often_and_changes_nothing(
 def test_sides_must_have_the_same_buckets(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="buckets"):
         compare_spills(BucketSpill(tmp_path / "a", 2), BucketSpill(tmp_path / "b", 3), 5)
+
+
+def test_a_key_recorded_twice_on_a_one_per_key_side_differs(tmp_path: Path) -> None:
+    # The history's current versions: one per key. A second one for a key is different
+    # even when both hold silver's values; one for a key silver lacks is extra.
+    silver = _silver(tmp_path, range(100))
+    records = [TargetRecord(_row(k), _row(k), k) for k in range(100)]
+    records += [TargetRecord(_row(7), _row(7), 100), TargetRecord(_row(500), _row(500), 101)]
+    records += [TargetRecord(_row(501), _row(501), 102), TargetRecord(_row(501), None, 103)]
+    topic = compare_target("change_topic", "t", SHAPE, silver, records, examples=5)
+    assert (topic.missing, topic.extra, topic.different) == (0, 1, 0)  # a topic may repeat
+    history = compare_target("history", "h", SHAPE, silver, records, 5, one_per_key=True)
+    assert (history.missing, history.extra, history.different) == (0, 2, 1)
+    assert history.examples == {"extra": ["id=500", "id=501"], "different": ["id=7"]}
+    assert history.rows == 102
+    spill = BucketSpill(tmp_path / "one", 1, one_per_key=True)
+    spill.add("[1]", "v1", 1)
+    spill.add("[1]", "v1", 2)
+    spill.add("[2]", "v2", 3)
+    assert spill.live(0) == {"[1]": REPEATED, "[2]": "v2"}
+
+
+def test_a_shape_within_columns_keeps_the_key_and_the_named_columns_in_order() -> None:
+    entity = EntityConfig(name="c", source_topic="t", key=["id"])
+    assert SHAPE.within({"updated_at", "phone"}) == RowShape.of(SCHEMA, entity, ["updated_at"])
+    assert [f.name for f in SHAPE.within(["updated_at", "name"]).fields] == [
+        "id",
+        "name",
+        "updated_at",
+    ]
+    assert SHAPE.within([f.name for f in SHAPE.fields]) == SHAPE  # the history carries all
+    assert [f.name for f in SHAPE.within([]).fields] == ["id"]
+
+
+def test_null_update_columns_are_the_named_or_every_non_key_column_silver_has() -> None:
+    columns = ["id", "name", "updated_at"]
+
+    def named(setting: bool | list[str]) -> list[str]:
+        entity = EntityConfig(name="c", source_topic="t", key=["id"], ignore_null_updates=setting)
+        return null_update_columns(entity, columns)
+
+    assert named(False) == []
+    assert named(True) == ["name", "updated_at"]
+    assert named(["updated_at", "email"]) == ["updated_at"]  # email: not in silver

@@ -327,7 +327,7 @@ def verify_command(
     target: list[str] = typer.Option(
         None,
         "--target",
-        help="elasticsearch or change_topic (repeatable; default: both).",
+        help="elasticsearch, change_topic or history (repeatable; default: all three).",
     ),
     examples: int = typer.Option(5, min=0, help="Example keys to print per difference."),
     buckets: int | None = typer.Option(
@@ -337,12 +337,14 @@ def verify_command(
     ),
     as_json: bool = AsJson,
 ) -> None:
-    """Reconcile silver with Elasticsearch and the change topics; exit 1 on any difference.
+    """Reconcile silver with the indexes, change topics and histories; exit 1 on a difference.
 
     Per entity: silver's rows against the documents behind the index alias (keys read
     from _source) and against the change topic's last committed event per key (keys whose
-    last event is a delete do not count). Each row is reduced to a content hash of the
-    entity's columns, so keys missing, extra or different are listed with examples.
+    last event is a delete do not count), and, for an entity with history on, against its
+    history's current versions (no key silver lacks; one per key). Each row is reduced to
+    a content hash of the entity's columns, so keys missing, extra or different are listed
+    with examples.
     Each side is read once and spilled into key buckets in $TMPDIR; only buckets whose
     digests differ are compared key by key, so memory stays bounded by one bucket.
     Lagging publishers show as differences: run it when `cdc status` shows lag 0.

@@ -1,4 +1,4 @@
-"""``cdc verify``: reconcile silver with Elasticsearch and the change topics, key by key.
+"""``cdc verify``: reconcile silver with Elasticsearch, the change topics and the history.
 
 Silver is the truth. For each entity every side is read once and reduced to records
 key -> content hash:
@@ -9,7 +9,10 @@ key -> content hash:
   the key columns are read from ``_source`` (publisher-es indexes the whole silver row);
 - the change topic: every committed event (``read_committed``), the last one per key in
   partition order (a key lives in one partition; the later offset wins); keys whose last
-  event is a delete are absent.
+  event is a delete are absent;
+- the history (entities with ``history.enabled``): its current versions (``__end_at``
+  null), read through Spark as silver is, on silver's columns the history carries
+  (``current_versions``). A key deleted in silver has none; a key with two is different.
 
 The hash covers the entity's own columns (no ``_cdc_*`` metadata), each value brought to
 one canonical form by its silver column type first, so a timestamp read from JSON text,
@@ -44,12 +47,15 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
+from functools import reduce
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from cdc_merger.history import END
+from cdc_merger.unavailable import Placeholder
 from cdc_shared.avro import AvroDecoder, AvroSerdeError
 from cdc_shared.changefeed import row_columns
 from cdc_shared.clients import make_consumer, make_elasticsearch
@@ -58,7 +64,8 @@ from cdc_shared.schemas import make_registry
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, TransportError
 from elasticsearch.helpers import scan
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_cli.checkpoints import is_delta_table
@@ -70,7 +77,7 @@ from cdc_cli.verify_buckets import (
     key_text,
 )
 
-TARGETS = ("elasticsearch", "change_topic")
+TARGETS = ("elasticsearch", "change_topic", "history")
 Key = tuple[Any, ...]
 Canonical = Callable[[Any], Any]  # a value -> its canonical form
 KAFKA_TIMEOUT_S = 30.0
@@ -82,8 +89,8 @@ STALL_S = 600.0  # reading a change topic fails after this long without a messag
 class TargetComparison:
     """One target of one entity against silver."""
 
-    target: str  # "elasticsearch" or "change_topic"
-    name: str  # the alias or topic
+    target: str  # "elasticsearch", "change_topic" or "history"
+    name: str  # the alias, topic or history table
     rows: int = 0  # live keys in the target
     missing: int = 0  # in silver, not in the target
     extra: int = 0  # in the target, not in silver
@@ -240,10 +247,23 @@ class RowShape:
             object.__setattr__(self, name, converters)
 
     @classmethod
-    def of(cls, silver: T.StructType, entity: EntityConfig) -> RowShape:
-        """From silver's schema: key columns, and every entity column (no metadata)."""
+    def of(
+        cls, silver: T.StructType, entity: EntityConfig, within: Collection[str] | None = None
+    ) -> RowShape:
+        """From silver's schema: key columns, and every entity column (no metadata).
+
+        ``within``: only the columns it names (the key always).
+        """
         columns = row_columns(silver)
-        return cls(tuple(silver[k] for k in entity.key), tuple(silver[c] for c in columns))
+        shape = cls(tuple(silver[k] for k in entity.key), tuple(silver[c] for c in columns))
+        return shape if within is None else shape.within(within)
+
+    def within(self, columns: Collection[str]) -> RowShape:
+        """The shape on the ``columns`` it names only (the key always)."""
+        key = {f.name for f in self.key}
+        return RowShape(
+            self.key, tuple(f for f in self.fields if f.name in columns or f.name in key)
+        )
 
     def key_of(self, row: dict[str, Any]) -> Key:
         """The canonical key of a row (dict-like)."""
@@ -271,23 +291,35 @@ class TargetRecord(NamedTuple):
 
 
 def spill_silver(
-    spark: SparkSession, path: str, entity: EntityConfig, folder: Path, buckets: int | None
+    spark: SparkSession,
+    path: str,
+    entity: EntityConfig,
+    folder: Path,
+    buckets: int | None,
+    within: Collection[str] | None = None,
 ) -> tuple[RowShape, BucketSpill]:
     """Silver's rows as (key, hash) in ``buckets`` buckets (default: from its row count).
 
     The rows are streamed to this process one partition at a time and hashed here (see
-    the module docstring for why not in Spark).
+    the module docstring for why not in Spark). ``within``: hash only those columns.
     """
-    shape, frame = _silver(spark, path, entity)
+    shape, frame = _silver(spark, path, entity, within)
     rows = frame.count()
     spill = BucketSpill(folder, buckets or bucket_count(rows))
-    # toLocalIterator collects one partition at a time in the driver: a table's files
-    # make partitions of millions of rows, too big to collect; these are small.
-    small = frame.repartition(max(1, math.ceil(rows / ROWS_PER_TRANSFER)))
-    for position, row in enumerate(small.toLocalIterator()):
-        record = row.asDict(recursive=False)
+    for position, record in enumerate(local_rows(frame, rows)):
         spill.add(key_text(shape.key_of(record)), shape.hash_of(record), position)
     return shape, spill
+
+
+def local_rows(frame: DataFrame, rows: int) -> Iterator[dict[str, Any]]:
+    """The frame's rows (about ``rows``) in this process, one small partition at a time.
+
+    toLocalIterator collects one partition at a time in the driver: a table's files make
+    partitions of millions of rows, too big to collect; these hold ``ROWS_PER_TRANSFER``.
+    """
+    small = frame.repartition(max(1, math.ceil(rows / ROWS_PER_TRANSFER)))
+    for row in small.toLocalIterator():
+        yield row.asDict(recursive=False)
 
 
 def silver_hashes(
@@ -305,18 +337,27 @@ def silver_hashes(
     return shape, hashes
 
 
-def _silver(spark: SparkSession, path: str, entity: EntityConfig) -> tuple[RowShape, DataFrame]:
-    """Silver's shape, and its entity columns (no metadata)."""
+def _silver(
+    spark: SparkSession, path: str, entity: EntityConfig, within: Collection[str] | None = None
+) -> tuple[RowShape, DataFrame]:
+    """Silver's shape, and its entity columns (no metadata; only those ``within`` names)."""
     frame = spark.read.format("delta").load(path)
-    shape = RowShape.of(frame.schema, entity)
+    shape = RowShape.of(frame.schema, entity, within)
     return shape, frame.select(*[f"`{f.name}`" for f in shape.fields])
 
 
 def spill_target(
-    records: Iterable[TargetRecord], shape: RowShape, folder: Path, buckets: int
+    records: Iterable[TargetRecord],
+    shape: RowShape,
+    folder: Path,
+    buckets: int,
+    one_per_key: bool = False,
 ) -> BucketSpill:
-    """A target's records as (key, hash or None, position) in ``buckets`` buckets."""
-    spill = BucketSpill(folder, buckets)
+    """A target's records as (key, hash or None, position) in ``buckets`` buckets.
+
+    ``one_per_key``: the target must hold one record per key (``BucketSpill``).
+    """
+    spill = BucketSpill(folder, buckets, one_per_key)
     for record in records:
         content = None if record.content is None else shape.hash_of(record.content)
         spill.add(key_text(shape.key_of(record.key)), content, record.position)
@@ -405,6 +446,117 @@ def change_topic_records(config: PipelineConfig, entity: EntityConfig) -> Iterat
         consumer.close()
 
 
+def current_versions(
+    history: DataFrame,
+    silver: DataFrame,
+    shape: RowShape,
+    placeholder: Placeholder | None,
+    null_updates: Collection[str],
+) -> DataFrame:
+    """The history's current versions (``__end_at`` null), on ``shape``'s columns.
+
+    A current version holds its key's newest event's values, tracked and untracked alike
+    (a change to untracked columns updates it in place; ``cdc_merger.history``), so it
+    equals silver's row, but where that event did not send a value: the history stores
+    the source's unavailable-value ``placeholder`` (for a type that can carry it) or an
+    update's null in a ``null_updates`` column as sent, where silver keeps the prior value
+    (docs/configuration.md, "History"). Such a value is replaced by silver's, so only
+    what must hold is compared: every value the source sent. Only the rows holding one
+    are joined with ``silver`` (any frame of silver's rows, by key).
+    """
+    key = [f.name for f in shape.key]
+    current = history.where(F.col(END).isNull()).select(*[f"`{f.name}`" for f in shape.fields])
+    unsent: dict[str, Column] = {}
+    for f in shape.fields:
+        if f.name in key:
+            continue
+        column = F.col(f"`{f.name}`")
+        conditions = [] if f.name not in null_updates else [column.isNull()]
+        spotted = None if placeholder is None else placeholder.matches(column, f.dataType)
+        if spotted is not None:
+            conditions.append(F.coalesce(spotted, F.lit(False)))
+        if conditions:
+            unsent[f.name] = reduce(Column.__or__, conditions)
+    if not unsent:
+        return current
+    holds_one = reduce(Column.__or__, unsent.values())
+    kept = {name: f"_cdc_silver_{i}" for i, name in enumerate(unsent)}
+    prior = silver.select(
+        *[f"`{k}`" for k in key], *[F.col(f"`{c}`").alias(a) for c, a in kept.items()]
+    )
+    filled = (
+        current.where(holds_one)
+        .join(prior, on=key, how="left")
+        .select(
+            *[
+                F.when(unsent[f.name], F.col(kept[f.name]))
+                .otherwise(F.col(f"`{f.name}`"))
+                .alias(f.name)
+                if f.name in unsent
+                else F.col(f"`{f.name}`")
+                for f in shape.fields
+            ]
+        )
+    )
+    return current.where(~holds_one).unionByName(filled)
+
+
+def null_update_columns(entity: EntityConfig, columns: Iterable[str]) -> list[str]:
+    """The ``columns`` whose null in an update the merger does not store (ignore_null_updates).
+
+    ``EntityConfig.null_update_columns`` without its check of the names against the
+    source's columns (done by the merger at start): silver may lack a named column.
+    """
+    listed = entity.ignore_null_updates
+    return [c for c in columns if c not in entity.key and (listed is True or c in (listed or []))]
+
+
+def compare_history(
+    spark: SparkSession,
+    config: PipelineConfig,
+    entity: EntityConfig,
+    shape: RowShape,
+    silver: BucketSpill,
+    examples: int = 5,
+) -> TargetComparison:
+    """The entity's history's current versions against silver (spilled as ``shape``).
+
+    Compared on silver's columns the history carries (silver is spilled again on those
+    when the history lacks some: a column the selection dropped after silver had it).
+    One current version per key: a key with two is different, one silver lacks extra.
+    """
+    path = config.layout.history(entity.name)
+    if not is_delta_table(spark, path):
+        return TargetComparison(
+            "history",
+            path,
+            error=f"history table {path} does not exist (merger not started with history on?)",
+        )
+    history = spark.read.format("delta").load(path)
+    silver_path = config.layout.silver(entity.name)
+    carried = shape.within(history.columns)
+    folder = silver.folder.with_name("silver-history")
+    try:
+        if carried != shape:
+            _, silver = spill_silver(
+                spark, silver_path, entity, folder, silver.buckets, history.columns
+            )
+        current = current_versions(
+            history,
+            spark.read.format("delta").load(silver_path),
+            carried,
+            Placeholder.of(config.merger.unavailable_value_placeholder),
+            null_update_columns(entity, [f.name for f in carried.fields]),
+        )
+        records = (
+            TargetRecord(row, row, position)
+            for position, row in enumerate(local_rows(current, silver.records))
+        )
+        return compare_target("history", path, carried, silver, records, examples, True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # --- comparing -------------------------------------------------------------------------------
 
 
@@ -415,11 +567,12 @@ def compare_target(
     silver: BucketSpill,
     records: Iterable[TargetRecord],
     examples: int = 5,
+    one_per_key: bool = False,
 ) -> TargetComparison:
     """Spill a target's records beside silver's and compare them bucket by bucket."""
     folder = silver.folder.with_name(target)
     try:
-        spill = spill_target(records, shape, folder, silver.buckets)
+        spill = spill_target(records, shape, folder, silver.buckets, one_per_key)
         return _comparison(target, name, shape, compare_spills(silver, spill, examples))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -479,6 +632,8 @@ def verify(
 ) -> VerifyReport:
     """Compare silver with each target for the selected entities (default: all).
 
+    ``history`` is a target of the entities with ``history.enabled`` only.
+
     ``buckets``: N key buckets per entity; by default one per ``ROWS_PER_BUCKET`` rows
     of silver.
     """
@@ -501,6 +656,12 @@ def verify(
             shape, silver = spill_silver(spark, path, entity, Path(folder) / "silver", buckets)
             comparisons = []
             for target in targets:
+                if target == "history":
+                    if entity.history.enabled:
+                        comparisons.append(
+                            compare_history(spark, config, entity, shape, silver, examples)
+                        )
+                    continue
                 if target == "elasticsearch":
                     name, records = entity.es_index_name, es_records(config, entity)
                 else:

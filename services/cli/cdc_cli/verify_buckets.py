@@ -8,7 +8,9 @@ temporary folder; a bucket's *live* keys are then its last record per key, delet
 dropped. Two sides agree on a bucket when their digests match: the number of live keys
 and the XOR of a 128-bit hash of each (key, content hash) pair, which is independent of
 order. Only buckets whose digests differ are compared key by key, giving the keys
-missing from the target, extra in it, or with different content.
+missing from the target, extra in it, or with different content. A side that must hold
+one record per key (the history's current versions) is spilled ``one_per_key``: a key
+recorded twice there is live with content ``REPEATED``, so it differs from silver's.
 
 Memory: records wait in a write buffer of at most ``BUFFER_CHARS`` characters before
 they are appended to their bucket's file, so reading a side holds the buffer and N
@@ -37,6 +39,8 @@ MAX_BUCKETS = 65_536
 BUFFER_CHARS = 16 * 1024 * 1024
 
 KINDS = ("missing", "extra", "different")
+#: The content of a key recorded more than once on a ``one_per_key`` side: no hash.
+REPEATED = "repeated"
 
 #: A bucket's digest: (live keys, XOR of a 128-bit hash of each key with its content hash).
 Digest = tuple[int, int]
@@ -82,11 +86,15 @@ class BucketSpill:
     kept while adding, so a side whose every key is added once with content (silver: one
     row per key) has its digests without reading its files back; for a side with deletes
     or several records per key (a topic) only ``digest(spill.live(b))`` is right.
+
+    ``one_per_key``: the side must hold one record per key, so a key recorded twice is
+    live with content ``REPEATED`` instead of its last record's.
     """
 
-    def __init__(self, folder: Path, buckets: int) -> None:
+    def __init__(self, folder: Path, buckets: int, one_per_key: bool = False) -> None:
         self.folder = folder
         self.buckets = buckets
+        self.one_per_key = one_per_key
         self.records = 0
         self._added: list[Digest] = [(0, 0)] * buckets
         self._buffer: dict[int, list[str]] = {}
@@ -119,7 +127,10 @@ class BucketSpill:
         return self._added[bucket]
 
     def live(self, bucket: int) -> dict[str, str]:
-        """The bucket's live keys: the last record per key by position, deletes dropped."""
+        """The bucket's live keys: the last record per key by position, deletes dropped.
+
+        On a ``one_per_key`` side a key recorded twice is live as ``REPEATED``.
+        """
         self.flush()
         path = self._path(bucket)
         if not path.exists():
@@ -130,7 +141,9 @@ class BucketSpill:
                 position_text, content, key = line.rstrip("\n").split("\t", 2)
                 position = int(position_text)
                 seen = last.get(key)
-                if seen is None or position >= seen[0]:
+                if seen is not None and self.one_per_key:
+                    last[key] = (max(position, seen[0]), REPEATED)
+                elif seen is None or position >= seen[0]:
                     last[key] = (position, content)
         return {key: content for key, (_, content) in last.items() if content != "-"}
 
