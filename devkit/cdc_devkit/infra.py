@@ -436,6 +436,15 @@ KAFKA_AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
 
 
 @dataclass(frozen=True)
+class TlsListener:
+    """A listener's port and its own certificate chain and PKCS#8 key (PEM files)."""
+
+    port: int
+    certificate_file: Path
+    key_file: Path
+
+
+@dataclass(frozen=True)
 class SecuredKafka:
     """A second, secured broker: one SASL_SSL listener, SCRAM users, ACLs enforced.
 
@@ -457,6 +466,10 @@ class SecuredKafka:
     users: dict[str, str]
     admin: str = "admin"
     name: str = "kafka-secured"  # its state folder, PID file and log in the state dir
+    #: A second SASL_SSL listener presenting another certificate (e.g. one past its
+    #: dates, for the tests of what clients say about it); not advertised, clients
+    #: reach it only by bootstrapping to its port.
+    other_listener: TlsListener | None = None
 
     @property
     def bootstrap_servers(self) -> str:
@@ -522,6 +535,15 @@ def _secured_kafka_properties(secured: SecuredKafka, data_dir: Path) -> str:
         "auto.create.topics.enable": "false",
         "group.initial.rebalance.delay.ms": "0",
     }
+    if (other := secured.other_listener) is not None:
+        settings["listeners"] += f",OTHER://127.0.0.1:{other.port}"
+        settings["listener.security.protocol.map"] += ",OTHER:SASL_SSL"
+        settings[f"listener.name.other.{mechanism}.sasl.jaas.config"] = admin_jaas
+        settings["listener.name.other.ssl.keystore.type"] = "PEM"
+        settings["listener.name.other.ssl.keystore.certificate.chain"] = (
+            other.certificate_file.read_text()
+        )
+        settings["listener.name.other.ssl.keystore.key"] = other.key_file.read_text()
     return "".join(f"{key}={_property_value(value)}\n" for key, value in settings.items())
 
 
@@ -553,7 +575,11 @@ def start_secured_kafka(settings: InfraSettings, secured: SecuredKafka) -> str:
         raise InfraError(f"the admin {secured.admin!r} needs a password in users")
     _check_ports_free(
         "the secured Kafka",
-        {"secured_port": secured.port, "secured_controller_port": secured.controller_port},
+        {
+            "secured_port": secured.port,
+            "secured_controller_port": secured.controller_port,
+            **({"other_port": secured.other_listener.port} if secured.other_listener else {}),
+        },
     )
     java = _find_java_home(17, "CDC_KAFKA_JAVA_HOME") / "bin" / "java"
     folder = settings.state_dir / secured.name

@@ -12,6 +12,7 @@ starts one on free ports in a folder of its own (``tests/support/secured_kafka.p
 
 from __future__ import annotations
 
+import datetime as dt
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,14 @@ class SecuredBroker:
         return self.server.bootstrap_servers
 
     @property
+    def expired_bootstrap_servers(self) -> str:
+        """The listener presenting an expired certificate (``start(expired_port=...)``)."""
+        other = self.server.other_listener
+        if other is None:
+            raise ValueError("this broker was started without an expired listener")
+        return f"127.0.0.1:{other.port}"
+
+    @property
     def ca_file(self) -> Path:
         """The PEM CA that clients trust."""
         return self.server.ca_file
@@ -234,23 +243,44 @@ def pkcs8(key_pem: bytes) -> str:
     ).decode()
 
 
-def make_certificates(folder: Path) -> tuple[Path, Path, Path]:
+def make_certificates(folder: Path, *, expired_too: bool = False) -> tuple[Path, Path, Path]:
     """A new CA (``ca.pem``), the broker's certificate chain and key, in ``folder``.
 
     The certificate names 127.0.0.1 and localhost; the key (PKCS#8) is readable by its
-    owner only.
+    owner only. ``expired_too``: also ``broker-expired.pem`` and its key, the same names
+    signed by the same CA but valid only until yesterday.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ca = trustme.CA()
-    server_cert = ca.issue_cert("127.0.0.1", "localhost")
     ca_file = folder / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
-    certificate_file = folder / "broker.pem"
-    certificate_file.write_text("".join(p.bytes().decode() for p in server_cert.cert_chain_pems))
-    key_file = folder / "broker-key.pem"
-    key_file.touch(mode=0o600)
-    key_file.write_text(pkcs8(server_cert.private_key_pem.bytes()))
+    certificate_file, key_file = _write_leaf(
+        ca.issue_cert("127.0.0.1", "localhost"), folder, "broker"
+    )
+    if expired_too:
+        now = dt.datetime.now(dt.UTC)
+        expired = ca.issue_cert(
+            "127.0.0.1",
+            "localhost",
+            not_before=now - dt.timedelta(days=30),
+            not_after=now - dt.timedelta(days=1),
+        )
+        _write_leaf(expired, folder, EXPIRED_CERTIFICATE)
     return ca_file, certificate_file, key_file
+
+
+#: The file stem of the expired certificate :func:`make_certificates` can add.
+EXPIRED_CERTIFICATE = "broker-expired"
+
+
+def _write_leaf(leaf: trustme.LeafCert, folder: Path, stem: str) -> tuple[Path, Path]:
+    """``<stem>.pem`` (the chain) and ``<stem>-key.pem`` (PKCS#8, mode 0600) in ``folder``."""
+    certificate_file = folder / f"{stem}.pem"
+    certificate_file.write_text("".join(p.bytes().decode() for p in leaf.cert_chain_pems))
+    key_file = folder / f"{stem}-key.pem"
+    key_file.touch(mode=0o600)
+    key_file.write_text(pkcs8(leaf.private_key_pem.bytes()))
+    return certificate_file, key_file
 
 
 def start(
@@ -260,12 +290,23 @@ def start(
     controller_port: int,
     users: dict[str, str] | None = None,
     name: str = "kafka-secured",
+    expired_port: int | None = None,
 ) -> SecuredBroker:
     """Start a secured broker with new certificates in ``folder`` and the ``users``.
 
     By default the users are :data:`USERS`, each with a new random password.
+    ``expired_port``: also a SASL_SSL listener there presenting a certificate of the
+    same CA that expired yesterday (for tests of what clients say about it).
     """
-    ca_file, certificate_file, key_file = make_certificates(folder)
+    expired_too = expired_port is not None
+    ca_file, certificate_file, key_file = make_certificates(folder, expired_too=expired_too)
+    other = None
+    if expired_port is not None:
+        other = infra.TlsListener(
+            expired_port,
+            folder / f"{EXPIRED_CERTIFICATE}.pem",
+            folder / f"{EXPIRED_CERTIFICATE}-key.pem",
+        )
     server = infra.SecuredKafka(
         port=port,
         controller_port=controller_port,
@@ -275,6 +316,7 @@ def start(
         users=users or {user: secrets.token_urlsafe(18) for user in USERS},
         admin=ADMIN,
         name=name,
+        other_listener=other,
     )
     infra.start_secured_kafka(settings, server)
     return SecuredBroker(server)

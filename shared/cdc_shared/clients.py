@@ -11,6 +11,8 @@ trust and key stores. Both renderings hold secrets: never log them (use
 from __future__ import annotations
 
 import re
+import socket
+import ssl
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
@@ -115,12 +117,49 @@ def kafka_refusal(config: KafkaConfig, error: str) -> str | None:
     found = KAFKA_AUTHENTICATION_FAILED.search(error)
     if found is None:
         return None
-    what = (
-        "the SASL credentials (username or password)"
-        if found.group("java") == "Sasl" or found.group("sasl")
-        else "the TLS handshake (CA bundle, or an expired or untrusted certificate)"
-    )
+    if found.group("java") == "Sasl" or found.group("sasl"):
+        what = "the SASL credentials (username or password)"
+    elif (problem := broker_certificate_problem(config)) is not None:
+        what = f"the TLS handshake: the broker's certificate fails verification ({problem})"
+    else:
+        what = "the TLS handshake (CA bundle, or an expired or untrusted certificate)"
     return f"Kafka at {config.describe()} refused {what}"
+
+
+#: How long :func:`broker_certificate_problem` waits for one broker.
+CERTIFICATE_PROBE_TIMEOUT_S = 5.0
+
+
+def broker_certificate_problem(config: KafkaConfig) -> str | None:
+    """Why a bootstrap broker's certificate fails verification, in OpenSSL's words.
+
+    For example "certificate has expired" or "unable to get local issuer certificate"
+    (a CA bundle that did not sign it). librdkafka reports only that verification failed,
+    so after a refused handshake one TLS handshake of our own, with the same CA bundle
+    and hostname rule, names the reason for the operator. None when the protocol has no
+    TLS, the certificate verifies, or no broker answers.
+    """
+    if config.security_protocol not in ("SSL", "SASL_SSL"):
+        return None
+    tls = config.tls
+    context = ssl.create_default_context(
+        cafile=str(tls.ca_file) if tls is not None and tls.ca_file is not None else None
+    )
+    context.check_hostname = tls is None or tls.verify_hostname
+    for server in config.bootstrap_servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        host = host.strip("[]")
+        try:
+            with (
+                socket.create_connection((host, int(port)), CERTIFICATE_PROBE_TIMEOUT_S) as raw,
+                context.wrap_socket(raw, server_hostname=host),
+            ):
+                return None
+        except ssl.SSLCertVerificationError as error:
+            return str(error.verify_message)
+        except (OSError, ValueError):  # unreachable, or not a host:port: the next one
+            continue
+    return None
 
 
 def kafka_authentication_failure(config: KafkaConfig, error: str) -> str | None:

@@ -2,13 +2,14 @@
 
 Debezium-style records produced by the admin land in bronze exactly once through the
 ingestor's own principal, which may only read its source topics; a wrong password stops
-the service at start with one line naming the broker and the mechanism, and so does a CA
-bundle that did not sign the broker's certificate; the password
-shows in no log and no Spark plan. publisher-kafka's transactions run with only its rows
-of the ACL table (deploy/kafka-acls/README.md); a revoked Write on one change topic stops
-that entity's stream alone, naming the permission, and a restart once it is granted again
-publishes every change exactly once. Then ``cdc run``, ``cdc status`` and ``cdc verify``
-on the same pipeline, each as its own principal with its rows of the table.
+the service at start with one line naming the broker and the mechanism, and so does a
+broker certificate that fails verification (a CA bundle that did not sign it, or past its
+dates), with OpenSSL's reason; the password shows in no log and no Spark plan.
+publisher-kafka's transactions run with only its rows of the ACL table
+(deploy/kafka-acls/README.md); a revoked Write on one change topic stops that entity's
+stream alone, naming the permission, and a restart once it is granted again publishes
+every change exactly once. Then ``cdc run``, ``cdc status`` and ``cdc verify`` on the same
+pipeline, each as its own principal with its rows of the table.
 """
 
 from __future__ import annotations
@@ -420,27 +421,43 @@ def test_wrong_password_stops_at_start_with_one_line(
     assert wrong not in logged and secured_broker.password(INGESTOR) not in logged
 
 
-def test_an_untrusted_broker_certificate_stops_at_start_with_one_line(
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("untrusted", "unable to get local issuer certificate"),
+        ("expired", "certificate has expired"),
+    ],
+)
+def test_a_broker_certificate_that_fails_verification_stops_at_start_with_one_line(
     secured_broker: SecuredBroker,
     secured_pipeline: Pipeline,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    case: str,
+    reason: str,
 ) -> None:
-    """The right password, but a CA bundle that did not sign the broker's certificate (as
-    after the broker's certificate was renewed by another CA): one line naming the broker
-    and the TLS handshake, not "unreachable", and no retrying until a timeout."""
-    other_ca = tmp_path / "other-ca.pem"
-    trustme.CA().cert_pem.write_to_path(str(other_ca))
+    """The right password, but a broker certificate the client must refuse: signed by
+    another CA than the bundle's (as after a renewal by another CA), or past its dates (the
+    broker's second listener presents one that expired yesterday, signed by the right CA).
+    One line naming the broker, the TLS handshake and OpenSSL's reason; not "unreachable",
+    and no retrying until a timeout."""
     document = yaml.safe_load(secured_pipeline.path.read_text())
-    document["kafka"]["tls"]["ca_file"] = str(other_ca)
+    if case == "untrusted":
+        other_ca = tmp_path / "other-ca.pem"
+        trustme.CA().cert_pem.write_to_path(str(other_ca))
+        document["kafka"]["tls"]["ca_file"] = str(other_ca)
+        broker = secured_broker.bootstrap_servers
+    else:
+        broker = document["kafka"]["bootstrap_servers"] = secured_broker.expired_bootstrap_servers
     secured_pipeline.path.write_text(yaml.safe_dump(document))
     started = time.monotonic()
     assert run_ingestor(secured_pipeline) == 1
     assert time.monotonic() - started < 60
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "\n" not in errors[0], errors
-    assert secured_broker.bootstrap_servers in errors[0], errors
+    assert broker in errors[0], errors
     assert "refused the TLS handshake" in errors[0], errors
+    assert reason in errors[0], errors
     assert "unreachable" not in caplog.text
     assert secured_broker.password(INGESTOR) not in caplog.text
 

@@ -45,11 +45,15 @@ __all__ = [
 
 @pytest.fixture(scope="session")
 def secured_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredBroker]:
-    """The secured broker, started for this session and stopped at its end."""
+    """The secured broker, started for this session and stopped at its end.
+
+    Beside its listener, one presenting a certificate that expired yesterday
+    (``expired_bootstrap_servers``).
+    """
     folder = tmp_path_factory.mktemp("secured-kafka")
-    port, controller_port = free_ports(2)
+    port, controller_port, expired_port = free_ports(3)
     settings = TEST_INFRA.model_copy(update={"state_dir": folder / "state", "kafka_heap": "384m"})
-    broker = secured_kafka.start(settings, folder, port, controller_port)
+    broker = secured_kafka.start(settings, folder, port, controller_port, expired_port=expired_port)
     try:
         yield broker
     finally:
