@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from cdc_shared.config import ConfigError, EntityConfig, load_config, redact
+import yaml
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, load_config, redact
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GOOD = """
 storage_root: /tmp/cdc-data
@@ -265,3 +269,25 @@ def test_a_bad_history_field_is_named_with_its_path(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match=r"entities\.0\.history\.track_column"):
         load_config(write(tmp_path, text))
+
+
+def test_the_example_pipelines_keep_the_history_of_customers() -> None:
+    """The example shows history on one entity, on columns its rows have (else the merger
+    stops at start); the secured and cluster-S3 examples carry its entities, indexes aside
+    (the compose and Kubernetes files are compared in their own tests)."""
+
+    def entities(name: str) -> list[EntityConfig]:
+        document = yaml.safe_load((ROOT / "deploy" / "local" / name).read_text())
+        return PipelineConfig(entities=document["entities"]).entities
+
+    example = entities("pipeline.yaml")
+    assert [e.name for e in example if e.history.enabled] == ["customers"]
+    customers = example[0]
+    schema = json.loads((ROOT / "schemas" / f"{customers.source_topic}-value.avsc").read_text())
+    (before,) = [f for f in schema["fields"] if f["name"] == "before"]  # "after" names it
+    (row,) = [t for t in before["type"] if t != "null"]
+    columns = [f["name"] for f in row["fields"]]
+    assert customers.history_untracked_columns(columns) == ["phone", "created_at"]
+    shown = [e.model_dump(exclude={"es_index"}) for e in example]
+    for name in ("pipeline-secured.yaml", "pipeline-cluster-s3.yaml"):
+        assert [e.model_dump(exclude={"es_index"}) for e in entities(name)] == shown, name
