@@ -18,6 +18,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -618,9 +619,11 @@ def stop_secured_kafka(settings: InfraSettings, secured: SecuredKafka) -> bool:
 # --- Elasticsearch ------------------------------------------------------------------
 
 
-def _es_ready(url: str) -> bool:
+def _es_ready(
+    url: str, auth: tuple[str, str] | None = None, verify: ssl.SSLContext | bool = True
+) -> bool:
     try:
-        response = httpx.get(f"{url}/_cluster/health", timeout=2.0)
+        response = httpx.get(f"{url}/_cluster/health", timeout=2.0, auth=auth, verify=verify)
     except httpx.HTTPError:
         return False
     return response.status_code == 200 and response.json().get("status") in ("yellow", "green")
@@ -653,56 +656,156 @@ def _chown_tree(folder: Path, uid: int, gid: int) -> None:
 def start_elasticsearch(settings: InfraSettings) -> None:
     """Start single-node Elasticsearch unless it already runs; wait for yellow or green."""
     url = endpoints(settings).elasticsearch_url
-    if (pid := _read_pid(settings, "elasticsearch")) is not None:
-        _wait_ready(settings, "elasticsearch", pid, lambda: _es_ready(url))
+    _start_elasticsearch_node(
+        settings,
+        "elasticsearch",
+        settings.es_port,
+        settings.es_transport_port,
+        lambda: _es_ready(url),
+    )
+
+
+@dataclass(frozen=True)
+class SecuredElasticsearch:
+    """A second Elasticsearch with security on, as production clusters run it.
+
+    HTTPS from a PEM certificate chain and key (names must match ``127.0.0.1``) signed by
+    ``ca_file``; users of the file realm (``users``: name -> password, made with
+    ``elasticsearch-users`` before the first start), each given the role ``user_roles``
+    names, roles defined by ``roles`` (the text of a ``roles.yml``). ``admin`` (among the
+    users) is a superuser. The transport layer stays plaintext on loopback (single node).
+    """
+
+    port: int
+    transport_port: int
+    ca_file: Path
+    certificate_file: Path
+    key_file: Path
+    users: dict[str, str]
+    user_roles: dict[str, str]
+    roles: str
+    admin: str = "admin"
+    name: str = "elasticsearch-secured"  # its state folder, PID file and log
+
+    @property
+    def url(self) -> str:
+        """Where clients connect (HTTPS)."""
+        return f"https://127.0.0.1:{self.port}"
+
+
+def start_secured_elasticsearch(settings: InfraSettings, secured: SecuredElasticsearch) -> str:
+    """Start the secured Elasticsearch (see :class:`SecuredElasticsearch`); its URL.
+
+    Its data, configuration and log live in ``<state_dir>/<name>``; stop it with
+    :func:`stop_secured_elasticsearch`.
+    """
+    auth = (secured.admin, secured.users[secured.admin])
+    trusting = ssl.create_default_context(cafile=str(secured.ca_file))
+    _start_elasticsearch_node(
+        settings,
+        secured.name,
+        secured.port,
+        secured.transport_port,
+        lambda: _es_ready(secured.url, auth, trusting),
+        secured,
+    )
+    return secured.url
+
+
+def stop_secured_elasticsearch(settings: InfraSettings, secured: SecuredElasticsearch) -> bool:
+    """Stop the secured Elasticsearch; True if it ran."""
+    return _stop(settings, secured.name)
+
+
+def _secure_elasticsearch_config(
+    secured: SecuredElasticsearch, config_dir: Path, env: dict[str, str]
+) -> str:
+    """Put the TLS files, roles and users into ``config_dir``; the settings that use them."""
+    certs = config_dir / "certs"
+    certs.mkdir(exist_ok=True)
+    for source, target in (
+        (secured.ca_file, "ca.pem"),
+        (secured.certificate_file, "node.pem"),
+        (secured.key_file, "node-key.pem"),
+    ):
+        shutil.copy(source, certs / target)
+    (config_dir / "roles.yml").write_text(secured.roles)
+    users_tool = jvm.elasticsearch_home() / "bin" / "elasticsearch-users"
+    for user, password in secured.users.items():
+        role = "superuser" if user == secured.admin else secured.user_roles[user]
+        subprocess.run(
+            [str(users_tool), "useradd", user, "-p", password, "-r", role],
+            env={**os.environ, **env},
+            check=True,
+            capture_output=True,
+        )
+    return (
+        "xpack.security.enabled: true\n"
+        "xpack.security.http.ssl.enabled: true\n"
+        "xpack.security.http.ssl.certificate: certs/node.pem\n"
+        "xpack.security.http.ssl.key: certs/node-key.pem\n"
+        "xpack.security.http.ssl.certificate_authorities: [certs/ca.pem]\n"
+        "xpack.security.transport.ssl.enabled: false\n"
+        "xpack.security.authc.realms.file.file1.order: 0\n"
+    )
+
+
+def _start_elasticsearch_node(
+    settings: InfraSettings,
+    name: str,
+    port: int,
+    transport_port: int,
+    ready: Callable[[], bool],
+    secured: SecuredElasticsearch | None = None,
+) -> None:
+    """Start a single-node Elasticsearch called ``name`` unless it runs; wait until ``ready``."""
+    if (pid := _read_pid(settings, name)) is not None:
+        _wait_ready(settings, name, pid, ready)
         return
     home = jvm.elasticsearch_home()
     if not (home / "bin" / "elasticsearch").exists():
         raise InfraError("Elasticsearch is not in the JVM cache; run `make jvm` first")
-    _check_ports_free(
-        "Elasticsearch",
-        {"es_port": settings.es_port, "es_transport_port": settings.es_transport_port},
-    )
+    if secured is None:
+        ports = {"es_port": port, "es_transport_port": transport_port}
+        _check_ports_free("Elasticsearch", ports)
+    else:  # free ports chosen by the caller: no setting to name
+        _check_ports_free(name, {"port": port, "transport_port": transport_port})
     java_home = _find_java_home(MIN_ES_JAVA, "CDC_ES_JAVA_HOME")
-    folder = settings.state_dir / "elasticsearch"
+    folder = settings.state_dir / name
     config_dir, data_dir, logs_dir, tmp_dir = (
         folder / "config",
         folder / "data",
         folder / "logs",
         folder / "tmp",
     )
-    if not config_dir.exists():
+    env = {
+        "ES_JAVA_HOME": str(java_home),
+        "ES_PATH_CONF": str(config_dir),
+        "ES_TMPDIR": str(tmp_dir),
+    }
+    first_start = not config_dir.exists()
+    if first_start:
         shutil.copytree(home / "config", config_dir)
     for path in (data_dir, logs_dir, tmp_dir):
         path.mkdir(parents=True, exist_ok=True)
-    (config_dir / "elasticsearch.yml").write_text(
-        Template(
-            (_deploy_local() / "elasticsearch" / "elasticsearch.yml.template").read_text()
-        ).substitute(
-            port=settings.es_port,
-            transport_port=settings.es_transport_port,
-            data_dir=data_dir,
-            logs_dir=logs_dir,
-        )
-    )
+    config = Template(
+        (_deploy_local() / "elasticsearch" / "elasticsearch.yml.template").read_text()
+    ).substitute(port=port, transport_port=transport_port, data_dir=data_dir, logs_dir=logs_dir)
+    if secured is not None:
+        config = config.replace("xpack.security.enabled: false\n", "")
+        if first_start:
+            security = _secure_elasticsearch_config(secured, config_dir, env)
+            (config_dir / "security.yml.part").write_text(security)
+        config += (config_dir / "security.yml.part").read_text()
+    (config_dir / "elasticsearch.yml").write_text(config)
     command = [str(home / "bin" / "elasticsearch")]
     if os.geteuid() == 0:
         uid, gid = _ensure_system_user(ES_USER)
         _chown_tree(folder, uid, gid)
         command = [*_as_user(uid, gid), *command]
     heap = settings.es_heap
-    pid = _start(
-        settings,
-        "elasticsearch",
-        command,
-        env={
-            "ES_JAVA_HOME": str(java_home),
-            "ES_PATH_CONF": str(config_dir),
-            "ES_TMPDIR": str(tmp_dir),
-            "ES_JAVA_OPTS": f"-Xms{heap} -Xmx{heap}",
-        },
-    )
-    _wait_ready(settings, "elasticsearch", pid, lambda: _es_ready(url))
+    pid = _start(settings, name, command, env={**env, "ES_JAVA_OPTS": f"-Xms{heap} -Xmx{heap}"})
+    _wait_ready(settings, name, pid, ready)
 
 
 # --- schema registry ----------------------------------------------------------------

@@ -1,9 +1,9 @@
 """A secured Kafka broker for the tests and the demo, as production brokers are secured.
 
-One SASL_SSL listener (SCRAM-SHA-512) with certificates made when it first starts by
-``trustme`` (a PEM CA and a server certificate for 127.0.0.1, never checked in), SCRAM
-users created when its storage is formatted, and ACLs enforced by the broker's
-``StandardAuthorizer`` (:class:`cdc_devkit.infra.SecuredKafka` runs it). The test session
+One SASL_SSL listener (SCRAM-SHA-512) with certificates made when it first starts
+(:mod:`cdc_devkit.certificates`: a PEM CA and a server certificate for 127.0.0.1, never
+checked in), SCRAM users created when its storage is formatted, and ACLs enforced by the
+broker's ``StandardAuthorizer`` (:class:`cdc_devkit.infra.SecuredKafka` runs it). The test session
 starts one on free ports in a folder of its own (``tests/support/secured_kafka.py``);
 ``cdc infra up --secure`` starts one on fixed ports for the example pipeline
 ``deploy/local/pipeline-secured.yaml``, with its topics and the ACL table of
@@ -12,13 +12,11 @@ starts one on free ports in a folder of its own (``tests/support/secured_kafka.p
 
 from __future__ import annotations
 
-import datetime as dt
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import trustme
 from cdc_shared.config import (
     KafkaConfig,
     KafkaSaslConfig,
@@ -36,10 +34,10 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     ResourcePatternType,
     ResourceType,
 )
-from cryptography.hazmat.primitives import serialization
 from pydantic import SecretStr
 
 from cdc_devkit import infra
+from cdc_devkit.certificates import EXPIRED_CERTIFICATE, make_certificates
 
 ADMIN = "admin"
 INGESTOR = "cdc-ingestor"
@@ -230,59 +228,6 @@ class SecuredBroker:
                 future.result(60)
 
 
-def pkcs8(key_pem: bytes) -> str:
-    """``key_pem`` as unencrypted PKCS#8, the form the broker's PEM key store takes.
-
-    trustme writes its key algorithm's own PEM form.
-    """
-    key = serialization.load_pem_private_key(key_pem, password=None)
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    ).decode()
-
-
-def make_certificates(folder: Path, *, expired_too: bool = False) -> tuple[Path, Path, Path]:
-    """A new CA (``ca.pem``), the broker's certificate chain and key, in ``folder``.
-
-    The certificate names 127.0.0.1 and localhost; the key (PKCS#8) is readable by its
-    owner only. ``expired_too``: also ``broker-expired.pem`` and its key, the same names
-    signed by the same CA but valid only until yesterday.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    ca = trustme.CA()
-    ca_file = folder / "ca.pem"
-    ca.cert_pem.write_to_path(str(ca_file))
-    certificate_file, key_file = _write_leaf(
-        ca.issue_cert("127.0.0.1", "localhost"), folder, "broker"
-    )
-    if expired_too:
-        now = dt.datetime.now(dt.UTC)
-        expired = ca.issue_cert(
-            "127.0.0.1",
-            "localhost",
-            not_before=now - dt.timedelta(days=30),
-            not_after=now - dt.timedelta(days=1),
-        )
-        _write_leaf(expired, folder, EXPIRED_CERTIFICATE)
-    return ca_file, certificate_file, key_file
-
-
-#: The file stem of the expired certificate :func:`make_certificates` can add.
-EXPIRED_CERTIFICATE = "broker-expired"
-
-
-def _write_leaf(leaf: trustme.LeafCert, folder: Path, stem: str) -> tuple[Path, Path]:
-    """``<stem>.pem`` (the chain) and ``<stem>-key.pem`` (PKCS#8, mode 0600) in ``folder``."""
-    certificate_file = folder / f"{stem}.pem"
-    certificate_file.write_text("".join(p.bytes().decode() for p in leaf.cert_chain_pems))
-    key_file = folder / f"{stem}-key.pem"
-    key_file.touch(mode=0o600)
-    key_file.write_text(pkcs8(leaf.private_key_pem.bytes()))
-    return certificate_file, key_file
-
-
 def start(
     settings: infra.InfraSettings,
     folder: Path,
@@ -299,7 +244,9 @@ def start(
     same CA that expired yesterday (for tests of what clients say about it).
     """
     expired_too = expired_port is not None
-    ca_file, certificate_file, key_file = make_certificates(folder, expired_too=expired_too)
+    ca_file, certificate_file, key_file = make_certificates(
+        folder, "broker", expired_too=expired_too
+    )
     other = None
     if expired_port is not None:
         other = infra.TlsListener(
@@ -379,7 +326,7 @@ def start_local(settings: infra.InfraSettings) -> SecuredBroker:
                 f"the secured Kafka's storage in {folder} has lost its passwords or "
                 "certificates; remove that folder and run `cdc infra up --secure` again"
             )
-        ca_file, certificate_file, key_file = make_certificates(folder)
+        ca_file, certificate_file, key_file = make_certificates(folder, "broker")
         users = {user: secrets.token_urlsafe(18) for user in USERS}
         (folder / "passwords").mkdir(mode=0o700, exist_ok=True)
         for user, password in users.items():

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from cdc_devkit import secured_kafka
+from cdc_devkit.certificates import pkcs8
 from cdc_devkit.secured_kafka import (
     ADMIN,
     APPLICATION,
@@ -20,7 +21,6 @@ from cdc_devkit.secured_kafka import (
     PUBLISHER,
     SecuredBroker,
     acl_table,
-    pkcs8,
 )
 
 from support.servers import TEST_INFRA

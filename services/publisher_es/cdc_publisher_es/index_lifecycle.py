@@ -18,14 +18,17 @@
   is removed only once the rebuild is complete, so a crash during one makes the next
   start rebuild again rather than adopt a partial index.
 - **Elasticsearch unavailable**: every index admin call waits with the one retry policy
-  (``cdc_shared.retry``), reporting the problem on ``/health``; a refusal for good stops
-  the publisher with a MappingError naming the alias.
+  (``cdc_shared.retry``), reporting the problem on ``/health``. A refusal for good stops
+  the publisher: credentials, permissions or a certificate that fails verification with
+  an ElasticsearchRefusedError (waiting would not help), anything else Elasticsearch
+  refuses of the index with a MappingError naming the alias.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -40,7 +43,7 @@ from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.streaming import Failure as StreamFailure
 from cdc_shared.streaming import OnFailure, StreamFailedError
 from delta.tables import DeltaTable
-from elastic_transport import TransportError
+from elastic_transport import TlsError, TransportError
 from elasticsearch import ApiError, Elasticsearch
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
@@ -89,8 +92,34 @@ def recognising_lost_index(on_failure: OnFailure) -> OnFailure:
     return read
 
 
+class ElasticsearchRefusedError(RuntimeError):
+    """Elasticsearch refused the publisher for good; waiting would not help.
+
+    Its credentials (401), its role's privileges (403) or the cluster's TLS certificate.
+    The message is one line naming the hosts and what to fix, never a secret.
+    """
+
+
+#: How the TLS stack says a certificate failed verification, and OpenSSL's reason.
+CERTIFICATE_VERIFY_FAILED = re.compile(r"certificate verify failed: (?P<reason>[^(]*?)\s*\(")
+
+
+def certificate_refused(error: BaseException) -> str | None:
+    """OpenSSL's reason if ``error`` is a TLS handshake whose certificate check failed.
+
+    A certificate that does not verify (signed by a CA not in ``ca_certs``, expired, for
+    another host) fails the same way at every attempt: not a fault to wait out.
+    """
+    if not isinstance(error, TlsError):
+        return None
+    found = CERTIFICATE_VERIFY_FAILED.search(str(error))
+    return None if found is None else found.group("reason")
+
+
 def _worth_waiting(error: BaseException) -> bool:
     """Whether an index admin call's error passes with time: no answer, 429 or 5xx."""
+    if certificate_refused(error) is not None:
+        return False
     if isinstance(error, TransportError):
         return True
     if isinstance(error, ApiError):
@@ -341,9 +370,25 @@ class IndexLifecycle:
             on_retry=report,
             fields={"entity": self.entity.name},
         )
+        hosts = ", ".join(self.config.elasticsearch.hosts)
         try:
             result = policy(step)
+        except TlsError as exc:  # _worth_waiting said no: a certificate that fails
+            reason = certificate_refused(exc)
+            raise ElasticsearchRefusedError(
+                f"Elasticsearch at {hosts}: its TLS certificate fails verification ({reason}); "
+                "set elasticsearch.ca_certs to the CA bundle that signed it (PEM) and restart"
+            ) from None
         except ApiError as exc:  # refused for good: _worth_waiting said no
+            if exc.status_code in (401, 403):
+                what = "the credentials" if exc.status_code == 401 else "a privilege"
+                raise ElasticsearchRefusedError(
+                    self.scrub(
+                        f"Elasticsearch at {hosts} refused {what} (HTTP {exc.status_code}) while "
+                        f"setting up {self.alias!r}: {exc}; fix elasticsearch.username "
+                        "/ password / api_key (or the user's role) and restart"
+                    )
+                ) from None
             hint = ""
             if "[scaled_float]" in str(exc):
                 hint = (
