@@ -213,13 +213,49 @@ class Database:
 
     def rows(self, table: Table) -> Rows:
         """What ``table`` holds, by key, typed as silver holds it (see :func:`typed`)."""
-        columns = {c.name: c for c in table.all_columns}
-        rows: Rows = {}
-        for line in self.query(f"SELECT row_to_json(t) FROM {table.name} t"):
-            raw = json.loads(line, parse_float=Decimal)
-            row = {name: typed(columns[name], value) for name, value in raw.items()}
-            rows[tuple(row[k] for k in table.key)] = row
-        return rows
+        return _typed_rows(table, self.query(f"SELECT row_to_json(t) FROM {table.name} t"))
+
+    def execute_watching(self, step: Step, table: Table) -> list[Rows]:
+        """Run ``step`` as :meth:`execute` does; what ``table`` held after each statement.
+
+        Each of the step's statements is followed, in the same session and transaction (a
+        transaction sees its own changes), by a ``SELECT`` of the whole table: so the
+        database itself says every state a row went through, also between two statements
+        of one transaction (Debezium sends each statement's changes as events of their own).
+        The step's changes are the same as without the ``SELECT`` s: they write nothing.
+        """
+        select = f"SELECT row_to_json(t) FROM {table.name} t;\nSELECT '{_END_OF_STATE}';"
+        watched = [f"{statement}\n{select}" for statement in step.each_statement]
+        sql = "\n".join(watched)
+        if step.statements:
+            sql = f"BEGIN;\n{sql}\nCOMMIT;"
+        lines = self.query(sql)
+        states: list[list[str]] = [[]]
+        for line in lines:
+            if line == _END_OF_STATE:
+                states.append([])
+            else:
+                states[-1].append(line)
+        if states.pop() or len(states) != len(watched):
+            raise RuntimeError(
+                f"expected {len(watched)} states of {table.name}, read {lines!r:.200}"
+            )
+        return [_typed_rows(table, state) for state in states]
+
+
+#: Ends each state of a table :meth:`Database.execute_watching` reads (no row's JSON).
+_END_OF_STATE = "-- end of state --"
+
+
+def _typed_rows(table: Table, lines: list[str]) -> Rows:
+    """Rows of ``table`` from ``row_to_json`` lines, by key, typed (see :func:`typed`)."""
+    columns = {c.name: c for c in table.all_columns}
+    rows: Rows = {}
+    for line in lines:
+        raw = json.loads(line, parse_float=Decimal)
+        row = {name: typed(columns[name], value) for name, value in raw.items()}
+        rows[tuple(row[k] for k in table.key)] = row
+    return rows
 
 
 def local_server(settings: infra.InfraSettings) -> Database:
@@ -247,6 +283,54 @@ def typed(column: Column, value: Any) -> Any:
     if column.kind in ("timestamp", "timestamptz"):
         return dt.datetime.fromisoformat(value)
     return value
+
+
+# --- the versions a table went through -------------------------------------------------
+
+
+@dataclass
+class RowVersion:
+    """One version of a row: its values while they held, and what ended it.
+
+    ``ended``: ``"change"`` (a statement changed a value: the next version begins at the
+    same event), ``"delete"`` (a ``DELETE``, a ``TRUNCATE`` or the key moved away), or
+    None while the row still holds these values.
+    """
+
+    row: dict[str, Any]
+    ended: Literal["change", "delete"] | None = None
+
+
+@dataclass
+class TableVersions:
+    """Every version each key of ``table`` went through, from the table's states in order.
+
+    :meth:`observe` takes what the table holds after each statement that ran (e.g. from
+    :meth:`Database.execute_watching`): a key that appears opens a version, a row whose
+    values changed closes its version and opens one, a key that disappears closes its
+    version; a statement that changed none of a row's values (an ``UPDATE`` setting what
+    was there) makes none. Every column of the table counts (a column added later is null
+    in the states before it).
+    """
+
+    table: Table
+    versions: dict[Key, list[RowVersion]] = field(default_factory=dict)
+    _current: Rows = field(default_factory=dict, repr=False)
+
+    def observe(self, state: Rows) -> None:
+        """The table's next state."""
+        names = [c.name for c in self.table.all_columns]
+        rows = {key: {c: row.get(c) for c in names} for key, row in state.items()}
+        for key in self._current.keys() - rows.keys():
+            self.versions[key][-1].ended = "delete"
+        for key, row in rows.items():
+            before = self._current.get(key)
+            if before == row:
+                continue
+            if before is not None:
+                self.versions[key][-1].ended = "change"
+            self.versions.setdefault(key, []).append(RowVersion(row))
+        self._current = rows
 
 
 # --- the workload ---------------------------------------------------------------------
@@ -277,11 +361,27 @@ def literal(column: Column, value: Any) -> str:
 
 @dataclass(frozen=True)
 class Step:
-    """One transaction of the workload: what it does (for the demo's output) and its SQL."""
+    """One transaction of the workload: what it does (for the demo's output) and its SQL.
+
+    ``statements``: those of a transaction of several, in order (``sql`` runs them between
+    ``BEGIN`` and ``COMMIT``); empty: ``sql`` is one statement.
+    """
 
     phase: Literal["schema", "snapshot", "changes", "marker"]
     what: str
     sql: str
+    statements: tuple[str, ...] = ()
+
+    @classmethod
+    def transaction(cls, what: str, statements: list[str]) -> Step:
+        """A ``changes`` step running ``statements`` in one transaction."""
+        sql = "BEGIN;\n" + "\n".join(statements) + "\nCOMMIT;"
+        return cls("changes", what, sql, tuple(statements))
+
+    @property
+    def each_statement(self) -> tuple[str, ...]:
+        """The step's statements, in order (without ``BEGIN`` and ``COMMIT``)."""
+        return self.statements or (self.sql,)
 
     def display(self, rows: int = 2) -> str:
         """The SQL to print: a long ``VALUES`` list cut to its first ``rows`` rows."""
@@ -366,9 +466,7 @@ class SqlWorkload:
                 continue
             statements = [self._random_change() for _ in range(self._rng.randint(1, 4))]
             what = "; ".join(s[0] for s in statements)
-            yield Step(
-                "changes", what, "BEGIN;\n" + "\n".join(s[1] for s in statements) + "\nCOMMIT;"
-            )
+            yield Step.transaction(what, [s[1] for s in statements])
 
     def marker(self) -> Step:
         """The last transaction: one row in the marker table."""
