@@ -13,6 +13,10 @@ key -> content hash:
 - the history (entities with ``history.enabled``): its current versions (``__end_at``
   null), read through Spark as silver is, on silver's columns the history carries
   (``current_versions``). A key deleted in silver has none; a key with two is different.
+  Asked for by name (``--target history``), it is reported as skipped, not compared, for
+  an entity with history off.
+
+A run that compared nothing (every target asked for skipped) is not an agreement: it fails.
 
 The hash covers the entity's own columns (no ``_cdc_*`` metadata), each value brought to
 one canonical form by its silver column type first, so a timestamp read from JSON text,
@@ -99,11 +103,17 @@ class TargetComparison:
     error: str | None = None  # the target could not be read
     buckets: int = 0  # key buckets compared
     buckets_differing: int = 0  # buckets whose digests differed: compared key by key
+    skipped: str | None = None  # why the target was not compared (it agrees with nothing)
 
     @property
     def ok(self) -> bool:
-        """No difference and no error."""
+        """No difference and no error (also true of a skipped target: see ``compared``)."""
         return self.error is None and not (self.missing or self.extra or self.different)
+
+    @property
+    def compared(self) -> bool:
+        """The target was compared with silver (not skipped)."""
+        return self.skipped is None
 
 
 @dataclass(frozen=True)
@@ -127,9 +137,19 @@ class VerifyReport:
     entities: tuple[EntityVerification, ...]
 
     @property
+    def compared(self) -> int:
+        """How many targets were compared with silver (skipped ones are not)."""
+        return sum(t.compared for e in self.entities for t in e.targets)
+
+    @property
+    def skipped(self) -> int:
+        """How many targets asked for were not compared (``TargetComparison.skipped``)."""
+        return sum(not t.compared for e in self.entities for t in e.targets)
+
+    @property
     def ok(self) -> bool:
-        """Every entity agrees everywhere."""
-        return all(e.ok for e in self.entities)
+        """Every entity agrees everywhere, and not every target asked for was skipped."""
+        return all(e.ok for e in self.entities) and (self.compared > 0 or not self.skipped)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``cdc verify --json``)."""
@@ -557,6 +577,15 @@ def compare_history(
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def history_off(config: PipelineConfig, entity: EntityConfig) -> TargetComparison:
+    """The history target of an entity without history: skipped, nothing compared."""
+    return TargetComparison(
+        "history",
+        config.layout.history(entity.name),
+        skipped="history is off for this entity (entities[].history.enabled), nothing compared",
+    )
+
+
 # --- comparing -------------------------------------------------------------------------------
 
 
@@ -625,20 +654,24 @@ def verify(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
     *,
-    targets: tuple[str, ...] = TARGETS,
+    targets: tuple[str, ...] | None = None,
     examples: int = 5,
     buckets: int | None = None,
     spark: SparkSession | None = None,
 ) -> VerifyReport:
     """Compare silver with each target for the selected entities (default: all).
 
-    ``history`` is a target of the entities with ``history.enabled`` only.
+    ``targets``: those to compare (default: every target each entity has). ``history``
+    is a target of the entities with ``history.enabled`` only: asked for by name, it is
+    skipped for the others, and reported so (``TargetComparison.skipped``).
 
     ``buckets``: N key buckets per entity; by default one per ``ROWS_PER_BUCKET`` rows
     of silver.
     """
     from cdc_shared.spark import build_spark_session
 
+    asked = targets is not None
+    targets = TARGETS if targets is None else targets
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise ValueError(f"unknown targets {unknown}; choose from {TARGETS}")
@@ -661,6 +694,8 @@ def verify(
                         comparisons.append(
                             compare_history(spark, config, entity, shape, silver, examples)
                         )
+                    elif asked:
+                        comparisons.append(history_off(config, entity))
                     continue
                 if target == "elasticsearch":
                     name, records = entity.es_index_name, es_records(config, entity)
@@ -688,6 +723,9 @@ def render(report: VerifyReport) -> str:
             if t.error is not None:
                 lines.append(f"{label}: ERROR {t.error}")
                 continue
+            if t.skipped is not None:
+                lines.append(f"{label}: SKIPPED, {t.skipped}")
+                continue
             verdict = "agrees" if t.ok else "DIFFERS"
             lines.append(
                 f"{label}: {t.rows:,} keys, {verdict} "
@@ -696,5 +734,16 @@ def render(report: VerifyReport) -> str:
             )
             for kind, keys in t.examples.items():
                 lines.append(f"      {kind}: {'; '.join(keys)}")
-    lines.append("all targets agree with silver" if report.ok else "differences found")
+    lines.append(_verdict(report))
     return "\n".join(lines)
+
+
+def _verdict(report: VerifyReport) -> str:
+    """The report's last line: agreement only of what was compared."""
+    if not all(e.ok for e in report.entities):
+        return "differences found"
+    if report.skipped and not report.compared:
+        return "nothing compared: every target asked for was skipped"
+    if report.skipped:
+        return f"all compared targets agree with silver ({report.skipped} skipped, not compared)"
+    return "all targets agree with silver"
