@@ -5,7 +5,8 @@ application, ``cdc run``, or as four processes), produces a generated Debezium-s
 workload at a steady rate (duplicates, deletes, re-inserts, poison records), waits until
 every output agrees with the oracle (or a deadline passes), then stops the services with
 SIGTERM and summarises: volumes, delays, memory, agreement. Every run uses fresh topics,
-tables and indexes.
+tables and indexes. The outputs checked: silver, the change topics, the indexes and, for
+an entity with ``history.enabled`` (the example's customers), its history table.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from cdc_shared.config import PipelineConfig, load_config
+from cdc_merger.history import END, START
+from cdc_shared.config import EntityConfig, PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
+from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra
-from cdc_devkit.checks import Difference, change_topic_state, index_rows
+from cdc_devkit.checks import Difference, Rows, change_topic_state, compare, index_rows
 from cdc_devkit.local_run import (
+    ROOT,
     Echo,
     Progress,
     check_outputs,
@@ -36,6 +40,13 @@ from cdc_devkit.local_run import (
     unwind_on_sigterm,
     wait_until_healthy,
     write_pipeline_config,
+)
+from cdc_devkit.oracle import (
+    EntityOracle,
+    SourceEvent,
+    history_versions,
+    load_fingerprints,
+    read_topic,
 )
 from cdc_devkit.processes import (
     RunMode,
@@ -202,10 +213,17 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
             "waiting for the pipeline to catch up"
         )
         expected = oracle_rows(config)
+        histories = {e.name: expected_history(config, e) for e in with_history(config)}
         spark = check_session(config)
         catch_up(
             result,
-            lambda: check_outputs(spark, config, expected),
+            lambda: [
+                *check_outputs(spark, config, expected),
+                *[
+                    compare(history_label(e), histories[e.name], history_rows(spark, config, e))
+                    for e in with_history(config)
+                ],
+            ],
             services,
             options.catch_up_timeout_s,
             echo,
@@ -220,6 +238,57 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
             spark.stop()
     finish_report(result, summary_rows, services, options.workdir, (started_wall, started))
     return result
+
+
+def with_history(config: PipelineConfig) -> list[EntityConfig]:
+    """The entities whose merger keeps a history table (``history.enabled``)."""
+    return [e for e in config.entities if e.history.enabled]
+
+
+def history_label(entity: EntityConfig) -> str:
+    """The history check's name: its table, compared version by version."""
+    return f"silver_history/{entity.name} by (key, {START})"
+
+
+def expected_history(config: PipelineConfig, entity: EntityConfig) -> Rows:
+    """The versions ``silver_history/<entity>`` must hold, by (key, ``__start_at``).
+
+    From the oracle's replay of the source topic: the events it applied, each key's in
+    sequence order, make the history (``oracle.history_versions``). The demo's load
+    writes each key's events in order and re-delivers only copies of earlier records
+    (no truncates), so the events applied are every event there is. A version is
+    compared on its end and its newest event's values.
+    """
+    fingerprints = load_fingerprints([ROOT / "schemas"])
+    oracle = read_topic(config.kafka, EntityOracle.of(entity, make_registry(config), fingerprints))
+    events = [SourceEvent(a.key, a.sequence, a.op, a.row) for a in oracle.applied]
+    columns = sorted({c for e in events if e.row is not None for c in e.row})
+    untracked = entity.history.untracked_columns(columns, list(entity.key))
+    return {
+        (v.key, v.start): {END: v.end, **v.row}
+        for versions in history_versions(events, untracked).values()
+        for v in versions
+    }
+
+
+def history_rows(spark: SparkSession, config: PipelineConfig, entity: EntityConfig) -> Rows:
+    """The history table's versions by (key, ``__start_at``): row columns and end."""
+    path = config.layout.history(entity.name)
+    if not has_commits(spark, path):
+        return {}
+    history = spark.read.format("delta").load(path)
+    columns = [c for c in history.columns if not c.startswith("_")]
+
+    def sequence(value: Any) -> tuple[Any, ...] | None:
+        return None if value is None else tuple(value)
+
+    return {
+        (tuple(r[k] for k in entity.key), sequence(r[START])): {
+            END: sequence(r[END]),
+            **{c: r[c] for c in columns},
+        }
+        for r in history.select(START, END, *columns).collect()
+    }
 
 
 def _announce(
@@ -242,6 +311,8 @@ def _count(spark: SparkSession, config: PipelineConfig, result: DemoResult) -> N
     for entity in config.entities:
         result.rows[f"bronze/{entity.name}"] = rows(config.layout.bronze(entity.name))
         result.rows[f"silver/{entity.name}"] = rows(config.layout.silver(entity.name))
+        if entity.history.enabled:
+            result.rows[f"silver_history/{entity.name}"] = rows(config.layout.history(entity.name))
         result.change_events[entity.change_topic_name] = change_topic_state(config, entity).events
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
     for service in ("ingestor", "merger", "publisher_es"):

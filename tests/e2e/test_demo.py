@@ -2,13 +2,17 @@
 
 `cdc demo` runs the pipeline as one Spark application (`cdc run`) and must end with every
 output agreeing with the oracle, every service having written batches, no error logged,
-and every service stopping cleanly (exit 0). That one application and four processes are
-two shapes of one deployment (nothing to migrate between them) is the chaos run's switch
-(`tests/e2e/test_chaos.py`: four processes SIGKILLed, then one application on their root).
+and every service stopping cleanly (exit 0). The outputs include the example's history
+table (customers has `history` on): every version, its end and its newest event's values,
+against the versions the oracle's replay of the source topic makes. That one application
+and four processes are two shapes of one deployment (nothing to migrate between them) is
+the chaos run's switch (`tests/e2e/test_chaos.py`: four processes SIGKILLed, then one
+application on their root).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +50,11 @@ def test_demo_agrees_with_the_oracle(local_servers: infra.Endpoints, tmp_path: P
     assert "everything agrees with the oracle" in summary
     for check in ("silver/customers", "silver/orders", "index ", "topic "):
         assert check in summary
+    history = re.search(
+        r"check\s+silver_history/customers by \(key, __start_at\): (\d+) keys agree", summary
+    )
+    assert history, f"no agreeing history check in:\n{summary}"
+    assert int(history.group(1)) > 200, summary  # more versions than keys: changes tracked
     assert "DISAGREEMENT" not in summary
     assert (workdir / "report.html").stat().st_size > 1000
     # Its application's log, read back: no error line, a batch of every service.
