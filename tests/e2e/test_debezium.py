@@ -11,6 +11,17 @@ updates of one key land in one batch); the four services then run once, as one S
 application, on one pipeline whose entities cover all three connectors. Silver, the
 change topics and the indexes must each equal the database's table exactly, for every
 format; the check itself is shown to catch a missing row and a wrong value.
+
+The Avro entity keeps its history (SCD type 2). Its oracle is the database too: after
+every statement of the workload (inside its transaction) the table is read, and each
+key's versions are the distinct states its row went through (``TableVersions``). The
+history must hold them, in order and column by column (the large text's real value, not
+Debezium's placeholder), with only a live key's last version open; that check too is
+shown to catch a placeholder, a missing version and a version left open. The merger does
+not meet it yet: its history stores the placeholder as sent (docs/configuration.md,
+History limits), and so makes a version of an update that changed nothing. The test
+then reports an expected failure (xfail) with the counts, once the rest of the history
+is shown to agree; any other difference fails it.
 """
 
 from __future__ import annotations
@@ -24,10 +35,22 @@ from cdc_cli.application import Application
 from cdc_devkit import infra
 from cdc_devkit.checks import compare, silver_rows
 from cdc_devkit.debezium import Capture, ConnectClient, start_captures, stop_captures, wait_captured
-from cdc_devkit.postgres import CUSTOMERS, Database, SqlWorkload
-from cdc_devkit.postgres_pipeline import outputs_against_database, write_postgres_pipeline
+from cdc_devkit.postgres import CUSTOMERS, Database, SqlWorkload, TableVersions
+from cdc_devkit.postgres_pipeline import (
+    HistoryVersion,
+    history_against_database,
+    history_of,
+    outputs_against_database,
+    write_postgres_pipeline,
+)
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
-from cdc_shared.config import SERVICE_NAMES, KafkaConfig, load_config
+from cdc_shared.config import (
+    SERVICE_NAMES,
+    EntityConfig,
+    KafkaConfig,
+    PipelineConfig,
+    load_config,
+)
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -63,19 +86,19 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
     workload = SqlWorkload(seed=5, customers=30, changes=90, run=run, tables=TABLES)
     database = postgres_server.create_database(run)
     try:
-        for step in [*workload.schema(), *workload.snapshot()]:
-            database.execute(step.sql)
-        start_captures(connect, database, captures, infra.registry_core_url(TEST_INFRA))
-
-        for step in workload.changes_steps():
-            database.execute(step.sql)
-        database.execute(workload.marker().sql)
+        versions = run_workload(workload, database, connect, captures)
         served = KafkaConfig(bootstrap_servers=local_servers.kafka_bootstrap_servers)
         assert wait_captured(served, captures) > 0
         # The Avro connector's tables are an entity set: found on the broker, keyed by
         # Debezium's key schema in the registry; the JSON ones are listed by hand.
         config_path = write_postgres_pipeline(
-            tmp_path, local_servers, registry_url, captures, run, avro_as_entity_set=True
+            tmp_path,
+            local_servers,
+            registry_url,
+            captures,
+            run,
+            avro_as_entity_set=True,
+            history=["avro_customers"],
         )
         config = load_config(config_path)
         assert [e.name for e in config.entities] == [
@@ -84,6 +107,7 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
             "avro_customers",
         ]
         assert config.entity("avro_customers").key == list(CUSTOMERS.key)
+        assert [e.name for e in config.entities if e.history.enabled] == ["avro_customers"]
 
         Application(config, list(SERVICE_NAMES), once=True, spark=spark).run()
 
@@ -123,5 +147,121 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
         assert not compare("x", customers, {k: v for k, v in silver.items() if k != first}).agrees
         changed = {**silver, first: {**silver[first], "vip": not silver[first]["vip"]}}
         assert compare("x", customers, changed).different == [first]
+
+        # The Avro entity's history: the versions the database went through, per key.
+        unsent = history_against_the_database(spark, config, entity, versions)
     finally:
         stop_captures(connect, postgres_server, run, captures)
+    if unsent:
+        pytest.xfail(
+            f"known gap: the history holds Debezium's placeholder ({unsent}; "
+            "docs/configuration.md, History limits); all else agrees"
+        )
+
+
+def run_workload(
+    workload: SqlWorkload, database: Database, connect: ConnectClient, captures: list[Capture]
+) -> TableVersions:
+    """The workload, captured from its snapshot on; the versions each customer went
+    through, read from the database after every statement."""
+    versions = TableVersions(CUSTOMERS)
+    for step in workload.schema():
+        database.execute(step.sql)
+    for step in workload.snapshot():
+        for state in database.execute_watching(step, CUSTOMERS):
+            versions.observe(state)
+    start_captures(connect, database, captures, infra.registry_core_url(TEST_INFRA))
+    for step in workload.changes_steps():
+        for state in database.execute_watching(step, CUSTOMERS):
+            versions.observe(state)
+    database.execute(workload.marker().sql)
+    return versions
+
+
+Versions = dict[tuple[object, ...], list[HistoryVersion]]
+
+
+def history_against_the_database(
+    spark: SparkSession, config: PipelineConfig, entity: EntityConfig, versions: TableVersions
+) -> str:
+    """The entity's history holds the versions the database went through, but for the
+    known gap, which is returned ("" when there is none, else what it made).
+
+    The known gap: the merger stores Debezium's placeholder for a value the source did not
+    send as it came (docs/configuration.md, History limits), where the database's row kept
+    its real value, and an update that changed nothing but brought the placeholder then
+    makes a version of its own. Everything else must agree: the history with each
+    placeholder filled from the key's version before (what the merger should store), and
+    a version so left equal to the one before folded into it, must equal the database's.
+    """
+    history = history_of(spark, config, entity)
+    problems = history_against_database(CUSTOMERS, versions.versions, history)
+    filled = filled_from_the_version_before(history)
+    remaining = history_against_database(CUSTOMERS, versions.versions, filled)
+    assert not remaining, f"{len(remaining)} problems:\n" + "\n".join(remaining[:20])
+    assert_history_check_can_fail(versions, filled)
+    if not problems:
+        return ""
+    holding = sum(
+        any(value == DEBEZIUM_PLACEHOLDER for value in v.row.values())
+        for vs in history.values()
+        for v in vs
+    )
+    extra = sum(map(len, history.values())) - sum(map(len, filled.values()))
+    return f"in {holding} versions, {extra} of them made by an update that changed nothing"
+
+
+def filled_from_the_version_before(history: Versions) -> Versions:
+    """Each placeholder in a version replaced by the value of the key's version it follows
+    (the one that ends where it begins); a version so left equal to that one folded into
+    it (only then: two equal versions are otherwise a difference)."""
+    columns = [c.name for c in CUSTOMERS.all_columns]
+    filled: Versions = {}
+    for key, versions in history.items():
+        kept: list[HistoryVersion] = []
+        for version in versions:
+            before = kept[-1] if kept and kept[-1].end == version.start else None
+            unsent = [c for c in columns if version.row.get(c) == DEBEZIUM_PLACEHOLDER]
+            if before is None or not unsent:
+                kept.append(version)
+                continue
+            row = {**version.row, **{c: before.row[c] for c in unsent}}
+            if all(row.get(c) == before.row.get(c) for c in columns):
+                kept[-1] = HistoryVersion(before.start, version.end, before.row)
+            else:
+                kept.append(HistoryVersion(version.start, version.end, row))
+        filled[key] = kept
+    return filled
+
+
+def assert_history_check_can_fail(versions: TableVersions, history: Versions) -> None:
+    """Not vacuous: the history has every kind of version, and the check catches a version
+    holding Debezium's placeholder, one missing and one left open."""
+    everything = [(key, v) for key, vs in versions.versions.items() for v in vs]
+    ended = Counter(v.ended for _, v in everything)
+    assert ended["change"] >= 20 and ended["delete"] >= 20 and ended[None] >= 10, ended
+    assert sum(len(vs) > 2 for vs in versions.versions.values()) >= 5
+    # A closed version holding a large text: as if it held the placeholder instead.
+    key, number = next(
+        (key, n)
+        for key, vs in history.items()
+        for n, v in enumerate(vs)
+        if v.end is not None and len(v.row["notes"] or "") > 10_000
+    )
+    row = history[key][number]
+    unsent = HistoryVersion(row.start, row.end, {**row.row, "notes": DEBEZIUM_PLACEHOLDER})
+    wrong = {**history, key: [*history[key][:number], unsent, *history[key][number + 1 :]]}
+    (problem,) = history_against_database(CUSTOMERS, versions.versions, wrong)
+    assert DEBEZIUM_PLACEHOLDER in problem and "notes" in problem, problem
+    # A version missing: the key's count, and every version after it, differ.
+    wrong = {**history, key: [*history[key][:number], *history[key][number + 1 :]]}
+    assert history_against_database(CUSTOMERS, versions.versions, wrong)[0].startswith(
+        f"{key}: {len(history[key]) - 1} versions"
+    )
+    # A closed version left open.
+    reopened = HistoryVersion(row.start, None, row.row)
+    wrong = {**history, key: [*history[key][:number], reopened, *history[key][number + 1 :]]}
+    ended_by = versions.versions[key][number].ended
+    assert history_against_database(CUSTOMERS, versions.versions, wrong) == [
+        f"{key} version {number + 1}: open, but {ended_by} in the database"
+    ]
