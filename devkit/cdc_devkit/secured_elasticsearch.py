@@ -34,7 +34,8 @@ def roles(index_patterns: list[str]) -> str:
     covers index creation, mappings, settings and aliases; ``write`` the bulk requests;
     ``read`` the rebuild's checks). ``cdc_operator``: reads them and their metadata, and
     refreshes them (``maintenance``: ``cdc verify`` refreshes before it reads, so that
-    it sees every acknowledged write). Neither has a cluster privilege. The rows of docs/configuration.md's role table.
+    it sees every acknowledged write). Neither has a cluster privilege. The rows of
+    docs/configuration.md's role table.
     """
     names = ", ".join(f'"{pattern}"' for pattern in index_patterns)
     return (
