@@ -633,9 +633,31 @@ def _with_large_columns(bronze: T.StructType) -> T.StructType:
 def documents(spark: SparkSession, tmp_path: Path) -> Silver:
     plain = Silver(spark, tmp_path / "probe", CUSTOMERS)
     wide = _with_large_columns(plain.bronze_schema)
-    silver = Silver(spark, tmp_path / "docs", CUSTOMERS, silver_bronze_schema=wide)
+    silver = Silver(
+        spark,
+        tmp_path / "docs",
+        CUSTOMERS,
+        silver_bronze_schema=wide,
+        history=HistoryConfig(enabled=True),
+    )
     silver.bronze_schema = wide
     return silver
+
+
+def history_large_columns(silver: Silver) -> dict[int, list[tuple[Any, ...]]]:
+    """Each key's versions in order: (start, end, first name, the large columns)."""
+    assert silver.layout.history is not None
+    versions: dict[int, list[tuple[Any, ...]]] = {}
+    rows = silver.spark.read.format("delta").load(silver.layout.history.path).collect()
+    for r in sorted(rows, key=lambda r: (r.id, r["__start_at"])):
+        values = tuple(
+            bytearray(r[f.name]) if isinstance(r[f.name], bytes | bytearray) else r[f.name]
+            for f in TOASTABLE.fields
+        )
+        versions.setdefault(r.id, []).append(
+            (r["__start_at"], r["__end_at"], r.first_name, *values)
+        )
+    return versions
 
 
 def large_columns(silver: Silver) -> dict[int, dict[str, Any]]:
@@ -697,6 +719,27 @@ def test_unavailable_values_keep_the_value_silver_or_the_batch_holds(documents: 
     assert large_columns(documents) == rows
     assert documents.changes() == changes
     assert again.unavailable == {}
+
+    # The history (on here) takes the prior value the same way: every version holds the
+    # values silver held then, never the placeholder.
+    def version(start: int, end: int | None, name: str, n: int | None) -> tuple[Any, ...]:
+        values = dict.fromkeys(UNSENT, None) if n is None else sent(n)
+        ends = None if end is None else [end]
+        return ([start], ends, name, *(values[f.name] for f in TOASTABLE.fields))
+
+    expected = {
+        1: [version(1, 10, "c1", 1), version(10, None, "c1-renamed", 1)],
+        # the stale update (older than silver's row) is a version of its own in history
+        2: [version(2, 5, "c2", 2), version(5, 11, "stale", 2), version(11, None, "c2", 22)],
+        3: [version(3, 12, "c3", 3), version(12, None, "c3", 3)],
+        4: [version(13, 14, "c4", 4), version(14, None, "c4-renamed", 4)],
+        5: [version(15, None, "c5", None)],
+    }
+    expected[3][1] = (*expected[3][1][:3], None, *expected[3][1][4:])  # bio: a real null
+    assert history_large_columns(documents) == expected
+    # An update that changed nothing but brought the placeholder makes no version.
+    documents.apply(documents.event("u", {"id": 2}, [16], customer("c2") | UNSENT))
+    assert history_large_columns(documents) == expected
 
 
 def test_unavailable_values_stored_as_sent_when_the_placeholder_is_off(

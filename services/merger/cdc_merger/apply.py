@@ -445,7 +445,11 @@ def apply_batch(
         state.tombstones.record(offered.deletes, offered.upserts)
         lap("merge")
     if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
-        _history(spark, layout, layout.history, rows, summary)
+        unsent = {
+            name: not_sent(F.col(f"after.`{name}`"), after[name], placeholder, null_updates)
+            for name in unavailable_columns(after, key, placeholder, null_updates)
+        }
+        _history(spark, layout, layout.history, rows, summary, unsent)
         lap("history")
     return ApplyResult(
         events=int(summary["events"]),
@@ -465,14 +469,26 @@ def _history(
     history: HistoryTable,
     rows: DataFrame,
     summary: dict[str, Any],
+    unsent: dict[str, Column],
 ) -> None:
-    """The batch's events and truncate into the entity's history (after silver's MERGE)."""
-    events = history_events(rows, layout.key) if int(summary["applicable"]) else None
+    """The batch's events and truncate into the entity's history (after silver's MERGE).
+
+    ``unsent``: per column an event may leave unsent, the condition that it did; the
+    history gives such a column the key's prior value, as silver does.
+    """
+    events = history_events(rows, layout.key, unsent) if int(summary["applicable"]) else None
     if events is None and not summary["truncates"]:
         return
     closing = sorted(([int(v) for v in sequence], at) for sequence, at in summary["truncates"])
     write_history(
-        spark, history, layout.key, events, layout.tombstone_path, layout.truncate_path, closing
+        spark,
+        history,
+        layout.key,
+        events,
+        layout.tombstone_path,
+        layout.truncate_path,
+        closing,
+        list(unsent),
     )
 
 

@@ -20,6 +20,7 @@ never resurrects what silver keeps deleted.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 
@@ -28,7 +29,7 @@ from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -59,6 +60,7 @@ DELETE = "d"  # the op of a delete (a truncate is one for every key)
 _PRIORITY = "_cdc_priority"  # which of the events of one (key, sequence) is kept
 _DROP = "_cdc_drop"
 _HELD = "_cdc_held"  # an event that began a version the history held
+UNSENT = "_cdc_unsent"  # a batch event's columns the source did not send (history_events)
 
 
 @dataclass(frozen=True)
@@ -86,20 +88,29 @@ def history_schema(silver: T.StructType) -> T.StructType:
     )
 
 
-def history_events(rows: DataFrame, key: list[str]) -> DataFrame:
+def history_events(
+    rows: DataFrame, key: list[str], unsent: Mapping[str, Column] | None = None
+) -> DataFrame:
     """The batch's upserts and deletes as flat events: key, row columns, sequence, op, time.
 
     ``rows`` are bronze events that can be applied (Kafka tombstones and truncates are
-    left out here).
+    left out here). ``unsent``: per column that an event may leave unsent, the condition
+    (over ``rows``) that it did (the source's unavailable-value placeholder, or a null
+    update of an ``ignore_null_updates`` column; ``apply.not_sent``); the names of those
+    an event did not send are its ``UNSENT`` column, and the rebuild gives them the value
+    the key's previous event held, as silver keeps its prior value.
     """
     after = rows.schema["after"].dataType
     assert isinstance(after, T.StructType)
+    names = [F.when(condition, F.lit(name)) for name, condition in (unsent or {}).items()]
+    not_sent = F.array_compact(F.array(*names)) if names else F.lit(None).cast("array<string>")
     return rows.where(~F.col("is_tombstone") & F.col("op").isin("c", "u", "r", DELETE)).select(
         *[F.col(f"key.`{k}`").alias(k) for k in key],
         *[F.col(f"after.`{f}`").alias(f) for f in after.fieldNames() if f not in key],
         F.col("sequence").alias(SEQUENCE),
         F.col("op").alias(OP),
         F.timestamp_millis(F.col("source.ts_ms")).alias(SOURCE_TS),
+        not_sent.alias(UNSENT),
     )
 
 
@@ -111,12 +122,14 @@ def write_history(
     tombstone_path: str,
     truncate_path: str,
     truncates: list[tuple[list[int], object]],
+    fillable: Sequence[str] = (),
 ) -> None:
     """Bring the history up to date with one batch (idempotent).
 
     ``events`` are the batch's ``history_events`` (None when it has none); ``truncates``
     the batch's truncates (sequence and source time): the keys with a version open at
-    one are rebuilt too, so each such version closes there.
+    one are rebuilt too, so each such version closes there. ``fillable``: the columns an
+    event may leave unsent (its ``UNSENT``), filled from the key's previous event.
 
     Each input is read once: the batch's events, the history rows of the keys it touches
     and their tombstones are local checkpoints (three small jobs), the rebuild is one
@@ -157,7 +170,7 @@ def write_history(
     if batch is not None and deletes:
         _remember_deletes(spark, batch, key, tombstone_path, tombstones)
     versions = rebuilt_versions(
-        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates
+        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
     )
     _replace_versions(spark, table.path, key, set(known.columns), versions)
 
@@ -203,6 +216,7 @@ def rebuilt_versions(
     tombstones: DataFrame,
     truncate_path: str,
     truncates: list[tuple[list[int], object]],
+    fillable: Sequence[str] = (),
 ) -> DataFrame:
     """The ``touched`` keys' versions rebuilt, and the held ones now begun by none.
 
@@ -269,13 +283,13 @@ def rebuilt_versions(
         deletes(tombstones.unionByName(remembered.crossJoin(touched)).select("*", unknown_time), 4)
     )
     every = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), parts)
-    return _versions(every, key, columns, untracked)
+    return _versions(every, key, columns, untracked, fillable)
 
 
 #: History's own columns (the period and the newest event folded into the version).
 _META = (*PERIOD, SEQUENCE, SOURCE_TS, FOLDED)
 #: An event's columns besides the row's.
-_EVENT = (SEQUENCE, OP, SOURCE_TS)
+_EVENT = (SEQUENCE, OP, SOURCE_TS, UNSENT)
 #: Folded events' untracked values as JSON: timestamps to the microsecond (the default
 #: keeps milliseconds), so a value read back is the value written.
 _JSON = {
@@ -292,7 +306,11 @@ _TRUNCATES = T.StructType(
 
 
 def _versions(
-    events: DataFrame, key: list[str], columns: list[str], untracked: list[str]
+    events: DataFrame,
+    key: list[str],
+    columns: list[str],
+    untracked: list[str],
+    fillable: Sequence[str] = (),
 ) -> DataFrame:
     """Versions from events: dedupe by (key, sequence), order, fold, ends from lead().
 
@@ -312,8 +330,14 @@ def _versions(
     )
     order = Window.partitionBy(*key).orderBy(SEQUENCE)
     running = order.rowsBetween(Window.unboundedPreceding, 0)
+    unique = _with_prior_values(unique, order, [c for c in fillable if c in columns])
     tracked_names = [c for c in columns if c not in key and c not in untracked]
-    tracked = F.struct(*[F.col(f"`{c}`") for c in tracked_names]) if tracked_names else F.lit(True)
+    types = {f.name: f.dataType for f in unique.schema.fields}
+    tracked = (
+        F.struct(*[_comparable(c, types[c]) for c in tracked_names])
+        if tracked_names
+        else F.lit(True)
+    )
     is_delete = F.col(OP) == DELETE
     before = F.lag(OP).over(order)
     new_version = ~is_delete & (
@@ -360,6 +384,49 @@ def _versions(
     return versions.unionByName(gone, allowMissingColumns=True)
 
 
+def _comparable(name: str, data_type: T.DataType) -> Column:
+    """Column ``name`` in a form ``<=>`` can compare: a map as its entries sorted by key.
+
+    Spark orders no map type, so two versions' maps are compared as sorted arrays.
+    """
+    column = F.col(f"`{name}`")
+    if isinstance(data_type, T.MapType):
+        return F.array_sort(F.map_entries(column)).alias(name)
+    return column
+
+
+def _differs(name: str, data_type: T.DataType) -> str:
+    """SQL: the MERGE target's (``t``) and source's (``s``) column ``name`` differ.
+
+    A map is compared as its entries sorted by key (``_comparable``).
+    """
+    if isinstance(data_type, T.MapType):
+        return f"NOT (array_sort(map_entries(t.`{name}`)) <=> array_sort(map_entries(s.`{name}`)))"
+    return f"NOT (t.`{name}` <=> s.`{name}`)"
+
+
+def _with_prior_values(events: DataFrame, order: WindowSpec, columns: list[str]) -> DataFrame:
+    """Each column an event did not send (``UNSENT``) filled from the key's previous event.
+
+    The previous upsert, in sequence order, that sent the column (deletes carry no row);
+    a null when there is none, as silver stores it. Events read back from the history
+    have no ``UNSENT``: their values were filled when they were first written.
+    """
+    if UNSENT not in events.columns:
+        return events
+    before = order.rowsBetween(Window.unboundedPreceding, -1)
+    sent_upsert = F.col(OP) != DELETE
+    filled = {}
+    for name in columns:
+        unsent = F.coalesce(F.array_contains(F.col(UNSENT), name), F.lit(False))
+        prior = F.last(
+            F.when(sent_upsert & ~unsent, F.struct(F.col(f"`{name}`").alias("v"))),
+            ignorenulls=True,
+        ).over(before)
+        filled[name] = F.when(unsent, prior["v"]).otherwise(F.col(f"`{name}`"))
+    return events.withColumns(filled)
+
+
 @on_conflict_retry
 def _replace_versions(
     spark: SparkSession, path: str, key: list[str], existing: set[str], versions: DataFrame
@@ -375,7 +442,8 @@ def _replace_versions(
     source = versions.localCheckpoint(eager=True)  # read before the MERGE changes its target
     columns = [c for c in versions.columns if c != _DROP]
     if set(columns) <= existing:
-        changed = " OR ".join(f"NOT (t.`{c}` <=> s.`{c}`)" for c in columns)
+        types = {f.name: f.dataType for f in versions.schema.fields}
+        changed = " OR ".join(_differs(c, types[c]) for c in columns)
     else:
         changed = "true"  # a new column: every touched row gains it
     assignments: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
