@@ -17,11 +17,7 @@ every statement of the workload (inside its transaction) the table is read, and 
 key's versions are the distinct states its row went through (``TableVersions``). The
 history must hold them, in order and column by column (the large text's real value, not
 Debezium's placeholder), with only a live key's last version open; that check too is
-shown to catch a placeholder, a missing version and a version left open. The merger does
-not meet it yet: its history stores the placeholder as sent (docs/configuration.md,
-History limits), and so makes a version of an update that changed nothing. The test
-then reports an expected failure (xfail) with the counts, once the rest of the history
-is shown to agree; any other difference fails it.
+shown to catch a placeholder, a missing version and a version left open.
 """
 
 from __future__ import annotations
@@ -44,13 +40,7 @@ from cdc_devkit.postgres_pipeline import (
     write_postgres_pipeline,
 )
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
-from cdc_shared.config import (
-    SERVICE_NAMES,
-    EntityConfig,
-    KafkaConfig,
-    PipelineConfig,
-    load_config,
-)
+from cdc_shared.config import SERVICE_NAMES, KafkaConfig, load_config
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -149,14 +139,12 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
         assert compare("x", customers, changed).different == [first]
 
         # The Avro entity's history: the versions the database went through, per key.
-        unsent = history_against_the_database(spark, config, entity, versions)
+        history = history_of(spark, config, entity)
+        problems = history_against_database(CUSTOMERS, versions.versions, history)
+        assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:20])
+        assert_history_check_can_fail(versions, history)
     finally:
         stop_captures(connect, postgres_server, run, captures)
-    if unsent:
-        pytest.xfail(
-            f"known gap: the history holds Debezium's placeholder ({unsent}; "
-            "docs/configuration.md, History limits); all else agrees"
-        )
 
 
 def run_workload(
@@ -179,59 +167,6 @@ def run_workload(
 
 
 Versions = dict[tuple[object, ...], list[HistoryVersion]]
-
-
-def history_against_the_database(
-    spark: SparkSession, config: PipelineConfig, entity: EntityConfig, versions: TableVersions
-) -> str:
-    """The entity's history holds the versions the database went through, but for the
-    known gap, which is returned ("" when there is none, else what it made).
-
-    The known gap: the merger stores Debezium's placeholder for a value the source did not
-    send as it came (docs/configuration.md, History limits), where the database's row kept
-    its real value, and an update that changed nothing but brought the placeholder then
-    makes a version of its own. Everything else must agree: the history with each
-    placeholder filled from the key's version before (what the merger should store), and
-    a version so left equal to the one before folded into it, must equal the database's.
-    """
-    history = history_of(spark, config, entity)
-    problems = history_against_database(CUSTOMERS, versions.versions, history)
-    filled = filled_from_the_version_before(history)
-    remaining = history_against_database(CUSTOMERS, versions.versions, filled)
-    assert not remaining, f"{len(remaining)} problems:\n" + "\n".join(remaining[:20])
-    assert_history_check_can_fail(versions, filled)
-    if not problems:
-        return ""
-    holding = sum(
-        any(value == DEBEZIUM_PLACEHOLDER for value in v.row.values())
-        for vs in history.values()
-        for v in vs
-    )
-    extra = sum(map(len, history.values())) - sum(map(len, filled.values()))
-    return f"in {holding} versions, {extra} of them made by an update that changed nothing"
-
-
-def filled_from_the_version_before(history: Versions) -> Versions:
-    """Each placeholder in a version replaced by the value of the key's version it follows
-    (the one that ends where it begins); a version so left equal to that one folded into
-    it (only then: two equal versions are otherwise a difference)."""
-    columns = [c.name for c in CUSTOMERS.all_columns]
-    filled: Versions = {}
-    for key, versions in history.items():
-        kept: list[HistoryVersion] = []
-        for version in versions:
-            before = kept[-1] if kept and kept[-1].end == version.start else None
-            unsent = [c for c in columns if version.row.get(c) == DEBEZIUM_PLACEHOLDER]
-            if before is None or not unsent:
-                kept.append(version)
-                continue
-            row = {**version.row, **{c: before.row[c] for c in unsent}}
-            if all(row.get(c) == before.row.get(c) for c in columns):
-                kept[-1] = HistoryVersion(before.start, version.end, before.row)
-            else:
-                kept.append(HistoryVersion(version.start, version.end, row))
-        filled[key] = kept
-    return filled
 
 
 def assert_history_check_can_fail(versions: TableVersions, history: Versions) -> None:
