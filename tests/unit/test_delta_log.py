@@ -8,14 +8,16 @@ local disk and on S3, and compare with the Spark engine.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from cdc_cli.checkpoints import last_committed_batch
-from cdc_cli.delta_log import DeltaLogState, delta_storage_options, table_uri
+from cdc_cli.delta_log import DeltaLogState, _vector_file, delta_storage_options, table_uri
 from cdc_shared.config import PipelineConfig
 from deltalake import DeltaTable, write_deltalake
 
@@ -143,3 +145,90 @@ def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["0", "{}", "[]"]
+
+
+def test_a_deletion_vector_file_is_named_as_delta_names_it() -> None:
+    """The example of Delta's protocol: a random prefix, then the Z85-encoded UUID."""
+    vector = {"storageType": "u", "pathOrInlineDv": "ab^-aqEH.-t@S}K{vb[*k^", "offset": 4}
+    assert _vector_file(vector) == "ab/deletion_vector_d2c639aa-8816-431a-aaf6-d3fe2512ff61.bin"
+    assert (
+        _vector_file(
+            {
+                "storageType": "i",
+                "pathOrInlineDv": "wi5b=000010000siXQKl0rr91000f55c8Xg0@@D72lkbi5=-{L",
+            }
+        )
+        is None
+    )
+
+
+def _backdate(path: Path, hours: float) -> None:
+    moment = time.time() - hours * 3600
+    os.utime(path, (moment, moment))
+
+
+def test_vacuum_dry_run_lists_what_deltas_vacuum_would(tmp_path: Path) -> None:
+    """Delta Lake's rules: unreferenced files older than the cutoff, folders with no such
+    file, never a hidden name; files removed after the cutoff stay while their removal is
+    kept (the table's retention)."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    path = config.layout.silver("customers")
+    _write(path, [("append", ["a"]), ("append", ["b"])])
+    replaced = {p.name for p in Path(path).glob("*.parquet")}
+    DeltaTable(path).optimize.compact()  # removes both files now
+    table = Path(path)
+    for name in replaced:
+        _backdate(table / name, 48)  # written two days ago, removed now
+    (table / "_change_data").mkdir()
+    old_change = table / "_change_data" / "cdc-00000.c000.snappy.parquet"
+    old_change.write_bytes(b"x")
+    _backdate(old_change, 48)
+    (table / "_change_data" / ".cdc-00000.c000.snappy.parquet.crc").write_bytes(b"x")
+    (table / "empty-folder").mkdir()
+    (table / ".hidden-file").write_bytes(b"x")
+    _backdate(table / ".hidden-file", 48)
+    (table / "_hidden-folder").mkdir()
+    stray = table / "stray.parquet"  # in no commit, but new
+    stray.write_bytes(b"x")
+
+    state = DeltaLogState(config)
+    # 24 hours: the two replaced files were removed after the cutoff and are kept; listed
+    # are the old change-data file and the empty folder (not _change_data: it has a file).
+    assert state.vacuum_dry_run(path, 24, 168) == 2
+    # A table retention of 0: the log no longer keeps those removals, so their files go.
+    assert state.vacuum_dry_run(path, 24, 0) == 2 + 2
+    # 0.4 hours rounds to 0 as in Delta: every unreferenced file goes, the new stray one
+    # too (_change_data still has a file listed, so it is not an empty folder).
+    assert state.vacuum_dry_run(path, 0.4, 168) == 2 + 2 + 1
+
+
+def test_maintenance_dry_run_starts_no_jvm_and_imports_no_spark(tmp_path: Path) -> None:
+    """``cdc maintenance --dry-run`` reads through delta-rs and files: no SparkSession."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    for path in (config.layout.bronze("customers"), config.layout.silver("customers")):
+        _write(path, [("append", ["a"]), ("append", ["b"]), ("append", ["c"])])
+    pipeline = tmp_path / "pipeline.yaml"
+    entity = {"name": "customers", "source_topic": "t", "key": ["id"], "sequence_by": ["lsn"]}
+    pipeline.write_text(json.dumps({"storage_root": str(tmp_path), "entities": [entity]}))
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from cdc_cli.main import app\n"
+        f"args = ['maintenance', '--config', {str(pipeline)!r}, '--dry-run', '--json',\n"
+        "        '--ignore-service', 'publisher_es', '--ignore-service', 'publisher_kafka']\n"
+        "result = CliRunner().invoke(app, args)\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(result.stdout)\n"
+        "print(sorted(m for m in ('pyspark', 'delta', 'py4j') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    *report, modules = done.stdout.strip().splitlines()
+    assert modules == "[]"
+    tables = {t["table"]: t for t in json.loads("\n".join(report))["tables"]}
+    assert set(tables) == {"bronze/customers", "silver/customers"}
+    for table in tables.values():
+        assert (table["files"], table["vacuumed_files"]) == (3, 0)
+        assert table["optimized_files_removed"] is None

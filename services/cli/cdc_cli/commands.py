@@ -260,7 +260,14 @@ def maintenance_command(
         False,
         "--dry-run",
         help="Check as a run would, then say what it would do (files VACUUM would delete, "
-        "tombstones that would expire, files OPTIMIZE would bin-pack); change nothing.",
+        "tombstones that would expire, files OPTIMIZE would bin-pack); change nothing. "
+        "Reads without a JVM.",
+    ),
+    engine: str = typer.Option(
+        "delta-rs",
+        "--engine",
+        hidden=True,
+        help="How --dry-run reads tables and checkpoints: delta-rs (no JVM) or spark.",
     ),
     writers_stopped: bool = typer.Option(
         False,
@@ -288,11 +295,16 @@ def maintenance_command(
     null keeps them). --tombstone-retention-hours may only lengthen that.
 
     --dry-run makes the same checks (and refuses what a run would), then reports what a
-    run would do, changing nothing.
+    run would do, changing nothing. It starts no Spark session: it reads the tables' logs
+    (delta-rs) and the streams' checkpoint files directly, except a forced short
+    retention on object storage, whose writer leases it reads through Spark.
     """
     import datetime as dt
 
-    from cdc_cli import maintenance
+    from cdc_cli import maintenance, status
+
+    if engine not in status.ENGINES:
+        _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
 
     pipeline = _config(config)
     ignored = tuple(ignore_service or ())
@@ -317,6 +329,7 @@ def maintenance_command(
             force_short_retention=force_short_retention,
             quiet=dt.timedelta(minutes=quiet_minutes),
             dry_run=dry_run,
+            engine=engine,
         )
     _emit(as_json, report.to_dict, lambda: maintenance.render(report))
 

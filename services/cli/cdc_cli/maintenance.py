@@ -26,10 +26,13 @@ change-data files) longer ago than the retention. Two limits keep it safe:
 Both are checked before anything runs, and again right before each VACUUM.
 
 A dry run (``dry_run``) makes the same checks, refuses what a run would refuse, and
-changes nothing: it lists the files each VACUUM would delete (Delta's own ``VACUUM ...
-DRY RUN``, so the count is the one a VACUUM right then would delete, OPTIMIZE aside), the
-tombstones that would expire (counted by the same cutoff), and each table's file count
-for OPTIMIZE, which Delta cannot plan without running it.
+changes nothing: it lists the files each VACUUM would delete (by Delta's own rules for
+``VACUUM ... DRY RUN``, so the count is the one a VACUUM right then would delete,
+OPTIMIZE aside), the tombstones that would expire (counted by the same cutoff), and each
+table's file count for OPTIMIZE, which Delta cannot plan without running it. It reads
+through a :class:`TableState`: without a JVM by default
+(:class:`cdc_cli.delta_log.DeltaLogState`: delta-rs, the streams' checkpoint files and
+the tables' logs read directly), or through Spark (:class:`SparkTables`), as a run does.
 
 Tombstones (deleted keys and the sequence of their delete) stop a late, older event
 from resurrecting a deleted row. They expire as the merger expires them
@@ -47,9 +50,8 @@ import re
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from cdc_merger.apply import expire_tombstones
 from cdc_shared.config import (
     ChangeFeedConfig,
     EntityConfig,
@@ -57,23 +59,21 @@ from cdc_shared.config import (
     StreamingServiceConfig,
     s3a_bucket,
 )
-from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.layout import MERGER, SERVICES, display_name
-from cdc_shared.tables import on_conflict_retry
-from cdc_shared.writer_lease import live_leases
-from delta.tables import DeltaTable
-from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from cdc_cli.checkpoints import (
+    SparkState,
+    StateReader,
     as_utc,
     commit_file_counter,
     data_commits_from,
     delta_position,
-    is_delta_table,
     last_committed_batch,
-    table_history,
+    state_reader,
 )
+
+if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
+    from pyspark.sql import SparkSession
 
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 DEFAULT_RETENTION_HOURS = 168.0  # Delta's default deletedFileRetentionDuration: 7 days
@@ -84,6 +84,7 @@ HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 _INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
+_DELETED_AT = "deleted_at"  # a tombstone's time (cdc_merger.apply.expire_tombstones)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
@@ -107,6 +108,90 @@ class WritersMayRunError(RuntimeError):
 
 class ServicesMayRunError(RuntimeError):
     """A retention below Delta's minimum was forced while a service may still run."""
+
+
+class TableState(StateReader, Protocol):
+    """What maintenance reads of the tables and checkpoints, beyond a :class:`StateReader`.
+
+    Two of them: :class:`SparkTables` (Delta Lake through the session a run holds anyway)
+    and :class:`cdc_cli.delta_log.DeltaLogState` (no JVM: a dry run's).
+    """
+
+    def table_properties(self, path: str) -> dict[str, str]:
+        """The table properties of the Delta table at ``path``."""
+        ...
+
+    def data_file_count(self, path: str) -> int:
+        """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
+        ...
+
+    def newest_modification(self, folder: str) -> dt.datetime | None:
+        """The newest modification time of an entry of ``folder``; None when it has none."""
+        ...
+
+    def column_max(self, path: str, column: str, version: int) -> Any:
+        """The greatest value of ``column`` in version ``version`` of the table at ``path``."""
+        ...
+
+    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
+        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
+        ...
+
+    def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:
+        """How many paths ``VACUUM ... RETAIN hours HOURS DRY RUN`` lists for the table.
+
+        ``table_retention_hours``: the table's ``delta.deletedFileRetentionDuration``.
+        """
+        ...
+
+
+class SparkTables(SparkState):
+    """A :class:`TableState` through a SparkSession: Delta Lake's and Hadoop's own answers."""
+
+    def table_properties(self, path: str) -> dict[str, str]:
+        """The table properties of the Delta table at ``path``."""
+        from delta.tables import DeltaTable
+
+        row = DeltaTable.forPath(self.spark, path).detail().select("properties").head()
+        return dict((row["properties"] if row is not None else None) or {})
+
+    def data_file_count(self, path: str) -> int:
+        """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
+        from delta.tables import DeltaTable
+
+        detail = DeltaTable.forPath(self.spark, path).detail().select("numFiles").head()
+        return 0 if detail is None else int(detail["numFiles"])
+
+    def newest_modification(self, folder: str) -> dt.datetime | None:
+        """The newest modification time of an entry of ``folder``; None when it has none."""
+        from cdc_shared.jvm_bridge import hadoop_path
+
+        fs, path = hadoop_path(self.spark, folder)
+        if not fs.exists(path):
+            return None
+        times = [int(status.getModificationTime()) for status in fs.listStatus(path)]
+        return dt.datetime.fromtimestamp(max(times) / 1000, dt.UTC) if times else None
+
+    def column_max(self, path: str, column: str, version: int) -> Any:
+        """The greatest value of ``column`` in version ``version`` of the table at ``path``."""
+        from pyspark.sql import functions as F
+
+        rows = self.spark.read.format("delta").option("versionAsOf", version).load(path)
+        row = rows.agg(F.max(column)).head()
+        value = None if row is None else row[0]
+        return as_utc(value) if isinstance(value, dt.datetime) else value
+
+    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
+        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
+        from pyspark.sql import functions as F
+
+        rows = self.spark.read.format("delta").load(path)
+        return int(rows.where(F.col(column) < F.lit(moment)).count())
+
+    def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:
+        """How many paths Delta Lake's ``VACUUM ... RETAIN hours HOURS DRY RUN`` lists."""
+        listed = _vacuum(self.spark, path, hours, hours < table_retention_hours, dry_run=True)
+        return 0 if listed is None else listed
 
 
 @dataclass(frozen=True)
@@ -158,7 +243,7 @@ class MaintenanceReport:
 
 
 def _need_from_checkpoint(
-    spark: SparkSession,
+    state: StateReader,
     service: str,
     table: str,
     path: str,
@@ -172,11 +257,11 @@ def _need_from_checkpoint(
     reading a snapshot needs that snapshot's version whatever it was. ``change_feed``: the
     stream reads the table's Change Data Feed (the publishers) rather than its added files.
     """
-    batch = last_committed_batch(spark, checkpoint)
+    batch = last_committed_batch(state, checkpoint)
     if batch is None or not batch.sources:
         return False, None
-    position = delta_position(batch.sources[0], commit_file_counter(spark, path, change_feed))
-    history = table_history(spark, path)
+    position = delta_position(batch.sources[0], commit_file_counter(state, path, change_feed))
+    history = state.history(path)
     note = f"checkpoint batch {batch.batch_id}"
     if position.snapshot and position.next_version in history:
         commit = history[position.next_version]
@@ -196,7 +281,7 @@ def _need_from_checkpoint(
 
 
 def _unstarted_publisher_need(
-    spark: SparkSession, service: str, table: str, path: str, settings: ChangeFeedConfig
+    state: StateReader, service: str, table: str, path: str, settings: ChangeFeedConfig
 ) -> StreamNeed | None:
     """Where a publisher that has not started will begin reading silver."""
     if settings.starting_timestamp is not None:
@@ -204,7 +289,7 @@ def _unstarted_publisher_need(
         since = since.replace(tzinfo=dt.UTC) if since.tzinfo is None else since  # Spark: UTC
         return StreamNeed(service, table, None, since, "not started: starting_timestamp")
     version = settings.starting_version or 0
-    history = table_history(spark, path)
+    history = state.history(path)
     if version > max(history, default=-1):
         return None
     since = history[max(version, min(history))].timestamp
@@ -214,15 +299,19 @@ def _unstarted_publisher_need(
 def stream_needs(
     config: PipelineConfig,
     entity: EntityConfig,
-    spark: SparkSession,
+    source: StateReader | SparkSession,
     ignore_services: tuple[str, ...] = (),
 ) -> list[StreamNeed]:
-    """What the merger needs of bronze and the publishers of silver, for one entity."""
+    """What the merger needs of bronze and the publishers of silver, for one entity.
+
+    Read through ``source``, a reader or a SparkSession (read through :class:`SparkState`).
+    """
+    state = state_reader(source)
     needs: list[StreamNeed] = []
     bronze = config.layout.bronze(entity.name)
-    if "merger" not in ignore_services and is_delta_table(spark, bronze):
+    if "merger" not in ignore_services and state.table_version(bronze) is not None:
         _, need = _need_from_checkpoint(
-            spark,
+            state,
             "merger",
             f"bronze/{entity.name}",
             bronze,
@@ -233,7 +322,7 @@ def stream_needs(
         if need is not None:
             needs.append(need)
     silver = config.layout.silver(entity.name)
-    if is_delta_table(spark, silver):
+    if state.table_version(silver) is not None:
         settings: dict[str, ChangeFeedConfig] = {
             "publisher_kafka": config.publisher_kafka,
             "publisher_es": config.publisher_es,
@@ -243,7 +332,7 @@ def stream_needs(
                 continue
             table = f"silver/{entity.name}"
             started, need = _need_from_checkpoint(
-                spark,
+                state,
                 service,
                 table,
                 silver,
@@ -251,7 +340,7 @@ def stream_needs(
                 change_feed=True,
             )
             if not started:
-                need = _unstarted_publisher_need(spark, service, table, silver, settings[service])
+                need = _unstarted_publisher_need(state, service, table, silver, settings[service])
             if need is not None:
                 needs.append(need)
     return needs
@@ -279,23 +368,24 @@ def check_vacuum_retention(
         )
 
 
-@on_conflict_retry
 def compact(spark: SparkSession, path: str) -> tuple[int, int]:
     """OPTIMIZE (bin-packing) the table at ``path``: (files removed, files added).
 
     Safe beside a running merger: a compaction that loses a commit race is tried again.
     """
+    from cdc_shared.tables import on_conflict_retry
+
+    return on_conflict_retry(_compact)(spark, path)
+
+
+def _compact(spark: SparkSession, path: str) -> tuple[int, int]:
+    from delta.tables import DeltaTable
+
     metrics = DeltaTable.forPath(spark, path).optimize().executeCompaction().head()
     if metrics is None:
         return 0, 0
     m = metrics["metrics"]
     return int(m["numFilesRemoved"]), int(m["numFilesAdded"])
-
-
-def data_file_count(spark: SparkSession, path: str) -> int:
-    """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
-    detail = DeltaTable.forPath(spark, path).detail().select("numFiles").head()
-    return 0 if detail is None else int(detail["numFiles"])
 
 
 def interval_hours(text: str) -> float:
@@ -330,15 +420,13 @@ class RetentionMinimum:
         return f"{self.table}: {self.hours:g} hours ({RETENTION_PROPERTY} {self.source})"
 
 
-def retention_minimum(spark: SparkSession, table: str, path: str) -> RetentionMinimum:
+def retention_minimum(state: TableState, table: str, path: str) -> RetentionMinimum:
     """The table's ``delta.deletedFileRetentionDuration`` (unset: Delta's default).
 
     Raises RetentionTooShortError when the property cannot be read as an interval: VACUUM
     would not know how short is too short.
     """
-    row = DeltaTable.forPath(spark, path).detail().select("properties").head()
-    properties = (row["properties"] if row is not None else None) or {}
-    value = properties.get(RETENTION_PROPERTY)
+    value = state.table_properties(path).get(RETENTION_PROPERTY)
     if value is None:
         return RetentionMinimum(table, DEFAULT_RETENTION_HOURS, "not set: Delta's default")
     try:
@@ -411,19 +499,10 @@ def health_answer(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
     return f"answers {status}" if status in (200, 503) else None
 
 
-def _last_modified(spark: SparkSession, folder: str) -> dt.datetime | None:
-    """The newest modification time of a file in ``folder``; None when it has none."""
-    fs, path = hadoop_path(spark, folder)
-    if not fs.exists(path):
-        return None
-    times = [int(status.getModificationTime()) for status in fs.listStatus(path)]
-    return dt.datetime.fromtimestamp(max(times) / 1000, dt.UTC) if times else None
-
-
 def signs_of_life(
     config: PipelineConfig,
     entities: list[EntityConfig],
-    spark: SparkSession,
+    state: TableState,
     quiet: dt.timedelta = DEFAULT_QUIET,
     now: dt.datetime | None = None,
 ) -> list[str]:
@@ -436,8 +515,14 @@ def signs_of_life(
     (the publishers, which write no table). OPTIMIZE and VACUUM commits do not count: they
     add no data and are maintenance's own. A service idle for longer than ``quiet`` whose
     ``/health`` cannot be reached from here is not seen: that is what the operator's
-    ``--force-short-retention`` vouches for.
+    ``--force-short-retention`` vouches for. Leases on object storage are read through
+    S3A, so ``state`` must then be a :class:`SparkTables`.
     """
+    from cdc_shared.writer_lease import live_leases
+
+    spark = state.spark if isinstance(state, SparkState) else None
+    if spark is None and s3a_bucket(config.storage_root) is not None:
+        raise ValueError("writer leases on object storage are read through a Spark session")
     now = now or dt.datetime.now(dt.UTC)
     since = now - quiet
     signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities], spark)
@@ -452,9 +537,9 @@ def signs_of_life(
             f"silver/{entity.name}": config.layout.silver(entity.name),
         }
         for table, path in tables.items():
-            if not is_delta_table(spark, path):
+            if state.table_version(path) is None:
                 continue
-            written = data_commits_from(table_history(spark, path), 0)
+            written = data_commits_from(state.history(path), 0)
             if written and written[-1].timestamp > since:
                 last = written[-1]
                 signs.append(
@@ -464,7 +549,7 @@ def signs_of_life(
         for service in SERVICES:
             checkpoint = config.checkpoint_path(service, entity.name).rstrip("/")
             progressed = [
-                _last_modified(spark, f"{checkpoint}/{d}") for d in ("offsets", "commits")
+                state.newest_modification(f"{checkpoint}/{d}") for d in ("offsets", "commits")
             ]
             latest = max((t for t in progressed if t is not None), default=None)
             if latest is not None and latest > since:
@@ -478,13 +563,13 @@ def signs_of_life(
 def check_services_stopped(
     config: PipelineConfig,
     entities: list[EntityConfig],
-    spark: SparkSession,
+    state: TableState,
     short: list[RetentionMinimum],
     hours: float,
     quiet: dt.timedelta,
 ) -> None:
     """Raise ServicesMayRunError, with every sign, if a service may run (forced VACUUM)."""
-    signs = signs_of_life(config, entities, spark, quiet)
+    signs = signs_of_life(config, entities, state, quiet)
     if signs:
         raise ServicesMayRunError(
             f"refusing --force-short-retention (VACUUM {hours:g} hours, below Delta's "
@@ -518,7 +603,7 @@ def tombstone_retention(configured: float | None, requested: float | None) -> fl
 
 
 def merged_ingest_time(
-    config: PipelineConfig, entity: EntityConfig, spark: SparkSession
+    config: PipelineConfig, entity: EntityConfig, state: TableState
 ) -> dt.datetime | None:
     """The latest bronze ingest time among the events the merger has merged.
 
@@ -531,45 +616,51 @@ def merged_ingest_time(
     snapshot).
     """
     bronze = config.layout.bronze(entity.name)
-    if not is_delta_table(spark, bronze):
+    if state.table_version(bronze) is None:
         return None
-    history = table_history(spark, bronze)
-    batch = last_committed_batch(spark, config.checkpoint_path(MERGER, entity.name))
+    history = state.history(bronze)
+    batch = last_committed_batch(state, config.checkpoint_path(MERGER, entity.name))
     if batch is None or not batch.sources:
         return None
-    position = delta_position(batch.sources[0], commit_file_counter(spark, bronze, False))
+    position = delta_position(batch.sources[0], commit_file_counter(state, bronze, False))
     if position.snapshot:
         return None
     unread = data_commits_from(history, position.next_version)
     merged = unread[0].version - 1 if unread else max(history)
     if merged < min(history):
         return None
-    events = spark.read.format("delta").option("versionAsOf", merged).load(bronze)
-    row = events.agg(F.max(_INGESTED_AT)).head()
-    return None if row is None or row[0] is None else as_utc(row[0])
+    newest = state.column_max(bronze, _INGESTED_AT, merged)
+    return None if newest is None else as_utc(newest)
 
 
 def expire_by_ingest_time(
     config: PipelineConfig,
     entity: EntityConfig,
-    spark: SparkSession,
+    state: TableState,
     hours: float | None,
-    dry_run: bool = False,
+    spark: SparkSession | None = None,
 ) -> tuple[int, str]:
     """Expire the entity's tombstones as the merger does: (how many, which and why).
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
-    recorded (:func:`merged_ingest_time`), through the merger's own ``expire_tombstones``.
-    ``dry_run``: count those that would go, and expire none.
+    recorded (:func:`merged_ingest_time`), through the merger's own ``expire_tombstones``
+    on ``spark``. Without ``spark`` (a dry run): count those that would go, by the same
+    column and cutoff, and expire none.
     """
     if hours is None:
         return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
-    until = merged_ingest_time(config, entity, spark)
+    until = merged_ingest_time(config, entity, state)
     if until is None:
         return 0, "kept: the merger has merged nothing yet"
     cutoff = until - dt.timedelta(hours=hours)
     path = config.layout.tombstones(entity.name)
-    expired = expire_tombstones(spark, path, cutoff, dry_run)
+    dry_run = spark is None
+    if spark is None:
+        expired = state.count_before(path, _DELETED_AT, cutoff)
+    else:
+        from cdc_merger.apply import expire_tombstones
+
+        expired = expire_tombstones(spark, path, cutoff)
     verb = "would expire" if dry_run else "expired"
     return expired, (
         f"{verb} those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "
@@ -585,6 +676,8 @@ def _vacuum(
 
     Delta's own minimum check stays on unless a short retention was allowed.
     """
+    from delta.tables import DeltaTable
+
     previous = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _VACUUM_LOGGING)}
     spark.conf.set(_RETENTION_CHECK, "false" if below_minimum else "true")
     spark.conf.set(_VACUUM_LOGGING, "true")
@@ -616,6 +709,32 @@ def _tables(config: PipelineConfig, entity: EntityConfig) -> dict[str, str]:
     }
 
 
+def _table_state(
+    config: PipelineConfig,
+    engine: str,
+    dry_run: bool,
+    force_short_retention: bool,
+    spark: SparkSession | None,
+) -> tuple[TableState, SparkSession | None]:
+    """How maintenance reads, and the session it writes through (see :func:`run_maintenance`).
+
+    The session is None for a dry run without a JVM.
+    """
+    from cdc_cli.status import DELTA_RS, ENGINES
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    leases_through_s3a = force_short_retention and s3a_bucket(config.storage_root) is not None
+    if dry_run and engine == DELTA_RS and not leases_through_s3a:
+        from cdc_cli.delta_log import DeltaLogState
+
+        return DeltaLogState(config), None
+    from cdc_shared.spark import build_spark_session
+
+    spark = spark or build_spark_session(config.spark, "cdc-maintenance")
+    return SparkTables(spark), spark
+
+
 def run_maintenance(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -630,11 +749,16 @@ def run_maintenance(
     quiet: dt.timedelta = DEFAULT_QUIET,
     dry_run: bool = False,
     spark: SparkSession | None = None,
+    engine: str = "delta-rs",
 ) -> MaintenanceReport:
     """Check every retention first, then OPTIMIZE, VACUUM, expire tombstones.
 
     ``dry_run``: the same checks and refusals, then what each step would do, changing
-    nothing (see the module docstring).
+    nothing (see the module docstring). It reads as ``engine`` says (one of
+    ``cdc_cli.status.ENGINES``): delta-rs, without a JVM, or spark, through ``spark`` or
+    a session built from the configuration. One case always reads through Spark: a
+    forced short retention on object storage, whose writer leases are read through S3A.
+    A run reads and writes through Spark.
 
     ``vacuum_hours`` None skips VACUUM; ``tombstones`` False skips the tombstone tables.
     Tombstones expire by ``merger.tombstone_retention_hours`` or by a longer
@@ -646,8 +770,6 @@ def run_maintenance(
     (OPTIMIZE may have taken long). On an ``s3a://`` root it needs ``writers_stopped``
     (else WritersMayRunError, before anything runs).
     """
-    from cdc_shared.spark import build_spark_session
-
     entities = config.select_entities(entity_names)
     if s3a_bucket(config.storage_root) is not None and not writers_stopped and not dry_run:
         # Delta's S3 log store orders commits within one JVM only (docs/operations.md): a
@@ -660,22 +782,23 @@ def run_maintenance(
     expiry_hours = tombstone_retention(
         config.merger.tombstone_retention_hours, tombstone_retention_hours
     )
-    spark = spark or build_spark_session(config.spark, "cdc-maintenance")
+    state, spark = _table_state(config, engine, dry_run, force_short_retention, spark)
     tables = {
         name: path
         for entity in entities
         for name, path in _tables(config, entity).items()
-        if (tombstones or "/_tombstones/" not in name) and is_delta_table(spark, path)
+        if (tombstones or "/_tombstones/" not in name) and state.table_version(path) is not None
     }
+    minimums: dict[str, RetentionMinimum] = {}
     short: list[RetentionMinimum] = []
     if vacuum_hours is not None:
-        minimums = [retention_minimum(spark, name, path) for name, path in tables.items()]
-        short = [m for m in minimums if vacuum_hours < m.hours]
+        minimums = {name: retention_minimum(state, name, path) for name, path in tables.items()}
+        short = [m for m in minimums.values() if vacuum_hours < m.hours]
         if not force_short_retention:
-            check_vacuum_minimum(minimums, vacuum_hours)
+            check_vacuum_minimum(list(minimums.values()), vacuum_hours)
         elif short:
-            check_services_stopped(config, entities, spark, short, vacuum_hours, quiet)
-    needs = {e.name: stream_needs(config, e, spark, ignore_services) for e in entities}
+            check_services_stopped(config, entities, state, short, vacuum_hours, quiet)
+    needs = {e.name: stream_needs(config, e, state, ignore_services) for e in entities}
     all_needs = [n for per_entity in needs.values() for n in per_entity]
     if vacuum_hours is not None:
         check_vacuum_retention(all_needs, vacuum_hours)
@@ -685,11 +808,14 @@ def run_maintenance(
     def vacuum(entity: EntityConfig, table: str) -> int | None:
         assert vacuum_hours is not None
         if "/_tombstones/" not in table:  # the merger reads tombstones whole, never streamed
-            fresh = stream_needs(config, entity, spark, ignore_services)
+            fresh = stream_needs(config, entity, state, ignore_services)
             check_vacuum_retention([n for n in fresh if n.table == table], vacuum_hours)
         if table in below:
-            check_services_stopped(config, entities, spark, short, vacuum_hours, quiet)
-        return _vacuum(spark, tables[table], vacuum_hours, table in below, dry_run)
+            check_services_stopped(config, entities, state, short, vacuum_hours, quiet)
+        if dry_run:
+            return state.vacuum_dry_run(tables[table], vacuum_hours, minimums[table].hours)
+        assert spark is not None
+        return _vacuum(spark, tables[table], vacuum_hours, table in below)
 
     report = MaintenanceReport(needs=all_needs, dry_run=dry_run)
     for entity in entities:
@@ -698,15 +824,17 @@ def run_maintenance(
                 continue
             removed = added = vacuumed = files = None
             if optimize and dry_run:
-                files = data_file_count(spark, tables[table])
+                files = state.data_file_count(tables[table])
             elif optimize:
+                assert spark is not None
                 removed, added = compact(spark, tables[table])
             if vacuum_hours is not None:
                 vacuumed = vacuum(entity, table)
             report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:
-            expired, note = expire_by_ingest_time(config, entity, spark, expiry_hours, dry_run)
+            writer = None if dry_run else spark
+            expired, note = expire_by_ingest_time(config, entity, state, expiry_hours, writer)
             vacuumed = None if vacuum_hours is None else vacuum(entity, table)
             report.tables.append(
                 TableResult(
