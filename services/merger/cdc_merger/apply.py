@@ -340,11 +340,6 @@ class MergeState:
         )
         self._schema: T.StructType | None = None
 
-    def load(self) -> None:
-        """Read the guards now (at start) instead of in the first batch."""
-        self.truncates.get()
-        len(self.tombstones)
-
     def silver_schema(self, events: DataFrame) -> T.StructType:
         """Silver's schema, read again when the events carry a column silver lacks."""
         after = events.schema["after"].dataType

@@ -114,12 +114,13 @@ def load_tombstones(
 class TombstoneIndex:
     """The newest delete per key, in memory: key -> packed sequence.
 
-    Loaded once (``load``), then kept current: a delete raises its key's entry, an
-    upsert newer than the entry removes it (silver's row, at least as new, guards the
-    key from then on). Memory, measured with 1M tombstones by
-    ``tests/bench/bench_tombstones.py``: about 110 bytes per key for an integer key and
-    a one-element sequence, about 230 for a two-column key and a two-element one; the
-    load at start needs about 0.5 GiB more for a moment (the Arrow read).
+    Loaded on first use (the entity's first batch that looks a key up), then kept
+    current: a delete raises its key's entry, an upsert newer than the entry removes it
+    (silver's row, at least as new, guards the key from then on). Memory, measured
+    with 1M tombstones by ``tests/bench/bench_tombstones.py``: about 110 bytes per key
+    for an integer key and a one-element sequence, about 230 for a two-column key and a
+    two-element one; the load needs about 0.5 GiB more for a moment (the Arrow read).
+    An entity that stays idle never loads its index.
     """
 
     def __init__(self, load: Callable[[], dict[Hashable, int]], key: list[str]) -> None:

@@ -118,7 +118,12 @@ class EntityMerge(EntityStreamBase):
         self.placeholder = Placeholder.of(self.config.merger.unavailable_value_placeholder)
 
     def prepare(self, wait_s: float) -> None:
-        """Silver and tombstones, shaped by bronze (waits for the ingestor to create it)."""
+        """Silver and tombstones, shaped by bronze (waits for the ingestor to create it).
+
+        The guards (tombstones, truncate floor) are read by the first batch that needs
+        them, not here: a table that stays idle never loads them, and a start with many
+        tables does not read every table's tombstones before its streams run.
+        """
         hint = f"start the ingestor for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
         bronze = self.spark.read.format("delta").load(self.bronze_path)
@@ -129,7 +134,6 @@ class EntityMerge(EntityStreamBase):
             self.entity.history_untracked_columns(kept)
         ensure_tables(self.spark, without_columns(bronze, dropped).schema, self.layout)
         self.warn_selection_narrowed(dropped)
-        self.state.load()
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
 
     def dropped_columns(self, bronze: DataFrame) -> list[str]:
