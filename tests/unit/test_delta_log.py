@@ -232,3 +232,61 @@ def test_maintenance_dry_run_starts_no_jvm_and_imports_no_spark(tmp_path: Path) 
     for table in tables.values():
         assert (table["files"], table["vacuumed_files"]) == (3, 0)
         assert table["optimized_files_removed"] is None
+
+
+def test_quarantine_list_starts_no_jvm(tmp_path: Path) -> None:
+    """``cdc quarantine list`` counts through delta-rs, the ledger joined: no SparkContext
+    (its module imports PySpark, for show and replay, but never starts a JVM)."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    coordinates = {
+        "kafka_topic": pa.array(["t", "t", "t"], pa.string()),
+        "kafka_partition": pa.array([0, 0, 1], pa.int32()),
+        "kafka_offset": pa.array([5, 9, 2], pa.int64()),
+    }
+    quarantined = {
+        "service": pa.array(["ingestor"] * 3, pa.string()),
+        "entity": pa.array(["customers"] * 3, pa.string()),
+        "error_kind": pa.array(["corrupt", "corrupt", "unknown_schema"], pa.string()),
+        **coordinates,
+    }
+    write_deltalake(config.layout.quarantine("ingestor"), pa.table(quarantined))
+    ledger = {
+        "service": pa.array(["ingestor"], pa.string()),
+        **{name: column.slice(1, 1) for name, column in coordinates.items()},
+        "state": pa.array(["done"], pa.string()),
+    }
+    write_deltalake(config.layout.replay_ledger(), pa.table(ledger))
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text(json.dumps({"storage_root": str(tmp_path)}))
+    script = (
+        "from typer.testing import CliRunner\n"
+        "from cdc_cli.main import app\n"
+        f"args = ['quarantine', 'list', '--config', {str(pipeline)!r}, '--json']\n"
+        "result = CliRunner().invoke(app, args)\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(result.stdout)\n"
+        "from pyspark import SparkContext\n"
+        "print(SparkContext._gateway is None and SparkContext._active_spark_context is None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    *report, no_jvm = done.stdout.strip().splitlines()
+    assert no_jvm == "True"
+    assert json.loads("\n".join(report))["groups"] == [
+        {
+            "service": "ingestor",
+            "entity": "customers",
+            "error_kind": "corrupt",
+            "rows": 2,
+            "replayed": 1,
+        },
+        {
+            "service": "ingestor",
+            "entity": "customers",
+            "error_kind": "unknown_schema",
+            "rows": 1,
+            "replayed": 0,
+        },
+    ]
