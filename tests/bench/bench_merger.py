@@ -25,25 +25,50 @@ batches and the files left.
 
     .venv/bin/python tests/bench/bench_merger.py [--rows 1000000] [--small 20]
         [--repeats 3] [--drift 200] [--conf KEY=VALUE ...]
+
+``--history`` runs only the history comparison: the lean path with the entity's SCD
+type 2 history off and on (every column tracked, the default), each on its own fresh
+silver of ``--rows`` rows; for history on, the history table holds one current version
+per silver row, written straight in the merger's history schema (``history_schema``
+via ``ensure_tables``) and checked on a sample against the merger's own rebuild
+(``rebuilt_versions``). Then ``--warmup`` + ``--small`` 1,000-change batches, each
+applied to both through ``apply_batch`` (the service's per-batch call), the order
+flipping every batch. Side by side (p50): batch seconds and p95, on/off, ``apply_batch``'s
+laps, the silver MERGE and the history step's parts (reading; history's own tombstones;
+the rebuild; its MERGE, from Delta's ``operationMetrics``), Spark jobs, and the files
+and MiB each batch's scans read per table (from Spark's status store). At the end it
+checks history on gained a MERGE per batch and one current version per silver row,
+history off has no history table, and the two silvers agree. The full run, alone on
+the machine (about 15 minutes)::
+
+    .venv/bin/python tests/bench/bench_merger.py --history --rows 1000000 --warmup 8 --small 20
+
+A smoke run: ``--history --rows 20000 --warmup 1 --small 3``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
+from cdc_merger import apply as merger_apply  # noqa: E402
+from cdc_merger import history as merger_history  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402
     DEFAULT_PLACEHOLDER,
     TRUNCATE_SCHEMA,
@@ -54,10 +79,23 @@ from cdc_merger.apply import (  # noqa: E402
     silver_schema,
     tombstone_schema,
 )
+from cdc_merger.history import (  # noqa: E402
+    END,
+    END_TS,
+    FOLDED,
+    PERIOD,
+    START,
+    START_TS,
+    UNSENT,
+    UNTRACKED,
+    HistoryTable,
+    rebuilt_versions,
+)
 from cdc_merger.unavailable import Placeholder  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
-from cdc_shared.config import SparkConfig  # noqa: E402
+from cdc_shared.config import HistoryConfig, SparkConfig  # noqa: E402
 from cdc_shared.schemas import entity_schemas  # noqa: E402
+from cdc_shared.silver import OP, SEQUENCE, SOURCE_TS  # noqa: E402
 from cdc_shared.spark import build_spark_session, counting_jobs  # noqa: E402
 from cdc_shared.tables import ensure_table  # noqa: E402
 from delta.tables import DeltaTable  # noqa: E402
@@ -215,6 +253,7 @@ class Batch:
     compacted: bool
     jvm_cpu_s: float
     steps: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, Any] = field(default_factory=dict)  # the history comparison's
 
 
 @dataclass
@@ -227,6 +266,7 @@ class Variant:
     batches: list[Batch] = field(default_factory=list)
     files: dict[str, int] = field(default_factory=dict)  # when -> files in silver
     jvm_cpu: dict[str, float] = field(default_factory=dict)  # 1k batches, by thread kind
+    tables: dict[str, str] = field(default_factory=dict)  # label -> path, of lean variants
 
     def of_size(self, changes: int) -> list[Batch]:
         return [b for b in self.batches if b.changes == changes]
@@ -283,17 +323,23 @@ def lean_variant(
     rows: int,
     placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
     name: str = "lean",
+    history: HistoryConfig | None = None,
 ) -> Variant:
     """A fresh silver as the merger creates it, merged by today's ``apply_batch``.
 
     ``placeholder``: the unavailable-value placeholder it looks for (None: the path
-    without that check, for its cost).
+    without that check, for its cost). ``history``: the entity's history; its table
+    (``<root>/history``) is loaded with the silver rows' versions (``load_history``).
     """
+    table = None if history is None else HistoryTable(str(root / "history"), history)
     layout = SilverLayout(
-        str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"]
+        str(root / "silver"), str(root / "tombstones"), str(root / "truncates"), ["id"], table
     )
     ensure_tables(spark, bronze, layout)
     load_silver(spark, layout.silver_path, rows)
+    if table is not None:
+        load_history(spark, layout)
+        check_history(spark, layout)
     state = MergeState(spark, layout)  # one per table, kept, as the merger
 
     def refuse(rejected: DataFrame) -> None:
@@ -302,7 +348,9 @@ def lean_variant(
     def merge(s: SparkSession, e: DataFrame) -> dict[str, int]:
         return apply_batch(s, e, layout, refuse, state, placeholder).step_ms
 
-    return Variant(name, merge, layout.silver_path)
+    tables = {"silver": layout.silver_path, "tombstones": layout.tombstone_path}
+    tables |= {"truncates": layout.truncate_path} | ({"history": table.path} if table else {})
+    return Variant(name, merge, layout.silver_path, tables=tables)
 
 
 def unaware_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
@@ -389,6 +437,419 @@ def report_drift(drift: Variant) -> None:
     print(f"  auto compactions after batches {compacted}")
 
 
+# --- History on vs off (``--history``) -------------------------------------------------
+
+HISTORY_OWN = (*PERIOD, SEQUENCE, SOURCE_TS, FOLDED)  # history's columns besides the row's
+
+
+def load_history(spark: SparkSession, layout: SilverLayout) -> None:
+    """The history silver's rows would have made: one current version per row.
+
+    As if each row came in as one snapshot event (its ``_cdc_seq``): a version begun at
+    that sequence and source time, open (no end), folding that one event. Written
+    straight in history's schema (the table ``ensure_tables`` made), not rebuilt by the
+    merger's per-key windows over a million keys; ``check_history`` compares a sample
+    with what the merger's own rebuild makes of the same rows.
+    """
+    assert layout.history is not None
+    schema = DeltaTable.forPath(spark, layout.history.path).toDF().schema
+    row = [f.name for f in schema.fields if f.name not in HISTORY_OWN]
+    untracked = layout.history.config.untracked_columns(row, layout.key)
+    values = F.to_json(F.struct(*[F.col(f"`{c}`") for c in untracked]), merger_history._JSON)
+    event = F.struct(F.col(SEQUENCE), F.col(SOURCE_TS), values.alias(UNTRACKED))
+    own = {
+        START: F.col(SEQUENCE),
+        END: F.lit(None),
+        START_TS: F.col(SOURCE_TS),
+        END_TS: F.lit(None),
+        FOLDED: F.array(event),
+    }
+    silver = spark.read.format("delta").load(layout.silver_path)
+    frame = silver.select(
+        *[own.get(f.name, F.col(f"`{f.name}`")).cast(f.dataType).alias(f.name) for f in schema]
+    )
+    frame.write.format("delta").mode("append").save(layout.history.path)
+
+
+def check_history(spark: SparkSession, layout: SilverLayout, every: int = 1_000) -> None:
+    """Every ``every``-th key's loaded versions must be what the merger's rebuild
+    (``rebuilt_versions``, as ``write_history`` runs it) makes of its silver row as a
+    snapshot event, with no history, tombstones or truncates before it."""
+    assert layout.history is not None
+    history = spark.read.format("delta").load(layout.history.path)
+    sample = spark.read.format("delta").load(layout.silver_path).where(F.col("id") % every == 0)
+    row = [c for c in history.columns if c not in HISTORY_OWN]
+    events = sample.select(
+        *row,
+        SEQUENCE,
+        F.lit("r").alias(OP),
+        SOURCE_TS,
+        F.lit(None).cast("array<string>").alias(UNSENT),
+    )
+    touched = events.select(*layout.key)
+    tombstones = (
+        spark.read.format("delta").load(layout.tombstone_path).select(*layout.key, SEQUENCE)
+    )
+    rebuilt = rebuilt_versions(
+        spark,
+        layout.history,
+        layout.key,
+        events,
+        history.limit(0),
+        touched,
+        tombstones,
+        layout.truncate_path,
+        [],
+    )
+    expected = rebuilt.where(~F.col(merger_history._DROP)).select(*history.columns)
+    loaded = history.join(touched, on=layout.key, how="left_semi")
+    extra, missing = loaded.exceptAll(expected).count(), expected.exceptAll(loaded).count()
+    if extra or missing or not loaded.count():
+        raise SystemExit(
+            f"loaded history differs from the merger's rebuild: {extra} rows not rebuilt, "
+            f"{missing} rebuilt rows not loaded, e.g. {loaded.exceptAll(expected).take(1)} "
+            f"vs {expected.exceptAll(loaded).take(1)}"
+        )
+
+
+@contextmanager
+def tagging(spark: SparkSession) -> Iterator[str]:
+    """A new job tag on the Spark jobs run inside the block (and by threads it starts)."""
+    tag = f"bench-{uuid.uuid4().hex}"
+    spark.sparkContext.addJobTag(tag)
+    try:
+        yield tag
+    finally:
+        spark.sparkContext.removeJobTag(tag)
+
+
+LOCATION = re.compile(r"Location: \w+\(\d+ paths?\)\[([^,\]\s]+)")
+BYTE_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+@dataclass
+class Reads:
+    """Spark jobs, and the files their queries' scans read per table (count and bytes)."""
+
+    jobs: int = 0
+    files: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+
+class ScanStats:
+    """Files read by each SQL execution's file scans, per table, from Spark's status stores.
+
+    The stores are kept with the UI off. Per tagged job its SQL execution; in the
+    execution's plan each file scan's location and its "number of files read" / "size of
+    files read" (the files the scan kept after Delta's file skipping, and their size on
+    disk: the columns actually read are fewer). ``tables``: label -> path; a location in a
+    ``_delta_log`` is "log", an unknown one "other".
+    """
+
+    def __init__(self, spark: SparkSession, tables: dict[str, str]) -> None:
+        self._context = spark.sparkContext._jsc.sc()  # no public handle on the stores
+        self._sql = spark._jsparkSession.sharedState().statusStore()
+        self._tables = tables
+        self._executions: dict[int, list[tuple[str, int, int]]] = {}
+
+    def reads(self, tag: str) -> Reads:
+        """The jobs tagged ``tag`` and what their executions' scans read."""
+        jobs = list(self._context.statusTracker().getJobIdsForTag(tag))
+        executions = set()
+        for job in jobs:
+            execution = self._context.statusStore().jobWithAssociatedSql(job)._2()
+            if execution.isDefined():
+                executions.add(int(execution.get()))
+        reads = Reads(jobs=len(jobs))
+        for execution in sorted(executions):
+            for label, files, size in self._scans(execution):
+                reads.files[label] = reads.files.get(label, 0) + files
+                reads.bytes[label] = reads.bytes.get(label, 0) + size
+        return reads
+
+    def _scans(self, execution: int) -> list[tuple[str, int, int]]:
+        if execution not in self._executions:
+            values = self._sql.executionMetrics(execution)
+            scans = []
+            nodes = self._sql.planGraph(execution).allNodes().iterator()
+            while nodes.hasNext():
+                node = nodes.next()
+                found = LOCATION.search(node.desc()) if node.name().startswith("Scan") else None
+                if found is None:
+                    continue
+                metrics, read = node.metrics().iterator(), {}
+                while metrics.hasNext():
+                    metric = metrics.next()
+                    value = values.get(metric.accumulatorId())
+                    if value.isDefined():
+                        read[metric.name()] = str(value.get())
+                files = int(read.get("number of files read", "0").replace(",", ""))
+                scans.append((self._label(found[1]), files, _bytes(read.get("size of files read"))))
+            self._executions[execution] = scans
+        return self._executions[execution]
+
+    def _label(self, location: str) -> str:
+        path = "/" + re.sub(r"^file:/*", "", location).rstrip("/")
+        if "/_delta_log" in path:
+            return "log"
+        return next((k for k, v in self._tables.items() if path.startswith(v)), "other")
+
+
+def _bytes(text: str | None) -> int:
+    """Bytes of a size metric as Spark prints it (``"6.0 KiB"``)."""
+    if not text:
+        return 0
+    number, _, unit = text.strip().partition(" ")
+    return int(float(number.replace(",", "")) * BYTE_UNITS.get(unit, 1))
+
+
+class HistoryProbe:
+    """Times the parts of the merger's history step, and tags its Spark jobs.
+
+    Wraps ``write_history`` (where ``apply_batch`` looks it up) and the two functions it
+    calls that write: ``_remember_deletes`` (the batch's deletes as tombstones, history's
+    own) and ``_replace_versions`` (the rebuilt versions' local checkpoint, then the MERGE
+    into history). The same code runs; only the wall time around it is taken. What
+    ``write_history`` spends outside the two is reading: the batch's events, the touched
+    keys, their rows in history and their tombstones (local checkpoints).
+    """
+
+    def __init__(self, spark: SparkSession) -> None:
+        self.spark = spark
+        self.seconds: dict[str, float] = {}
+        self.tag = ""
+        self._wrap(merger_apply, "write_history", "history", tagged=True)
+        self._wrap(merger_history, "_remember_deletes", "tombstones")
+        self._wrap(merger_history, "_replace_versions", "replace")
+
+    def reset(self) -> None:
+        self.seconds, self.tag = {}, ""
+
+    def _wrap(self, module: object, name: str, part: str, tagged: bool = False) -> None:
+        original = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                if not tagged:
+                    return original(*args, **kwargs)
+                with tagging(self.spark) as tag:
+                    self.tag = tag
+                    return original(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                self.seconds[part] = self.seconds.get(part, 0.0) + elapsed
+
+        setattr(module, name, timed)
+
+
+def merge_commit(spark: SparkSession, path: str) -> tuple[dict[str, int], bool]:
+    """The newest MERGE's ``operationMetrics``, and whether an OPTIMIZE followed it."""
+    history = DeltaTable.forPath(spark, path).history(3).orderBy(F.col("version").desc())
+    rows = history.select("operation", "operationMetrics").collect()
+    merges = [dict(r[1] or {}) for r in rows if r[0] == "MERGE"]
+    metrics = {k: int(v) for k, v in (merges[0] if merges else {}).items() if v.isdigit()}
+    return metrics, bool(rows) and rows[0][0] == "OPTIMIZE"
+
+
+def run_interleaved(
+    spark: SparkSession,
+    variants: list[Variant],
+    bronze: T.StructType,
+    workload: Workload,
+    count: int,
+    warmup: int,
+    probe: HistoryProbe,
+) -> None:
+    """``warmup`` + ``count`` 1,000-change batches, each applied to every variant in turn.
+
+    The same events go to each (their silvers stay equal), in an order that flips every
+    batch (ABBA), so drift and what one batch leaves the next (garbage, caches) fall on
+    both alike. The first ``warmup`` are not recorded.
+    """
+    pid = jvm_pid(spark)
+    for number in range(warmup + count):
+        events = bronze_batch(spark, bronze, workload, 1_000, seed=number)
+        events = events.localCheckpoint(eager=True)  # as a micro-batch: computed rows
+        for variant in variants if number % 2 == 0 else variants[::-1]:
+            probe.reset()
+            cpu_before = cpu_by_kind(pid)
+            with tagging(spark) as tag:
+                started = time.perf_counter()
+                steps = variant.merge(spark, events)
+                elapsed = time.perf_counter() - started
+            cpu = sum(since(cpu_before, cpu_by_kind(pid)).values())
+            time.sleep(0.2)  # let the listener bus record the last job
+            scans = ScanStats(spark, variant.tables)
+            whole = scans.reads(tag)
+            silver_merge, compacted = merge_commit(spark, variant.silver_path)
+            detail: dict[str, Any] = {"reads": whole.__dict__, "silver_merge": silver_merge}
+            if "history" in variant.tables:
+                history_merge, history_compacted = merge_commit(spark, variant.tables["history"])
+                detail |= {
+                    "history_s": probe.seconds,
+                    "history_reads": scans.reads(probe.tag).__dict__ if probe.tag else {},
+                    "history_merge": history_merge,
+                    "history_compacted": history_compacted,
+                    "history_files": file_count(spark, variant.tables["history"]),
+                }
+            merge_ms = silver_merge.get("executionTimeMs", 0)
+            batch = Batch(1_000, elapsed, whole.jobs, merge_ms, compacted, cpu, steps or {}, detail)
+            if number >= warmup:
+                variant.batches.append(batch)
+            print(json.dumps({"variant": variant.name, **batch.__dict__}), flush=True)
+
+
+def check_history_run(spark: SparkSession, off: Variant, on: Variant, batches: int) -> None:
+    """Both variants really ran: history on gained a MERGE per batch and holds one
+    current version per silver row; history off has no history table; silvers equal."""
+    # Each load stamps its own times: keys, sequences, ops and a changed value compared.
+    same = ["id", SEQUENCE, OP, "first_name"]
+    silver_off = spark.read.format("delta").load(off.silver_path).select(*same)
+    silver_on = spark.read.format("delta").load(on.silver_path).select(*same)
+    assert silver_off.count() == silver_on.count(), "the two silvers differ"
+    assert silver_off.exceptAll(silver_on).isEmpty(), "the two silvers differ"
+    assert not Path(off.silver_path).with_name("history").exists(), "history off wrote history"
+    assert "history" not in off.tables
+    history = DeltaTable.forPath(spark, on.tables["history"])
+    merges = history.history().where(F.col("operation") == "MERGE").count()
+    assert merges == batches, f"history on: {merges} MERGEs into history for {batches} batches"
+    current = history.toDF().where(F.col(END).isNull()).count()
+    assert current == silver_on.count(), f"{current} current versions, {silver_on.count()} rows"
+
+
+Metric = Callable[[Batch], float]
+
+
+def step_s(name: str) -> Metric:
+    """An ``apply_batch`` lap (``step_ms``) in seconds."""
+    return lambda b: b.steps.get(f"{name}_ms", 0) / 1000
+
+
+def merge_metric(table: str, metric: str, scale: float = 1.0) -> Metric:
+    """A number of the batch's MERGE into ``table`` ("silver" or "history")."""
+    return lambda b: b.detail.get(f"{table}_merge", {}).get(metric, 0) / scale
+
+
+def history_s(part: str) -> Metric:
+    """Seconds of a part of the history step (``HistoryProbe``)."""
+    return lambda b: b.detail.get("history_s", {}).get(part, 0.0)
+
+
+def read_metric(scope: str, kind: str, label: str, scale: float = 1.0) -> Metric:
+    """Files or bytes (``kind``) a batch's scans read of a table, in ``scope``."""
+    return lambda b: b.detail.get(scope, {}).get(kind, {}).get(label, 0) / scale
+
+
+def history_read_s(b: Batch) -> float:
+    """The history step's reading: its time outside the tombstones' append and replace."""
+    parts = history_s("history")(b) - history_s("tombstones")(b)
+    return parts - history_s("replace")(b)
+
+
+def history_rebuild_s(b: Batch) -> float:
+    """Replacing the versions minus the MERGE itself: their rebuild (a local checkpoint)."""
+    return history_s("replace")(b) - merge_metric("history", "executionTimeMs", 1000)(b)
+
+
+HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
+    ("  prepare (apply_batch lap)", step_s("prepare")),
+    ("  guard (apply_batch lap)", step_s("guard")),
+    ("  silver step: MERGE + tombstones", step_s("merge")),
+    ("    silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
+    ("  history step", step_s("history")),
+    ("    read: batch, keys, history rows, tombs", history_read_s),
+    ("    history's tombstones append", history_s("tombstones")),
+    ("    rebuild: versions' local checkpoint", history_rebuild_s),
+    ("    history MERGE executionTimeMs", merge_metric("history", "executionTimeMs", 1000)),
+    ("      of it scanTimeMs", merge_metric("history", "scanTimeMs", 1000)),
+    ("      of it rewriteTimeMs", merge_metric("history", "rewriteTimeMs", 1000)),
+    ("history table's files after the batch", lambda b: b.detail.get("history_files", 0)),
+    ("JVM CPU s", lambda b: b.jvm_cpu_s),
+    ("Spark jobs", lambda b: b.jobs),
+    ("  in the history step", lambda b: b.detail.get("history_reads", {}).get("jobs", 0)),
+)
+JOB_LINES = ("Spark jobs", "  in the history step", "history table's files after the batch")
+HISTORY_MERGE_COUNTS = (
+    "numSourceRows",
+    "numTargetRowsUpdated",
+    "numTargetRowsInserted",
+    "numTargetRowsDeleted",
+    "numTargetRowsCopied",
+    "numTargetFilesRemoved",
+    "numTargetFilesAdded",
+    "numTargetDeletionVectorsAdded",
+)
+
+
+def report_history(off: Variant, on: Variant, rows: int, warmup: int) -> None:
+    """Side by side: batch time, the silver step, the history step's parts, jobs, reads."""
+
+    def line(label: str, get: Metric, digits: int = 2) -> None:
+        a, b = (statistics.median(get(x) for x in v.batches) for v in (off, on))
+        shown = f"{a:>9.{digits}f}" if a else f"{'-':>9}"
+        print(f"{label:<44}{shown}{b:>9.{digits}f}" + (f"{b / a:>8.2f}" if a else ""))
+
+    seconds = [[b.seconds for b in v.batches] for v in (off, on)]
+    print(
+        f"\nhistory off vs on: silver of {rows:,} rows, {len(on.batches)} 1,000-change "
+        f"batches each (after {warmup} warm-up), interleaved; p50 unless said"
+    )
+    print(f"{'':<44}{'off':>9}{'on':>9}{'on/off':>8}")
+    line("batch s", lambda b: b.seconds)
+    p95 = [p(s, 0.95) for s in seconds]
+    print(f"{'batch p95 s':<44}{p95[0]:>9.2f}{p95[1]:>9.2f}{p95[1] / p95[0]:>8.2f}")
+    for label, get in HISTORY_LINES:
+        line(label, get, 1 if label in JOB_LINES else 2)
+    everything = [*off.batches, *on.batches]
+    for scope, name in (("reads", "whole batch"), ("history_reads", "history step")):
+        for table in sorted(
+            {t for b in everything for t in b.detail.get(scope, {}).get("files", {})}
+        ):
+            line(f"files read, {name}: {table}", read_metric(scope, "files", table), 0)
+            line(f"MiB read, {name}: {table}", read_metric(scope, "bytes", table, 2**20), 1)
+    counts = [
+        f"{m} {statistics.median(merge_metric('history', m)(b) for b in on.batches):.0f}"
+        for m in HISTORY_MERGE_COUNTS
+    ]
+    print("history MERGE:", ", ".join(counts))
+    compacted = [i for i, b in enumerate(on.batches) if b.detail.get("history_compacted")]
+    print(f"history auto compactions after measured batches {compacted}")
+    ratio = statistics.median(seconds[1]) / statistics.median(seconds[0])
+    verdict = "within" if ratio <= 1.5 else "over"
+    print(f"history on costs {ratio:.2f}x the batch time off (p50): {verdict} the 1.5x target")
+
+
+def run_history(
+    spark: SparkSession, bronze: T.StructType, workdir: Path, rows: int, warmup: int, count: int
+) -> None:
+    """Two fresh silvers of ``rows`` rows, history off and on, fed the same batches."""
+    off = lean_variant(spark, workdir / "history-off", bronze, rows, name="history-off")
+    on = lean_variant(
+        spark,
+        workdir / "history-on",
+        bronze,
+        rows,
+        name="history-on",
+        history=HistoryConfig(enabled=True),  # every column tracked
+    )
+    probe = HistoryProbe(spark)
+    workload = Workload(next_id=rows)
+    run_interleaved(spark, [off, on], bronze, workload, count, warmup, probe)
+    for variant in (off, on):
+        variant.files["at end"] = file_count(spark, variant.silver_path)
+    check_history_run(spark, off, on, warmup + count)
+    history = DeltaTable.forPath(spark, on.tables["history"]).detail().first()
+    assert history is not None
+    print(
+        f"\nchecked: silvers equal; history on: a MERGE per batch, one current version per "
+        f"silver row; history off: no history table. History at end: {history['numFiles']} "
+        f"files, {history['sizeInBytes'] / 2**20:.1f} MiB; silver {on.files['at end']} files"
+    )
+    if count:
+        report_history(off, on, rows, warmup)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -404,6 +865,11 @@ def main() -> None:
     parser.add_argument(
         "--conf", action="append", default=[], help="extra Spark setting KEY=VALUE (repeatable)"
     )
+    parser.add_argument(
+        "--history",
+        action="store_true",
+        help="only history off vs on: --warmup, then --small batches each, interleaved",
+    )
     args = parser.parse_args()
     conf = {"spark.ui.enabled": "false", "spark.driver.memory": "4g"}
     conf.update(dict(item.split("=", 1) for item in args.conf))
@@ -414,6 +880,9 @@ def main() -> None:
     bronze = bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
     plan = [10_000] * args.repeats + [100_000] * args.repeats
     workdir = Path(tempfile.mkdtemp(prefix="bench-merger-"))
+    if args.history:
+        run_history(spark, bronze, workdir, args.rows, args.warmup, args.small)
+        return
     makers = {
         "baseline": baseline_variant,
         "before": before_variant,
