@@ -1,0 +1,108 @@
+"""``cdc maintenance --dry-run`` without a JVM on S3-compatible storage.
+
+The same tables, log files and checkpoint written under a local root and under an
+``s3a://`` root of the local S3 server (by delta-rs and plain writes, no Spark) read
+alike through :class:`cdc_cli.delta_log.DeltaLogState`: listings, modification times,
+checkpoint files, file actions, older versions. That the local reads agree with Delta
+Lake's own is ``test_cli_ops.test_maintenance_dry_run_without_a_jvm_reads_what_spark_reads``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from cdc_cli.delta_log import DeltaLogState, delta_storage_options, table_uri
+from cdc_cli.maintenance import run_maintenance
+from cdc_devkit import infra
+from cdc_shared.config import PipelineConfig
+from deltalake import DeltaTable, write_deltalake
+from pyarrow import fs as pafs
+
+pytestmark = [pytest.mark.integration, pytest.mark.s3]
+
+ENTITY = {"name": "customers", "source_topic": "t", "key": ["id"], "sequence_by": ["lsn"]}
+LONG_AGO = dt.datetime(2020, 1, 1, tzinfo=dt.UTC)
+
+
+def _fill(config: PipelineConfig, files: pafs.FileSystem, prefix: str) -> None:
+    """Bronze and silver (three appends and an OPTIMIZE each), old tombstones, and a
+    merger checkpoint that committed bronze up to its latest version."""
+    options = delta_storage_options(config) or None
+    layout = config.layout
+    now = dt.datetime.now(dt.UTC)
+    for path in (layout.bronze("customers"), layout.silver("customers")):
+        for batch in range(3):
+            rows = {
+                "id": pa.array([batch], pa.int64()),
+                "ingested_at": pa.array([now], pa.timestamp("us", tz="UTC")),
+            }
+            write_deltalake(table_uri(path), pa.table(rows), mode="append", storage_options=options)
+        DeltaTable(table_uri(path), storage_options=options).optimize.compact()
+    tombstones = {
+        "id": pa.array([1, 2, 3], pa.int64()),
+        "deleted_at": pa.array([LONG_AGO, LONG_AGO, now], pa.timestamp("us", tz="UTC")),
+    }
+    write_deltalake(
+        table_uri(layout.tombstones("customers")), pa.table(tombstones), storage_options=options
+    )
+    checkpoint = f"{prefix}/_checkpoints/merger/customers"
+    offset = {"sourceVersion": 1, "reservoirVersion": 4, "index": -1, "isStartingVersion": False}
+    files.create_dir(f"{checkpoint}/offsets", recursive=True)
+    files.create_dir(f"{checkpoint}/commits", recursive=True)
+    with files.open_output_stream(f"{checkpoint}/offsets/0") as stream:
+        stream.write(f'v1\n{{"batchWatermarkMs":0}}\n{json.dumps(offset)}'.encode())
+    with files.open_output_stream(f"{checkpoint}/commits/0") as stream:
+        stream.write(b'v1\n{"nextBatchWatermarkMs":0}')
+
+
+def test_a_dry_run_reads_an_s3_root_as_a_local_one(tmp_path: Path, s3_endpoint: str) -> None:
+    local = PipelineConfig(storage_root=str(tmp_path / "root"), entities=[ENTITY])
+    prefix = f"{infra.S3_BUCKET}/pytest-{uuid.uuid4().hex[:8]}"
+    remote = PipelineConfig(
+        storage_root=f"s3a://{prefix}",
+        entities=[ENTITY],
+        object_storage={
+            "endpoint": s3_endpoint,
+            "path_style_access": True,
+            "region": infra.S3_REGION,
+            "access_key": infra.S3_ACCESS_KEY,
+            "secret_key": infra.S3_SECRET_KEY,
+        },
+    )
+    s3 = pafs.S3FileSystem(
+        access_key=infra.S3_ACCESS_KEY,
+        secret_key=infra.S3_SECRET_KEY,
+        endpoint_override=s3_endpoint,
+        region=infra.S3_REGION,
+        force_virtual_addressing=False,
+    )
+    _fill(local, pafs.LocalFileSystem(), local.storage_root)
+    _fill(remote, s3, prefix)
+
+    reports = []
+    for config in (local, remote):
+        state = DeltaLogState(config)
+        layout = config.layout
+        bronze, silver = layout.bronze("customers"), layout.silver("customers")
+        checkpoint = config.checkpoint_path("merger", "customers")
+        assert state.newest_modification(f"{checkpoint}/commits") is not None
+        assert state.newest_modification(f"{checkpoint}/missing") is None
+        # 0 hours: the three files each OPTIMIZE replaced.
+        assert [state.vacuum_dry_run(p, 0, 168) for p in (bronze, silver)] == [3, 3]
+        assert state.column_max(bronze, "ingested_at", 1) is not None
+        report = run_maintenance(
+            config, dry_run=True, ignore_services=("publisher_kafka", "publisher_es")
+        ).to_dict()
+        reports.append(report)
+    for report in reports:
+        for table in report["tables"]:
+            table["tombstones_note"] = (table["tombstones_note"] or "").split(" before ")[0]
+    assert reports[0] == reports[1]
+    tables = {t["table"]: t for t in reports[1]["tables"]}
+    assert tables["bronze/customers"]["files"] == tables["silver/customers"]["files"] == 1
+    assert tables["silver/_tombstones/customers"]["tombstones_expired"] == 2
