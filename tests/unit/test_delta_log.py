@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -290,3 +291,28 @@ def test_quarantine_list_starts_no_jvm(tmp_path: Path) -> None:
             "replayed": 0,
         },
     ]
+
+
+def test_the_log_state_is_the_same_read_from_a_checkpoint(tmp_path: Path) -> None:
+    """Files and kept removals replayed from commits alone, or from a checkpoint and the
+    commits after it, are the same; the files are those delta-rs reads."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    path = config.layout.bronze("customers")
+    _write(path, [("append", ["a"]), ("append", ["b"]), ("append", ["c"])])
+    DeltaTable(path).optimize.compact()
+    _write(path, [("append", ["d"])])
+    version = DeltaTable(path).version()
+
+    def state() -> tuple[list[Any], list[Any]]:
+        added, removed = DeltaLogState(config)._file_actions(path, version)
+        return sorted(added), sorted((file, vector) for file, vector, _ in removed)
+
+    from_commits = state()
+    DeltaTable(path).create_checkpoint()
+    assert any(".checkpoint." in name for name in os.listdir(f"{path}/_delta_log"))
+    _write(path, [("append", ["e"])])  # after the checkpoint: not in the state read at version
+    assert state() == from_commits
+    added, removed = from_commits
+    assert len(added) == 2 and len(removed) == 3
+    in_use = DeltaTable(path, version=version).get_add_actions().column("path").to_pylist()
+    assert sorted(file for file, _ in added) == sorted(in_use)

@@ -337,12 +337,13 @@ class DeltaLogState:
 
             for part in parts:
                 store, file = self._filesystem(f"{log}/{part}")
-                actions = pq.read_table(file, filesystem=store)
-                for kind in ("remove", "add"):
-                    if kind in actions.column_names:
-                        for action in actions.column(kind).to_pylist():
-                            if action is not None:
-                                _replay(state, kind, action)
+                names = pq.read_schema(file, filesystem=store).names
+                kinds = [kind for kind in ("remove", "add") if kind in names]
+                actions = pq.read_table(file, columns=kinds, filesystem=store)
+                for kind in kinds:
+                    for action in actions.column(kind).to_pylist():
+                        if action is not None:
+                            _replay(state, kind, action)
         for commit in range(checkpoint + 1, version + 1):
             text = self.read_text_if_exists(f"{log}/{commit:020d}.json")
             if text is None:
