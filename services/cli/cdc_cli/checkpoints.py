@@ -196,11 +196,6 @@ NO_DATA_OPERATIONS = frozenset(
 )
 
 
-def table_history(spark: SparkSession, path: str) -> dict[int, Commit]:
-    """Every version still in the history of the Delta table at ``path`` (through Spark)."""
-    return SparkState(spark).history(path)
-
-
 def data_commits_from(history: dict[int, Commit], version: int) -> list[Commit]:
     """The commits at or after ``version`` that a stream reads data from, oldest first."""
     return [history[v] for v in sorted(history) if v >= version and history[v].changes_data]

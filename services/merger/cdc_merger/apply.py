@@ -680,16 +680,11 @@ def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: Silve
 
 
 @on_conflict_retry
-def expire_tombstones(
-    spark: SparkSession, tombstone_path: str, older_than: dt.datetime, dry_run: bool = False
-) -> int:
-    """Delete tombstones recorded before ``older_than``; returns how many went.
-
-    ``dry_run``: how many would go, deleting none (``cdc maintenance --dry-run``).
-    """
+def expire_tombstones(spark: SparkSession, tombstone_path: str, older_than: dt.datetime) -> int:
+    """Delete tombstones recorded before ``older_than``; returns how many went."""
     table = DeltaTable.forPath(spark, tombstone_path)
     expired = F.col("deleted_at") < F.lit(older_than)
     count = table.toDF().where(expired).count()
-    if count and not dry_run:
+    if count:
         table.delete(expired)
     return count
