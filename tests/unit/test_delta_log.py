@@ -211,24 +211,14 @@ def test_maintenance_dry_run_starts_no_jvm_and_imports_no_spark(tmp_path: Path) 
     pipeline = tmp_path / "pipeline.yaml"
     entity = {"name": "customers", "source_topic": "t", "key": ["id"], "sequence_by": ["lsn"]}
     pipeline.write_text(json.dumps({"storage_root": str(tmp_path), "entities": [entity]}))
-    script = (
-        "import sys\n"
-        "from typer.testing import CliRunner\n"
-        "from cdc_cli.main import app\n"
-        f"args = ['maintenance', '--config', {str(pipeline)!r}, '--dry-run', '--json',\n"
-        "        '--ignore-service', 'publisher_es', '--ignore-service', 'publisher_kafka']\n"
-        "result = CliRunner().invoke(app, args)\n"
-        "assert result.exit_code == 0, result.output\n"
-        "print(result.stdout)\n"
-        "print(sorted(m for m in ('pyspark', 'delta', 'py4j') if m in sys.modules))\n"
+    args = ["maintenance", "--config", str(pipeline), "--dry-run", "--json"]
+    args += ["--ignore-service", "publisher_es", "--ignore-service", "publisher_kafka"]
+    report, modules = _cli_in_a_fresh_process(
+        args,
+        "import sys\nprint(sorted(m for m in ('pyspark', 'delta', 'py4j') if m in sys.modules))",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], check=False, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    *report, modules = done.stdout.strip().splitlines()
     assert modules == "[]"
-    tables = {t["table"]: t for t in json.loads("\n".join(report))["tables"]}
+    tables = {t["table"]: t for t in report["tables"]}
     assert set(tables) == {"bronze/customers", "silver/customers"}
     for table in tables.values():
         assert (table["files"], table["vacuumed_files"]) == (3, 0)
@@ -259,23 +249,13 @@ def test_quarantine_list_starts_no_jvm(tmp_path: Path) -> None:
     write_deltalake(config.layout.replay_ledger(), pa.table(ledger))
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text(json.dumps({"storage_root": str(tmp_path)}))
-    script = (
-        "from typer.testing import CliRunner\n"
-        "from cdc_cli.main import app\n"
-        f"args = ['quarantine', 'list', '--config', {str(pipeline)!r}, '--json']\n"
-        "result = CliRunner().invoke(app, args)\n"
-        "assert result.exit_code == 0, result.output\n"
-        "print(result.stdout)\n"
+    report, no_jvm = _cli_in_a_fresh_process(
+        ["quarantine", "list", "--config", str(pipeline), "--json"],
         "from pyspark import SparkContext\n"
-        "print(SparkContext._gateway is None and SparkContext._active_spark_context is None)\n"
+        "print(SparkContext._gateway is None and SparkContext._active_spark_context is None)",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], check=False, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    *report, no_jvm = done.stdout.strip().splitlines()
     assert no_jvm == "True"
-    assert json.loads("\n".join(report))["groups"] == [
+    assert report["groups"] == [
         {
             "service": "ingestor",
             "entity": "customers",
@@ -316,3 +296,25 @@ def test_the_log_state_is_the_same_read_from_a_checkpoint(tmp_path: Path) -> Non
     assert len(added) == 2 and len(removed) == 3
     in_use = DeltaTable(path, version=version).get_add_actions().column("path").to_pylist()
     assert sorted(file for file, _ in added) == sorted(in_use)
+
+
+def _cli_in_a_fresh_process(args: list[str], probe: str) -> tuple[Any, str]:
+    """Run ``cdc <args>`` (JSON out) in a new Python process, then ``probe`` there.
+
+    Returns the command's JSON report and the last line ``probe`` printed: what the
+    command left loaded in the process (modules, a JVM) is seen by nothing else.
+    """
+    script = (
+        "from typer.testing import CliRunner\n"
+        "from cdc_cli.main import app\n"
+        f"result = CliRunner().invoke(app, {args!r})\n"
+        "assert result.exit_code == 0, result.output\n"
+        "print(result.stdout)\n"
+        f"{probe}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    *report, probed = done.stdout.strip().splitlines()
+    return json.loads("\n".join(report)), probed
