@@ -11,3 +11,7 @@ OP = "_cdc_op"  # the source op applied last: c, u or r (deleted rows leave silv
 SOURCE_TS = "_cdc_source_ts"  # the source database's commit time of that event
 COMMIT_TS = "_cdc_commit_ts"  # when the merger applied it
 METADATA = (SEQUENCE, OP, SOURCE_TS, COMMIT_TS)
+
+#: A tombstone's time (silver's tombstones table: key, ``SEQUENCE``, this): when the
+#: merger recorded the delete; tombstones expire by it (the merger, ``cdc maintenance``).
+DELETED_AT = "deleted_at"

@@ -60,6 +60,7 @@ from cdc_shared.config import (
     s3a_bucket,
 )
 from cdc_shared.layout import MERGER, SERVICES, display_name
+from cdc_shared.silver import DELETED_AT
 
 from cdc_cli.checkpoints import (
     SparkState,
@@ -84,7 +85,6 @@ HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 _INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
-_DELETED_AT = "deleted_at"  # a tombstone's time (cdc_merger.apply.expire_tombstones)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
@@ -656,7 +656,7 @@ def expire_by_ingest_time(
     path = config.layout.tombstones(entity.name)
     dry_run = spark is None
     if spark is None:
-        expired = state.count_before(path, _DELETED_AT, cutoff)
+        expired = state.count_before(path, DELETED_AT, cutoff)
     else:
         from cdc_merger.apply import expire_tombstones
 

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
-from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.spark import BackgroundCall, clock
 from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
 from delta.tables import DeltaMergeBuilder, DeltaTable
@@ -110,7 +110,7 @@ def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
         [T.StructField(k, silver[k].dataType, False) for k in key]
         + [
             T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
-            T.StructField("deleted_at", T.TimestampType(), False),
+            T.StructField(DELETED_AT, T.TimestampType(), False),
         ]
     )
 
@@ -674,7 +674,7 @@ def silver_merge(
 def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
     """Append the deletes' tombstones: the newest per key counts, so a replay is harmless."""
     deletes = candidates.where(F.col(OP) == DELETE).select(
-        *layout.key, SEQUENCE, F.col(COMMIT_TS).alias("deleted_at")
+        *layout.key, SEQUENCE, F.col(COMMIT_TS).alias(DELETED_AT)
     )
     deletes.coalesce(1).write.format("delta").mode("append").save(layout.tombstone_path)
 
@@ -683,7 +683,7 @@ def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: Silve
 def expire_tombstones(spark: SparkSession, tombstone_path: str, older_than: dt.datetime) -> int:
     """Delete tombstones recorded before ``older_than``; returns how many went."""
     table = DeltaTable.forPath(spark, tombstone_path)
-    expired = F.col("deleted_at") < F.lit(older_than)
+    expired = F.col(DELETED_AT) < F.lit(older_than)
     count = table.toDF().where(expired).count()
     if count:
         table.delete(expired)

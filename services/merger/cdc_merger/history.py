@@ -26,7 +26,7 @@ from functools import reduce
 
 from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
@@ -200,7 +200,7 @@ def _remember_deletes(
     deletes = batch.where(F.col(OP) == DELETE).select(
         *[F.col(f"`{k}`").try_cast(schema[k].dataType).alias(k) for k in key],
         SEQUENCE,
-        F.current_timestamp().alias("deleted_at"),
+        F.current_timestamp().alias(DELETED_AT),
     )
     new = deletes.join(recorded, on=[*key, SEQUENCE], how="left_anti")
     new.coalesce(1).write.format("delta").mode("append").save(tombstone_path)
