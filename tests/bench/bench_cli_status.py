@@ -4,7 +4,11 @@ Makes a pipeline shaped like the example one (deploy/local/pipeline.yaml: custom
 orders) on the test servers (``cdc infra``'s Kafka and Elasticsearch, ports
 ``CDC_INFRA_*``), with fresh topics under a temporary folder: ``cdc generate`` writes
 ``--events`` changes, then ``cdc run --once`` carries them through the four services, so
-every table, checkpoint and quarantine table exists. Then it runs ``cdc status --config
+every table, checkpoint and quarantine table exists. ``--tables N`` makes N copies of
+the example's tables instead (``bench_many_tables.many_tables_config``), ``--events``
+changes produced to each, then each service ``--once`` as its own process in pipeline
+order (one application with many tables needs more heap than the example's). Then it
+runs ``cdc status --config
 <pipeline> --json`` ``--runs`` times per engine, each in a new process as an operator
 would: ``--engine spark`` (the Spark session reading Delta logs and checkpoints through
 Hadoop: the code before issue #39) and ``--engine delta-rs`` (the default: delta-rs and
@@ -12,7 +16,7 @@ plain file reads). Cold is the first run, warm the median of the others, CPU the
 CPU time; both engines must print the same report (exit 1 otherwise).
 
     .venv/bin/python tests/bench/bench_cli_status.py [--events 3000] [--runs 5]
-        [--folder DIR] [--engines spark,delta-rs]
+        [--folder DIR] [--engines spark,delta-rs] [--tables N]
 
 ``--folder`` reuses the pipeline a previous run left there (``pipeline.yaml``), or makes
 it there and keeps it; without it a temporary folder is used and removed. The topics
@@ -41,6 +45,9 @@ from cdc_devkit import infra  # noqa: E402
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig  # noqa: E402
 from support.pipelines import write_pipeline  # noqa: E402
 from support.servers import TEST_INFRA  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_many_tables import many_tables_config  # noqa: E402  the same N tables
 
 CDC = str(Path(sys.executable).with_name("cdc"))
 PIPELINE = "pipeline.yaml"
@@ -74,6 +81,37 @@ def make_pipeline(folder: Path, events: int) -> Path:
     return target
 
 
+def make_many_tables(folder: Path, tables: int, events: int) -> Path:
+    """A pipeline of ``tables`` copies of the example's tables, ``events`` changes each."""
+    from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+    from cdc_shared.config import load_config
+    from cdc_shared.layout import SERVICES, command_name
+    from cdc_shared.schemas import make_registry
+
+    infra.up(TEST_INFRA)
+    started = time.monotonic()
+    path = many_tables_config(folder, tables, {"spark.ui.enabled": "false"})
+    config = load_config(path)
+    ensure_topics(config.kafka, [e.source_topic for e in config.entities])
+    registry = make_registry(config)
+    spec = WorkloadSpec(events=events, keys=max(1, events // 3), snapshot_rows=0, seed=3)
+    for entity in config.entities:
+        produce(config.kafka, WorkloadGenerator([entity], registry, spec).messages())
+    for service in SERVICES:
+        command = str(Path(sys.executable).with_name(command_name(service)))
+        with (folder / f"{command_name(service)}.log").open("wb") as log:
+            subprocess.run(
+                [command, "--config", str(path), "--once"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        print(f"{service} done after {time.monotonic() - started:.0f} s", flush=True)
+    target = folder / PIPELINE
+    shutil.copy(path, target)
+    return target
+
+
 def run_status(pipeline: Path, engine: str) -> tuple[float, float, dict[str, Any]]:
     """One ``cdc status --json`` in a new process: wall time, CPU time and its report.
 
@@ -100,6 +138,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--engines", default="spark,delta-rs")
+    parser.add_argument("--tables", type=int, default=2, help="2: the example pipeline")
     args = parser.parse_args()
 
     temporary = args.folder is None
@@ -108,7 +147,10 @@ def main() -> None:
     try:
         pipeline = folder / PIPELINE
         if not pipeline.exists():
-            pipeline = make_pipeline(folder, args.events)
+            if args.tables == 2:
+                pipeline = make_pipeline(folder, args.events)
+            else:
+                pipeline = make_many_tables(folder, args.tables, args.events)
         figures: dict[str, tuple[float, float, float]] = {}
         reports: dict[str, dict[str, Any]] = {}
         for engine in args.engines.split(","):

@@ -23,6 +23,7 @@ option) reads the same state through a Spark session, for comparison.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 
 NOT_STARTED = "not started"
 KAFKA_TIMEOUT_S = 10.0
+#: Entities read side by side: each mostly waits (a Kafka round trip, a Delta log read in
+#: delta-rs, which releases the GIL), so a pipeline of many tables answers in about the
+#: time of its slowest few.
+STATUS_THREADS = 8
 #: How ``cdc status`` reads tables and checkpoints: delta-rs and plain file reads (the
 #: default, no JVM), or a Spark session (the services' own view; ``--engine spark``).
 DELTA_RS = "delta-rs"
@@ -247,33 +252,42 @@ def collect_status(
     """
     entities = config.select_entities(entity_names)
     reader = state_reader(config, engine, spark)
-    statuses = []
-    for entity in entities:
-        bronze_path = config.layout.bronze(entity.name)
-        silver_path = config.layout.silver(entity.name)
-        streams = (
-            ingestor_lag(config, entity, reader),
-            _delta_stream_lag(
-                reader,
-                "merger",
-                config.checkpoint_path("merger", entity.name),
-                "bronze",
-                bronze_path,
-                change_feed=False,
-            ),
-            publisher_kafka_lag(config, entity, reader),
-            _delta_stream_lag(
-                reader,
-                "publisher_es",
-                config.checkpoint_path("publisher_es", entity.name),
-                "silver",
-                silver_path,
-                change_feed=True,
-            ),
-        )
-        versions = (reader.table_version(bronze_path), reader.table_version(silver_path))
-        statuses.append(EntityStatus(entity.name, *versions, streams))
+    if engine == SPARK:  # one Spark session: its reads queue up anyway
+        statuses = [entity_status(config, entity, reader) for entity in entities]
+    else:
+        with ThreadPoolExecutor(STATUS_THREADS, thread_name_prefix="cdc-status") as pool:
+            statuses = list(pool.map(lambda e: entity_status(config, e, reader), entities))
     return StatusReport(tuple(statuses), quarantine_counts(config, reader))
+
+
+def entity_status(
+    config: PipelineConfig, entity: EntityConfig, reader: StateReader
+) -> EntityStatus:
+    """Versions of bronze and silver and the lag of every service, for one entity."""
+    bronze_path = config.layout.bronze(entity.name)
+    silver_path = config.layout.silver(entity.name)
+    streams = (
+        ingestor_lag(config, entity, reader),
+        _delta_stream_lag(
+            reader,
+            "merger",
+            config.checkpoint_path("merger", entity.name),
+            "bronze",
+            bronze_path,
+            change_feed=False,
+        ),
+        publisher_kafka_lag(config, entity, reader),
+        _delta_stream_lag(
+            reader,
+            "publisher_es",
+            config.checkpoint_path("publisher_es", entity.name),
+            "silver",
+            silver_path,
+            change_feed=True,
+        ),
+    )
+    versions = (reader.table_version(bronze_path), reader.table_version(silver_path))
+    return EntityStatus(entity.name, *versions, streams)
 
 
 def render(report: StatusReport) -> str:
