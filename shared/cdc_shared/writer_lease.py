@@ -635,22 +635,33 @@ def live_leases(
     root: str,
     services: tuple[str, ...],
     entities: list[str],
-    spark: SparkSession | None = None,
+    read: Callable[[str], bytes | None] | None = None,
 ) -> list[str]:
-    """Each live lease under ``root``, described for an operator (``cdc maintenance``)."""
-    store = lease_store(root, spark)
-    if store is None:
-        return []
+    """Each live lease under ``root``, described for an operator (``cdc maintenance``).
+
+    ``read`` returns a lease file's bytes (None when there is none), from wherever the
+    root is: the operator's tools read object storage without a JVM. Without it the
+    local disk is read, and a root on object storage shows no lease.
+    """
+    if read is None:
+        store = lease_store(root)
+        if store is None:
+            return []
+
+        def read(path: str) -> bytes | None:
+            current = store.read(path)
+            return None if current is None else current[0]
+
     layout = StorageLayout(root)
     found = []
     for service in services:
         for entity in entities:
             path = layout.writer_lease(service, entity)
-            current = store.read(path)
-            if current is None:
+            document = read(path)
+            if document is None:
                 continue
             try:
-                lease = Lease.from_bytes(current[0])
+                lease = Lease.from_bytes(document)
             except ValueError:
                 continue
             if lease_is_live(lease):

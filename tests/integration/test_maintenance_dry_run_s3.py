@@ -17,9 +17,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from cdc_cli.delta_log import DeltaLogState, delta_storage_options, table_uri
-from cdc_cli.maintenance import run_maintenance
+from cdc_cli.maintenance import ServicesMayRunError, run_maintenance
 from cdc_devkit import infra
 from cdc_shared.config import PipelineConfig
+from cdc_shared.writer_lease import LocalLeaseStore, WriterLease
 from deltalake import DeltaTable, write_deltalake
 from pyarrow import fs as pafs
 
@@ -106,3 +107,57 @@ def test_a_dry_run_reads_an_s3_root_as_a_local_one(tmp_path: Path, s3_endpoint: 
     tables = {t["table"]: t for t in reports[1]["tables"]}
     assert tables["bronze/customers"]["files"] == tables["silver/customers"]["files"] == 1
     assert tables["silver/_tombstones/customers"]["tombstones_expired"] == 2
+
+
+def test_a_forced_dry_run_finds_a_writer_lease_on_s3_without_a_jvm(
+    tmp_path: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--force-short-retention`` looks for live writer leases: on an ``s3a://`` root
+    the dry run reads them as it reads the tables, without starting Spark."""
+    prefix = f"{infra.S3_BUCKET}/pytest-{uuid.uuid4().hex[:8]}"
+    remote = PipelineConfig(
+        storage_root=f"s3a://{prefix}",
+        entities=[ENTITY],
+        object_storage={
+            "endpoint": s3_endpoint,
+            "path_style_access": True,
+            "region": infra.S3_REGION,
+            "access_key": infra.S3_ACCESS_KEY,
+            "secret_key": infra.S3_SECRET_KEY,
+        },
+    )
+    s3 = pafs.S3FileSystem(
+        access_key=infra.S3_ACCESS_KEY,
+        secret_key=infra.S3_SECRET_KEY,
+        endpoint_override=s3_endpoint,
+        region=infra.S3_REGION,
+        force_virtual_addressing=False,
+    )
+    _fill(remote, s3, prefix)
+
+    def no_spark(*_args: object) -> None:
+        raise AssertionError("the dry run started a Spark session")
+
+    monkeypatch.setattr("cdc_shared.spark.build_spark_session", no_spark)
+
+    def forced_dry_run() -> None:  # VACUUM below Delta's minimum, forced
+        run_maintenance(
+            remote,
+            dry_run=True,
+            force_short_retention=True,
+            vacuum_hours=0.0,
+            quiet=dt.timedelta(0),  # the commits _fill just made are no sign of a service
+            ignore_services=("publisher_kafka", "publisher_es"),
+        )
+
+    forced_dry_run()  # no lease, no other sign of a service: allowed
+
+    # A lease held by this process (alive), written where the merger's would be.
+    local = WriterLease(LocalLeaseStore(), str(tmp_path / "lease"), "merger")
+    local.acquire()
+    lease_file = remote.layout.writer_lease("merger", "customers").removeprefix("s3a://")
+    with s3.open_output_stream(lease_file) as stream:
+        stream.write((tmp_path / "lease").read_bytes())
+    with pytest.raises(ServicesMayRunError, match=r"writer lease .*merger.*customers"):
+        forced_dry_run()
+    local.release()

@@ -296,8 +296,7 @@ def maintenance_command(
 
     --dry-run makes the same checks (and refuses what a run would), then reports what a
     run would do, changing nothing. It starts no Spark session: it reads the tables' logs
-    (delta-rs) and the streams' checkpoint files directly, except a forced short
-    retention on object storage, whose writer leases it reads through Spark.
+    (delta-rs), the streams' checkpoint files and the writer leases directly.
     """
     import datetime as dt
 

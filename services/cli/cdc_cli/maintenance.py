@@ -515,17 +515,18 @@ def signs_of_life(
     (the publishers, which write no table). OPTIMIZE and VACUUM commits do not count: they
     add no data and are maintenance's own. A service idle for longer than ``quiet`` whose
     ``/health`` cannot be reached from here is not seen: that is what the operator's
-    ``--force-short-retention`` vouches for. Leases on object storage are read through
-    S3A, so ``state`` must then be a :class:`SparkTables`.
+    ``--force-short-retention`` vouches for. Leases are read the way ``state`` reads
+    files (without a JVM from object storage too).
     """
     from cdc_shared.writer_lease import live_leases
 
-    spark = state.spark if isinstance(state, SparkState) else None
-    if spark is None and s3a_bucket(config.storage_root) is not None:
-        raise ValueError("writer leases on object storage are read through a Spark session")
+    def read_lease(path: str) -> bytes | None:
+        text = state.read_text_if_exists(path)
+        return None if text is None else text.encode()
+
     now = now or dt.datetime.now(dt.UTC)
     since = now - quiet
-    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities], spark)
+    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities], read_lease)
     for service, url in health_endpoints(config):
         answer = health_answer(url)
         if answer is not None:
@@ -713,7 +714,6 @@ def _table_state(
     config: PipelineConfig,
     engine: str,
     dry_run: bool,
-    force_short_retention: bool,
     spark: SparkSession | None,
 ) -> tuple[TableState, SparkSession | None]:
     """How maintenance reads, and the session it writes through (see :func:`run_maintenance`).
@@ -724,8 +724,7 @@ def _table_state(
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    leases_through_s3a = force_short_retention and s3a_bucket(config.storage_root) is not None
-    if dry_run and engine == DELTA_RS and not leases_through_s3a:
+    if dry_run and engine == DELTA_RS:
         from cdc_cli.delta_log import DeltaLogState
 
         return DeltaLogState(config), None
@@ -756,9 +755,7 @@ def run_maintenance(
     ``dry_run``: the same checks and refusals, then what each step would do, changing
     nothing (see the module docstring). It reads as ``engine`` says (one of
     ``cdc_cli.status.ENGINES``): delta-rs, without a JVM, or spark, through ``spark`` or
-    a session built from the configuration. One case always reads through Spark: a
-    forced short retention on object storage, whose writer leases are read through S3A.
-    A run reads and writes through Spark.
+    a session built from the configuration. A run reads and writes through Spark.
 
     ``vacuum_hours`` None skips VACUUM; ``tombstones`` False skips the tombstone tables.
     Tombstones expire by ``merger.tombstone_retention_hours`` or by a longer
@@ -782,7 +779,7 @@ def run_maintenance(
     expiry_hours = tombstone_retention(
         config.merger.tombstone_retention_hours, tombstone_retention_hours
     )
-    state, spark = _table_state(config, engine, dry_run, force_short_retention, spark)
+    state, spark = _table_state(config, engine, dry_run, spark)
     tables = {
         name: path
         for entity in entities
