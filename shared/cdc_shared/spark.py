@@ -44,6 +44,13 @@ OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\
 PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
 #: How many of a service's streams are opened side by side at its start (``side_by_side``).
 START_PARALLELISM = "spark.cdc.streams.startParallelism"
+#: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
+#: few tables, then a share per streaming query (one per table and service), since each
+#: query's sessions, Delta snapshots and in-flight plans live in the driver's heap.
+DRIVER_MEMORY = "spark.driver.memory"
+BASE_HEAP_MIB = 512
+HEAP_PER_QUERY_MIB = 16
+MIN_HEAP_MIB = 1024
 _collector_lock = threading.Lock()
 _collectors: list[threading.Thread] = []  # the one collector thread, once started
 
@@ -155,6 +162,42 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
         ours.append(LOCAL_DRIVER_GC)
     combined = " ".join([*ours, options]).strip()
     return {DRIVER_JAVA_OPTIONS: combined} if combined else {}
+
+
+def _heap_mib(queries: int) -> int:
+    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
+    return -(-mib // 256) * 256
+
+
+def driver_memory(queries: int) -> str:
+    """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
+
+    Many tables in one application hold that many queries' state in one heap: with
+    Spark's 1 GiB a few dozen of them exhaust it and the application dies of "GC overhead
+    limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
+    """
+    return f"{_heap_mib(queries)}m"
+
+
+def heap_capacity(queries: int) -> int:
+    """How many streaming queries the heap sized for ``queries`` holds (its rounding's room)."""
+    return (_heap_mib(queries) - BASE_HEAP_MIB) // HEAP_PER_QUERY_MIB
+
+
+def with_sized_heap(config: SparkConfig, queries: int) -> SparkConfig:
+    """``config`` with the driver heap :func:`driver_memory` gives ``queries`` queries.
+
+    Unchanged when ``spark.conf`` sets ``spark.driver.memory``: the operator's size wins.
+    The heap is fixed when the JVM starts, so it is sized for the queries known then.
+    """
+    if DRIVER_MEMORY in config.conf:
+        return config
+    heap = driver_memory(queries)
+    log.info(
+        "driver heap sized for the streaming queries",
+        extra={"queries": queries, DRIVER_MEMORY: heap},
+    )
+    return config.model_copy(update={"conf": {DRIVER_MEMORY: heap, **config.conf}})
 
 
 def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:

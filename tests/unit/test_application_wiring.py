@@ -11,13 +11,12 @@ from typing import Any, cast
 import pytest
 from cdc_cli.application import (
     Application,
-    driver_memory,
     fair_scheduler_conf,
-    heap_capacity,
     select_services,
     without_service_endpoints,
 )
-from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig
+from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.spark import DRIVER_MEMORY, driver_memory, heap_capacity, with_sized_heap
 
 
 def test_services_default_to_all_four_in_pipeline_order() -> None:
@@ -77,6 +76,16 @@ def test_the_driver_heap_grows_with_the_queries_unless_configured() -> None:
         == "3g"
     )
     assert driver_memory(400) == "6912m"  # rounded up to 256 MiB
+
+
+def test_a_service_alone_sizes_its_heap_for_its_tables_unless_configured() -> None:
+    """One deployment per service: its heap holds one query per table, as in ``cdc run``."""
+    assert with_sized_heap(SparkConfig(), 2).conf[DRIVER_MEMORY] == "1024m"
+    assert with_sized_heap(SparkConfig(), 100).conf[DRIVER_MEMORY] == "2304m"
+    own = SparkConfig(conf={DRIVER_MEMORY: "3g", "spark.ui.enabled": "true"})
+    assert with_sized_heap(own, 100) == own
+    kept = with_sized_heap(SparkConfig(conf={"spark.ui.enabled": "true"}), 100).conf
+    assert kept == {DRIVER_MEMORY: "2304m", "spark.ui.enabled": "true"}
 
 
 def test_tables_taken_up_beyond_the_heap_sized_at_start_are_warned_of_once(

@@ -29,7 +29,14 @@ from xml.sax.saxutils import quoteattr
 from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
 from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
-from cdc_shared.spark import build_spark_session, side_by_side
+from cdc_shared.spark import (
+    DRIVER_MEMORY,
+    build_spark_session,
+    driver_memory,
+    heap_capacity,
+    side_by_side,
+    with_sized_heap,
+)
 from cdc_shared.streaming import StreamFailedError, StreamRunner
 from cdc_shared.writer_lease import refuse_if_running
 from pyspark import InheritableThread
@@ -40,13 +47,6 @@ log = logging.getLogger(f"cdc_{APPLICATION}")
 
 StartService = Callable[[PipelineConfig, list[str] | None, bool, SparkSession], StreamRunner]
 POOL_PROPERTY = "spark.scheduler.pool"
-DRIVER_MEMORY = "spark.driver.memory"
-#: The driver's heap ``cdc run`` starts with when ``spark.conf`` sets none: Spark's own
-#: default (1 GiB) up to a few tables, then a share per streaming query (one per table and
-#: service), since each query's sessions, snapshots and in-flight plans live in the heap.
-BASE_HEAP_MIB = 512
-HEAP_PER_QUERY_MIB = 16
-MIN_HEAP_MIB = 1024
 
 
 def _starts() -> dict[str, StartService]:
@@ -87,26 +87,6 @@ def fair_scheduler_conf(
     allocation = directory / "fairscheduler.xml"
     allocation.write_text(f'<?xml version="1.0"?>\n<allocations>\n{pools}\n</allocations>\n')
     return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
-
-
-def _heap_mib(queries: int) -> int:
-    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
-    return -(-mib // 256) * 256
-
-
-def driver_memory(queries: int) -> str:
-    """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
-
-    All of a database's tables in one application hold that many queries' state in one
-    heap: with Spark's 1 GiB a few dozen of them exhaust it and the application dies of
-    "GC overhead limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
-    """
-    return f"{_heap_mib(queries)}m"
-
-
-def heap_capacity(queries: int) -> int:
-    """How many streaming queries the heap sized for ``queries`` holds (its rounding's room)."""
-    return (_heap_mib(queries) - BASE_HEAP_MIB) // HEAP_PER_QUERY_MIB
 
 
 def heap_outgrown(sized_for: int, running: int) -> str | None:
@@ -172,16 +152,10 @@ class Application:
         """FAIR pools and a heap sized for the queries, unless ``spark.conf`` says otherwise."""
         fair = fair_scheduler_conf(self.config, self.services, Path(self._scratch.name))
         queries = len(self.config.select_entities(self.entity_names)) * len(self.services)
-        heap = {DRIVER_MEMORY: driver_memory(queries)}
         if DRIVER_MEMORY not in self.config.spark.conf:
             self._heap_sized_for = queries
-            log.info(
-                "driver heap sized for the streaming queries",
-                extra={"queries": queries, DRIVER_MEMORY: heap[DRIVER_MEMORY]},
-            )
-        return self.config.spark.model_copy(
-            update={"conf": {**fair, **heap, **self.config.spark.conf}}
-        )
+        spark = with_sized_heap(self.config.spark, queries)
+        return spark.model_copy(update={"conf": {**fair, **spark.conf}})
 
     def serve(self) -> None:
         """Serve ``/health`` and ``/metrics`` for every service (unless the port is 0).

@@ -20,7 +20,12 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import ALL_ENTITIES, command_name
-from cdc_shared.spark import START_PARALLELISM, build_spark_session, side_by_side
+from cdc_shared.spark import (
+    START_PARALLELISM,
+    build_spark_session,
+    side_by_side,
+    with_sized_heap,
+)
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.failures import (
     EntityStoppedError,
@@ -174,7 +179,9 @@ def start_service(
         acquire_writer_leases(config.storage_root, service.name, names, lost) if on_disk else None
     )
     try:
-        session = spark or build_spark_session(config.spark, command_name(service.name))
+        # A service alone sizes its driver's heap for its tables (one query each).
+        sized = with_sized_heap(config.spark, len(entities)) if spark is None else config.spark
+        session = spark or build_spark_session(sized, command_name(service.name))
         if not on_disk:
             leases = acquire_writer_leases(config.storage_root, service.name, names, lost, session)
         lag = service.lag
