@@ -44,6 +44,8 @@ OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\
 PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
 #: How many of a service's streams are opened side by side at its start (``side_by_side``).
 START_PARALLELISM = "spark.cdc.streams.startParallelism"
+#: How many of a service's micro-batches run at once (``cdc_shared.streaming.gate``); 0: all.
+BATCH_PARALLELISM = "spark.cdc.streams.batchParallelism"
 #: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
 #: few tables, then a share per streaming query (one per table and service), since each
 #: query's sessions, Delta snapshots and in-flight plans live in the driver's heap.
@@ -123,6 +125,9 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # Opening a table's stream mostly waits (Delta logs read, tables made, a broker
         # asked): a service with many tables opens this many at once.
         START_PARALLELISM: "4",
+        # Tables whose batches all have data at once (a first start, a restart after
+        # downtime) take turns, this many at a time: on two cores more only share them.
+        BATCH_PARALLELISM: "4",
         OPTIONS_REDACTION: OPTIONS_REDACTION_PATTERN,
     }
     jars = jvm.spark_jars()

@@ -21,6 +21,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import ALL_ENTITIES, command_name
 from cdc_shared.spark import (
+    BATCH_PARALLELISM,
     START_PARALLELISM,
     build_spark_session,
     side_by_side,
@@ -33,6 +34,7 @@ from cdc_shared.streaming.failures import (
     StreamFailedError,
     recognising_full_storage,
 )
+from cdc_shared.streaming.gate import BatchGate
 from cdc_shared.streaming.progress import BatchStats, LagReader, source_metric
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
 from cdc_shared.writer_lease import acquire_writer_leases
@@ -203,7 +205,8 @@ def start_service(
         if lost_before:
             runner.fail(lost_before[0])
 
-    streams = _ServiceStreams(service, config, session, runner, once, lost)
+    gate = BatchGate(int(session.conf.get(BATCH_PARALLELISM, "0") or "0"))
+    streams = _ServiceStreams(service, config, session, runner, once, lost, gate)
     try:
         if service.open_group is not None:
             streams.start_group(service.open_group, entities)
@@ -229,6 +232,7 @@ class _ServiceStreams:
     runner: StreamRunner
     once: bool
     lost: Callable[[str], object]  # a writer lease was taken over
+    gate: BatchGate  # how many of its tables' batches run at once
     group: list[GroupStream] = field(default_factory=list)  # the one stream, if so run
 
     def open_query(
@@ -239,7 +243,7 @@ class _ServiceStreams:
         stream.prepare((0 if self.once else SOURCE_WAIT_S) if wait_s is None else wait_s)
         writer = foreach_batch_writer(
             stream.source(),
-            stream.process_batch,
+            self.gate.around(stream.process_batch),
             self.config.checkpoint_path(self.service.name, entity.name),
             self.once,
             self.service.settings.batch_interval(entity.freshness),
