@@ -132,12 +132,22 @@ def ensure_table(
     builder.execute()
     tuning = {k: v for k, v in properties.items() if k in TUNING_PROPERTIES}
     if tuning:
-        current = DeltaTable.forPath(spark, path).detail().first()
-        have = dict(current["properties"]) if current is not None else {}
+        have = table_properties(spark, path)
         missing = {k: v for k, v in tuning.items() if have.get(k) != v}
         if missing:
             settings = ", ".join(f"'{k}' = '{v}'" for k, v in missing.items())
             spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({settings})")
+
+
+def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
+    """The properties of the Delta table at ``path`` (its metadata's, protocol features too).
+
+    Read from the table's snapshot by ``SHOW TBLPROPERTIES``; ``DeltaTable.detail()``
+    would also size the table with a Spark job over its files, 30x the time, once per
+    table at every start (docs/benchmarks.md).
+    """
+    rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
+    return {str(row["key"]): str(row["value"]) for row in rows}
 
 
 def idempotent_append(

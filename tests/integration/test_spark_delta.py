@@ -11,7 +11,7 @@ import pytest
 from cdc_cli.application import POOL_PROPERTY
 from cdc_shared.clients import make_producer, spark_kafka_options
 from cdc_shared.config import KafkaConfig
-from cdc_shared.tables import ensure_table, has_commits
+from cdc_shared.tables import AUTO_COMPACT, ensure_table, has_commits, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -183,6 +183,25 @@ def test_an_existing_table_is_kept_by_ensure_table(spark: SparkSession, tmp_path
     ensure_table(spark, path, T.StructType([T.StructField("id", T.LongType())]), {})
 
     assert sorted(row.id for row in spark.read.format("delta").load(path).collect()) == [1, 2]
+
+
+def test_an_existing_table_gets_the_tuning_it_lacks_once(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A table made before a tuning property was shipped gets it on the next start, and
+    a start that finds it set commits nothing (its properties are read right)."""
+    path = str(tmp_path / "tuned")
+    spark.createDataFrame([(1,)], "id LONG").write.format("delta").save(path)
+    schema = T.StructType([T.StructField("id", T.LongType())])
+
+    def version() -> int:
+        return int(DeltaTable.forPath(spark, path).history(1).first()["version"])
+
+    ensure_table(spark, path, schema, AUTO_COMPACT)
+    assert table_properties(spark, path)["delta.autoOptimize.autoCompact"] == "true"
+    assert version() == 1  # the ALTER
+    ensure_table(spark, path, schema, AUTO_COMPACT)
+    assert version() == 1
 
 
 def test_java_objects_python_dropped_are_released_while_the_driver_idles(
