@@ -7,8 +7,10 @@ orders) on the test servers (``cdc infra``'s Kafka and Elasticsearch, ports
 every table, checkpoint and quarantine table exists. ``--tables N`` makes N copies of
 the example's tables instead (``bench_many_tables.many_tables_config``), ``--events``
 changes produced to each, then each service ``--once`` as its own process in pipeline
-order (one application with many tables needs more heap than the example's). Then it
-runs ``cdc status --config
+order (one application with many tables needs more heap than the example's).
+``--with-services`` starts the four services on the pipeline first (as processes, with
+nothing new to read) and measures once every table's stream runs in each, as an
+operator would run the command during an incident. Then it runs ``cdc status --config
 <pipeline> --json`` ``--runs`` times per engine, each in a new process as an operator
 would: ``--engine spark`` (the Spark session reading Delta logs and checkpoints through
 Hadoop: the code before issue #39) and ``--engine delta-rs`` (the default: delta-rs and
@@ -16,7 +18,7 @@ plain file reads). Cold is the first run, warm the median of the others, CPU the
 CPU time; both engines must print the same report (exit 1 otherwise).
 
     .venv/bin/python tests/bench/bench_cli_status.py [--events 3000] [--runs 5]
-        [--folder DIR] [--engines spark,delta-rs] [--tables N]
+        [--folder DIR] [--engines spark,delta-rs] [--tables N] [--with-services]
 
 ``--folder`` reuses the pipeline a previous run left there (``pipeline.yaml``), or makes
 it there and keeps it; without it a temporary folder is used and removed. The topics
@@ -108,8 +110,34 @@ def make_many_tables(folder: Path, tables: int, events: int) -> Path:
             )
         print(f"{service} done after {time.monotonic() - started:.0f} s", flush=True)
     target = folder / PIPELINE
-    shutil.copy(path, target)
+    if path != target:  # the next run finds it there
+        shutil.copy(path, target)
     return target
+
+
+def start_services(pipeline: Path, timeout_s: float = 1800.0) -> list[Any]:
+    """The four services running on ``pipeline``, once each started every table's stream."""
+    from cdc_devkit.processes import RunMode, launch, wait_a_little
+    from cdc_shared.config import load_config
+
+    tables = len(load_config(pipeline).entities)
+    processes = launch(RunMode.SERVICES, pipeline, pipeline.parent / "services")
+    started = time.monotonic()
+    for process in processes:
+        process.start()
+    while True:
+        if dead := [p.name for p in processes if not p.alive]:
+            raise SystemExit(f"{', '.join(dead)} stopped during start-up; see its log")
+        counts = [
+            p.log_path.read_text(errors="replace").count('"stream started"') for p in processes
+        ]
+        if all(count >= tables for count in counts):
+            break
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"streams started after {timeout_s:.0f} s: {counts} of {tables}")
+        wait_a_little(processes, 5.0)
+    print(f"services running every stream after {time.monotonic() - started:.0f} s", flush=True)
+    return processes
 
 
 def run_status(pipeline: Path, engine: str) -> tuple[float, float, dict[str, Any]]:
@@ -139,9 +167,11 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, default=None)
     parser.add_argument("--engines", default="spark,delta-rs")
     parser.add_argument("--tables", type=int, default=2, help="2: the example pipeline")
+    parser.add_argument("--with-services", action="store_true", help="measure beside them")
     args = parser.parse_args()
 
     temporary = args.folder is None
+    services: list[Any] = []
     folder = Path(tempfile.mkdtemp(prefix="bench-status-")) if temporary else args.folder
     folder.mkdir(parents=True, exist_ok=True)
     try:
@@ -151,6 +181,8 @@ def main() -> None:
                 pipeline = make_pipeline(folder, args.events)
             else:
                 pipeline = make_many_tables(folder, args.tables, args.events)
+        if args.with_services:
+            services = start_services(pipeline)
         figures: dict[str, tuple[float, float, float]] = {}
         reports: dict[str, dict[str, Any]] = {}
         for engine in args.engines.split(","):
@@ -175,6 +207,10 @@ def main() -> None:
                 print(f"--- {engine}\n{json.dumps(report, indent=2)}")
             raise SystemExit(1)
     finally:
+        if services:
+            from cdc_devkit.processes import stop_all
+
+            print(f"services stopped: {stop_all(services)}")
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
 

@@ -1,15 +1,26 @@
-"""Benchmark: how long each service takes to start with many tables, by start parallelism.
+"""Benchmark: how long each service takes to start with many tables, by one setting.
 
-N copies of the example's tables (``bench_many_tables.many_tables_config``) on empty
-topics. Per variant, on a storage root of its own, each service runs ``--once`` as its own
-process, in pipeline order (the ingestor makes bronze, the merger silver, ...): with no
-data a ``--once`` run is its start (session, leases, every table's stream opened and
-started) and one empty trigger per table, so its wall time is the start's cost. Variants
-differ in ``spark.cdc.streams.startParallelism`` (how many streams a service opens side
-by side); they run one after the other after a warm-up run, never together.
+N copies of the example's tables (``bench_many_tables.many_tables_config``) on topics of
+their own, empty or with ``--events`` changes each. Per variant, on a storage root of its
+own, each service runs ``--once`` as its own process, in pipeline order (the ingestor
+makes bronze, the merger silver, ...). With no data a ``--once`` run is its start
+(session, leases, every table's stream opened and started) and one empty trigger per
+table, so its wall time is the start's cost; with data it is also every table's first
+batch (a first start, or a restart after downtime with something waiting everywhere).
+Variants differ in one ``spark.conf`` entry, ``--setting`` (by default
+``spark.cdc.streams.startParallelism``: how many streams a service opens side by side;
+``spark.cdc.streams.batchParallelism``: how many of its batches run at once), one value
+each; they run one after the other after a warm-up run, never together. Printed per
+service: wall time and peak RSS of its processes (Python and JVM).
 
-    .venv/bin/python tests/bench/bench_service_start.py [--tables 24] [--parallelism 1,4]
-        [--workdir /tmp/bench-service-start]
+``--restart PIPELINE`` measures a restart instead: every run starts the services on the
+tables, checkpoints and topics that pipeline file names (made before, e.g. by
+``bench_cli_status.py --tables N --folder DIR``), with nothing new to read, so a run is
+each service's start with every table's stream resumed from its checkpoint.
+
+    .venv/bin/python tests/bench/bench_service_start.py [--tables 24] [--values 1,4]
+        [--setting spark.cdc.streams.startParallelism] [--events 0] [--rounds 1]
+        [--workdir /tmp/bench-service-start] [--restart PIPELINE]
 """
 
 from __future__ import annotations
@@ -22,9 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-from cdc_devkit.workload import ensure_topics
-from cdc_shared.config import load_config
+import yaml
+from cdc_devkit.processes import group_rss_bytes
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.layout import SERVICES, command_name
+from cdc_shared.schemas import make_registry
 from cdc_shared.spark import START_PARALLELISM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,63 +47,107 @@ from bench_many_tables import many_tables_config  # the same N tables
 BIN = Path(sys.executable).parent
 
 
-def run_services(config: Path, logs: Path) -> dict[str, float]:
-    """Each service ``--once`` in pipeline order; its wall time in seconds."""
+MIB = 2**20
+
+
+def run_services(config: Path, logs: Path) -> dict[str, tuple[float, float]]:
+    """Each service ``--once`` in pipeline order: its wall time (s) and peak RSS (MiB)."""
     logs.mkdir(parents=True, exist_ok=True)
-    seconds = {}
+    figures = {}
     for service in SERVICES:
         command = command_name(service)
         started = time.monotonic()
+        peak = 0
         with (logs / f"{command}.log").open("wb") as log:
-            done = subprocess.run(
+            process = subprocess.Popen(
                 [str(BIN / command), "--config", str(config), "--once"],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
-                check=False,
+                start_new_session=True,  # its own process group: the JVM is in it
             )
-        if done.returncode != 0:
-            raise SystemExit(f"{command} exited {done.returncode}; see {logs / command}.log")
-        seconds[service] = time.monotonic() - started
-    return seconds
+            while process.poll() is None:
+                peak = max(peak, group_rss_bytes(process.pid))
+                time.sleep(1.0)
+        if process.returncode != 0:
+            raise SystemExit(f"{command} exited {process.returncode}; see {logs / command}.log")
+        figures[service] = (time.monotonic() - started, peak / MIB)
+    return figures
+
+
+def produce_changes(pipeline: PipelineConfig, events: int) -> None:
+    """``events`` changes on every table's topic (keys reused, so updates and deletes too)."""
+    registry = make_registry(pipeline)
+    spec = WorkloadSpec(events=events, keys=max(1, events // 3), snapshot_rows=0, seed=3)
+    for entity in pipeline.entities:
+        produce(pipeline.kafka, WorkloadGenerator([entity], registry, spec).messages())
+
+
+def with_setting(pipeline: Path, folder: Path, setting: str, value: str) -> Path:
+    """A copy of ``pipeline`` in ``folder`` with ``setting`` in its ``spark.conf``."""
+    document = yaml.safe_load(pipeline.read_text())
+    document.setdefault("spark", {}).setdefault("conf", {})[setting] = value
+    copy = folder / "pipeline.yaml"
+    copy.write_text(yaml.safe_dump(document, sort_keys=False))
+    return copy
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--tables", type=int, default=24)
-    parser.add_argument("--parallelism", default="1,4", help="values of startParallelism")
+    parser.add_argument("--setting", default=START_PARALLELISM, help="the spark.conf entry")
+    parser.add_argument("--values", default="1,4", help="its value in each variant")
+    parser.add_argument("--events", type=int, default=0, help="changes per table before")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each variant")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-service-start"))
+    parser.add_argument("--restart", type=Path, help="a pipeline file whose tables exist")
     args = parser.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
-    variants = [int(v) for v in args.parallelism.split(",")]
-    results: dict[int, list[dict[str, float]]] = {v: [] for v in variants}
+    variants = args.values.split(",")
+    results: dict[str, list[dict[str, tuple[float, float]]]] = {v: [] for v in variants}
     plan = [("warm-up", variants[-1])] + [
         (f"round {r + 1}", v) for r in range(args.rounds) for v in variants
     ]
-    for number, (label, parallelism) in enumerate(plan):
+    for number, (label, value) in enumerate(plan):
         folder = args.workdir / f"run-{number}"
         folder.mkdir(parents=True)
-        config = many_tables_config(folder, args.tables, {START_PARALLELISM: str(parallelism)})
-        pipeline = load_config(config)
-        ensure_topics(pipeline.kafka, [e.source_topic for e in pipeline.entities])
-        seconds = run_services(config, folder / "logs")
+        if args.restart:
+            config = with_setting(args.restart, folder, args.setting, value)
+        else:
+            config = many_tables_config(folder, args.tables, {args.setting: value})
+            pipeline = load_config(config)
+            ensure_topics(pipeline.kafka, [e.source_topic for e in pipeline.entities])
+            if args.events:
+                produce_changes(pipeline, args.events)
+        figures = run_services(config, folder / "logs")
         print(
-            f"{label:>8}  parallelism {parallelism}: "
-            + "  ".join(f"{s} {t:5.1f} s" for s, t in seconds.items()),
+            f"{label:>8}  {args.setting} {value}: "
+            + "  ".join(f"{s} {t:5.1f} s {m:,.0f} MiB" for s, (t, m) in figures.items()),
             flush=True,
         )
         if label != "warm-up":
-            results[parallelism].append(seconds)
-    print(f"\n{args.tables} tables, each service --once with no data (median of {args.rounds}):")
-    print(f"{'service':<16}" + "".join(f"{'parallel ' + str(v):>14}" for v in variants))
+            results[value].append(figures)
+    what = (
+        f"restart on {args.restart}"
+        if args.restart
+        else f"{args.tables} tables, {args.events} changes each"
+    )
+    print(
+        f"\n{what}, every service --once (median of {args.rounds}):"
+        f" wall time / peak RSS by {args.setting}"
+    )
+    print(f"{'service':<16}" + "".join(f"{v:>20}" for v in variants))
     for service in [*SERVICES, "total"]:
-        row = [
-            statistics.median(
-                sum(r.values()) if service == "total" else r[service] for r in results[v]
-            )
-            for v in variants
-        ]
-        print(f"{service:<16}" + "".join(f"{value:>12.1f} s" for value in row))
+        cells = []
+        for v in variants:
+            runs = results[v]
+            if service == "total":
+                wall = statistics.median(sum(t for t, _ in r.values()) for r in runs)
+                cells.append(f"{wall:>10.1f} s{'':>8}")
+                continue
+            wall = statistics.median(r[service][0] for r in runs)
+            rss = statistics.median(r[service][1] for r in runs)
+            cells.append(f"{wall:>10.1f} s {rss:>5,.0f} MiB")
+        print(f"{service:<16}" + "".join(f"{c:>20}" for c in cells))
 
 
 if __name__ == "__main__":
