@@ -110,17 +110,16 @@ def _data_versions_from(reader: StateReader, path: str, version: int) -> int:
 
 
 def _delta_stream_lag(
-    reader: StateReader,
-    service: str,
-    checkpoint: str,
-    table: str,
-    path: str,
-    change_feed: bool,
+    config: PipelineConfig, reader: StateReader, service: str, entity: str, table: str
 ) -> StreamLag:
     """Lag of a Delta-source stream: data-changing versions of ``table`` not read completely.
 
-    ``path`` is the table's; ``change_feed``: the stream reads its Change Data Feed.
+    ``table`` is ``bronze`` (the merger reads its commits) or ``silver`` (the publishers
+    read its Change Data Feed).
     """
+    path = config.layout.bronze(entity) if table == "bronze" else config.layout.silver(entity)
+    change_feed = table == "silver"
+    checkpoint = config.checkpoint_path(service, entity)
     batch = last_committed_batch(reader, checkpoint)
     if batch is None or not batch.sources:
         return StreamLag(service, None, "versions", NOT_STARTED)
@@ -189,14 +188,7 @@ def publisher_kafka_lag(
     """Silver versions after the furthest of the published progress and the checkpoint."""
     service = "publisher_kafka"
     silver = config.layout.silver(entity.name)
-    checkpointed = _delta_stream_lag(
-        reader,
-        service,
-        config.checkpoint_path(service, entity.name),
-        "silver",
-        silver,
-        change_feed=True,
-    )
+    checkpointed = _delta_stream_lag(config, reader, service, entity.name, "silver")
     try:
         published = published_version(config, entity)
     except KafkaException as exc:
@@ -268,23 +260,9 @@ def entity_status(
     silver_path = config.layout.silver(entity.name)
     streams = (
         ingestor_lag(config, entity, reader),
-        _delta_stream_lag(
-            reader,
-            "merger",
-            config.checkpoint_path("merger", entity.name),
-            "bronze",
-            bronze_path,
-            change_feed=False,
-        ),
+        _delta_stream_lag(config, reader, "merger", entity.name, "bronze"),
         publisher_kafka_lag(config, entity, reader),
-        _delta_stream_lag(
-            reader,
-            "publisher_es",
-            config.checkpoint_path("publisher_es", entity.name),
-            "silver",
-            silver_path,
-            change_feed=True,
-        ),
+        _delta_stream_lag(config, reader, "publisher_es", entity.name, "silver"),
     )
     versions = (reader.table_version(bronze_path), reader.table_version(silver_path))
     return EntityStatus(entity.name, *versions, streams)
