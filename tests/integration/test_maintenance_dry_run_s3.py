@@ -61,14 +61,15 @@ def _fill(config: PipelineConfig, files: pafs.FileSystem, prefix: str) -> None:
         stream.write(b'v1\n{"nextBatchWatermarkMs":0}')
 
 
-def test_a_dry_run_reads_an_s3_root_as_a_local_one(tmp_path: Path, s3_endpoint: str) -> None:
-    local = PipelineConfig(storage_root=str(tmp_path / "root"), entities=[ENTITY])
+def _s3_root(endpoint: str) -> tuple[PipelineConfig, pafs.FileSystem, str]:
+    """A pipeline on a fresh ``s3a://`` root of the local S3 server, that server's file
+    system, and the root as its bucket/prefix."""
     prefix = f"{infra.S3_BUCKET}/pytest-{uuid.uuid4().hex[:8]}"
     remote = PipelineConfig(
         storage_root=f"s3a://{prefix}",
         entities=[ENTITY],
         object_storage={
-            "endpoint": s3_endpoint,
+            "endpoint": endpoint,
             "path_style_access": True,
             "region": infra.S3_REGION,
             "access_key": infra.S3_ACCESS_KEY,
@@ -78,10 +79,16 @@ def test_a_dry_run_reads_an_s3_root_as_a_local_one(tmp_path: Path, s3_endpoint: 
     s3 = pafs.S3FileSystem(
         access_key=infra.S3_ACCESS_KEY,
         secret_key=infra.S3_SECRET_KEY,
-        endpoint_override=s3_endpoint,
+        endpoint_override=endpoint,
         region=infra.S3_REGION,
         force_virtual_addressing=False,
     )
+    return remote, s3, prefix
+
+
+def test_a_dry_run_reads_an_s3_root_as_a_local_one(tmp_path: Path, s3_endpoint: str) -> None:
+    local = PipelineConfig(storage_root=str(tmp_path / "root"), entities=[ENTITY])
+    remote, s3, prefix = _s3_root(s3_endpoint)
     _fill(local, pafs.LocalFileSystem(), local.storage_root)
     _fill(remote, s3, prefix)
 
@@ -114,25 +121,7 @@ def test_a_forced_dry_run_finds_a_writer_lease_on_s3_without_a_jvm(
 ) -> None:
     """``--force-short-retention`` looks for live writer leases: on an ``s3a://`` root
     the dry run reads them as it reads the tables, without starting Spark."""
-    prefix = f"{infra.S3_BUCKET}/pytest-{uuid.uuid4().hex[:8]}"
-    remote = PipelineConfig(
-        storage_root=f"s3a://{prefix}",
-        entities=[ENTITY],
-        object_storage={
-            "endpoint": s3_endpoint,
-            "path_style_access": True,
-            "region": infra.S3_REGION,
-            "access_key": infra.S3_ACCESS_KEY,
-            "secret_key": infra.S3_SECRET_KEY,
-        },
-    )
-    s3 = pafs.S3FileSystem(
-        access_key=infra.S3_ACCESS_KEY,
-        secret_key=infra.S3_SECRET_KEY,
-        endpoint_override=s3_endpoint,
-        region=infra.S3_REGION,
-        force_virtual_addressing=False,
-    )
+    remote, s3, prefix = _s3_root(s3_endpoint)
     _fill(remote, s3, prefix)
 
     def no_spark(*_args: object) -> None:
