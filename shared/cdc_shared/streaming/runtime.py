@@ -182,8 +182,9 @@ def start_service(
     )
     try:
         # A service alone sizes its driver's heap for its tables (one query each).
-        sized = with_sized_heap(config.spark, len(entities)) if spark is None else config.spark
-        session = spark or build_spark_session(sized, command_name(service.name))
+        session = spark or build_spark_session(
+            with_sized_heap(config.spark, len(entities)), command_name(service.name)
+        )
         if not on_disk:
             leases = acquire_writer_leases(config.storage_root, service.name, names, lost, session)
         lag = service.lag
