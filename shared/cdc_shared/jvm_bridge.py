@@ -61,6 +61,16 @@ def read_text_if_exists(spark: SparkSession, path: str) -> str | None:
         raise
 
 
+def write_text(spark: SparkSession, path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to the file ``path``, replacing it (any Hadoop file system)."""
+    fs, file = hadoop_path(spark, path)
+    stream = fs.create(file, True)
+    try:
+        stream.write(bytearray(text.encode("utf-8")))
+    finally:
+        stream.close()
+
+
 def jobs_with_tag(spark: SparkSession, tag: str) -> int:
     """How many Spark jobs carry the job tag ``tag`` (running or done)."""
     tracker = spark.sparkContext._jsc.sc().statusTracker()

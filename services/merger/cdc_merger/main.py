@@ -48,6 +48,7 @@ from cdc_merger.apply import (
     lost_local_checkpoint,
     without_columns,
 )
+from cdc_merger.bronze_start import reads_from_first_commit
 from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
 
@@ -156,9 +157,16 @@ class EntityMerge(EntityStreamBase):
             )
 
     def source(self) -> DataFrame:
-        """Bronze as a Delta stream, limited per micro-batch."""
+        """Bronze as a Delta stream, limited per micro-batch, from its first commit if it can.
+
+        A new stream reads bronze from version 0 when bronze can replay every row from its
+        commits (``cdc_merger.bronze_start``), else from bronze's snapshot.
+        """
         settings = self.config.merger
         reader = self.spark.readStream.format("delta")
+        checkpoint = self.config.checkpoint_path(SERVICE, self.entity.name)
+        if reads_from_first_commit(self.spark, self.bronze_path, checkpoint):
+            reader = reader.option("startingVersion", 0)
         if settings.max_files_per_trigger:
             reader = reader.option("maxFilesPerTrigger", settings.max_files_per_trigger)
         if settings.max_bytes_per_trigger:
