@@ -46,6 +46,8 @@ PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
 START_PARALLELISM = "spark.cdc.streams.startParallelism"
 #: How many of a service's micro-batches run at once (``cdc_shared.streaming.gate``); 0: all.
 BATCH_PARALLELISM = "spark.cdc.streams.batchParallelism"
+#: PySpark's recording of each column function's Python call site (for error context).
+DATAFRAME_DEBUGGING = "spark.python.sql.dataFrameDebugging.enabled"
 #: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
 #: few tables, then a share per streaming query (one per table and service), since each
 #: query's sessions, Delta snapshots and in-flight plans live in the driver's heap.
@@ -108,6 +110,10 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # compiled again every batch: ~2 of every 3 compilations in a one-application
         # run, each tens of milliseconds.
         "spark.sql.codegen.cache.maxEntries": "1000",
+        # PySpark records the Python call site of every column function for error
+        # messages: a Python stack walk and five Py4J calls each, most of the time a
+        # service spends building an ingestor's decoding or a batch's plan.
+        DATAFRAME_DEBUGGING: "false",
         # A kill while a query writes its first offset leaves only a hidden temp file in
         # `offsets/`; Spark's check that a new query's checkpoint is empty counts that
         # file and refuses every restart. Each (service, entity) has its own checkpoint
