@@ -26,6 +26,13 @@ def _append(spark: SparkSession, path: str, first: int, rows: int, files: int = 
     frame.repartition(files).write.format("delta").mode("append").save(path)
 
 
+def _appended_then_compacted(spark: SparkSession, path: str) -> None:
+    """Two appends of 10 rows, then a compaction (removes without a data change)."""
+    _append(spark, path, 0, 10)
+    _append(spark, path, 10, 10)
+    DeltaTable.forPath(spark, path).optimize().executeCompaction()
+
+
 def _from_first_commit(spark: SparkSession, path: str) -> list[int]:
     """The ids a stream reading ``path`` from version 0 sees (one available-now run)."""
     sink = f"{path}-sink"
@@ -46,9 +53,7 @@ def test_appended_and_compacted_bronze_is_read_from_its_first_commit(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     path = str(tmp_path / "bronze")
-    _append(spark, path, 0, 10)
-    _append(spark, path, 10, 10)
-    DeltaTable.forPath(spark, path).optimize().executeCompaction()  # removes, no data change
+    _appended_then_compacted(spark, path)
     _append(spark, path, 20, 10)
 
     assert replayable_from_first_commit(spark, path)
@@ -59,9 +64,7 @@ def test_vacuumed_or_reshaped_bronze_starts_from_its_snapshot(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     vacuumed = str(tmp_path / "vacuumed")
-    _append(spark, vacuumed, 0, 10)
-    _append(spark, vacuumed, 10, 10)
-    DeltaTable.forPath(spark, vacuumed).optimize().executeCompaction()
+    _appended_then_compacted(spark, vacuumed)
     spark.conf.set("spark.databricks.delta.retentionDurationCheck.enabled", "false")
     try:
         DeltaTable.forPath(spark, vacuumed).vacuum(0)  # the appended files are gone
