@@ -30,6 +30,13 @@ DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 #: that and no concurrent threads (docs/benchmarks.md, "JVM threads").
 LOCAL_DRIVER_GC = "-XX:+UseParallelGC"
 _NAMES_A_COLLECTOR = re.compile(r"-XX:[+-]Use\w*GC\b")
+#: The most that collector's young generation takes. To collect less often it grows the
+#: young generation toward a third of the heap, and a heap sized for hundreds of queries
+#: (``driver_memory``) then holds gigabytes of garbage between collections; capped, a
+#: small heap is unchanged (a third of 1 GiB is below it) and a large one only grows its
+#: old generation as live data needs it (docs/benchmarks.md, "young generation").
+LOCAL_DRIVER_YOUNG = "-XX:MaxNewSize=512m"
+_SIZES_THE_YOUNG_GENERATION = re.compile(r"-Xmn\d|-XX:(Max)?NewSize=|-XX:NewRatio=")
 
 #: Spark's setting for the data source options it masks in plans, the SQL tab of its UI
 #: and event logs (keys or values matching it; ``spark.redaction.regex`` applies too).
@@ -70,7 +77,8 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     ``OPTIONS_REDACTION`` the Kafka secrets among the source options in plans. The driver
     starts with the class archive of ``make jvm`` when there is one (see
     :mod:`cdc_shared.class_archive`) and, on a local master, the parallel garbage
-    collector (``LOCAL_DRIVER_GC``). Spark's UI is off unless ``conf`` sets
+    collector (``LOCAL_DRIVER_GC``) with its young generation capped
+    (``LOCAL_DRIVER_YOUNG``). Spark's UI is off unless ``conf`` sets
     ``spark.ui.enabled``: it would listen on every interface.
 
     On a cluster (any master but ``local...``) the driver serves ``spark.jars`` to its
@@ -163,7 +171,8 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
     """The driver's JVM options: the class archive, a local driver's collector, the user's.
 
     The user's ``options`` come last, so that they win; a collector of theirs replaces
-    ours, since the JVM refuses two.
+    ours, since the JVM refuses two, and then its young generation is theirs to size too,
+    as it is when they size it themselves.
     """
     ours = []
     archive = jvm.class_archive()
@@ -171,6 +180,8 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
         ours.append(f"-XX:SharedArchiveFile={archive}")
     if local and not _NAMES_A_COLLECTOR.search(options):
         ours.append(LOCAL_DRIVER_GC)
+        if not _SIZES_THE_YOUNG_GENERATION.search(options):
+            ours.append(LOCAL_DRIVER_YOUNG)
     combined = " ".join([*ours, options]).strip()
     return {DRIVER_JAVA_OPTIONS: combined} if combined else {}
 

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from cdc_shared import jvm
 from cdc_shared.config import SparkConfig
-from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
+from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, LOCAL_DRIVER_YOUNG, spark_conf
+
+LOCAL = f"{LOCAL_DRIVER_GC} {LOCAL_DRIVER_YOUNG}"
 
 CLUSTER = "spark://127.0.0.1:7077"
 
@@ -24,8 +26,15 @@ def options(conf: dict[str, str] | None = None, master: str = "local[2]") -> str
 
 
 def test_without_an_archive_a_local_driver_gets_only_its_collector(cache: Path) -> None:
-    assert options() == LOCAL_DRIVER_GC
-    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}) == f"{LOCAL_DRIVER_GC} -Xss4m"
+    assert options() == LOCAL
+    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}) == f"{LOCAL} -Xss4m"
+
+
+@pytest.mark.parametrize(
+    "sizing", ["-Xmn1g", "-XX:MaxNewSize=2g", "-XX:NewSize=1g", "-XX:NewRatio=2"]
+)
+def test_the_users_young_generation_replaces_our_cap(cache: Path, sizing: str) -> None:
+    assert options({DRIVER_JAVA_OPTIONS: sizing}) == f"{LOCAL_DRIVER_GC} {sizing}"
 
 
 def test_a_cluster_driver_keeps_the_jvm_default_collector(cache: Path) -> None:
@@ -44,8 +53,8 @@ def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
     assert archive.is_relative_to(cache)
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"archive")
-    assert options() == f"-XX:SharedArchiveFile={archive} {LOCAL_DRIVER_GC}"
+    assert options() == f"-XX:SharedArchiveFile={archive} {LOCAL}"
     assert options({DRIVER_JAVA_OPTIONS: "-Xshare:off"}) == (
-        f"-XX:SharedArchiveFile={archive} {LOCAL_DRIVER_GC} -Xshare:off"
+        f"-XX:SharedArchiveFile={archive} {LOCAL} -Xshare:off"
     )
     assert options(master=CLUSTER) == f"-XX:SharedArchiveFile={archive}"
