@@ -14,8 +14,13 @@ grew most between the first and the last sample. ``--variant NAME:key=value,key=
 adds a run with those ``spark.conf`` entries (e.g. the old defaults, to compare in the
 same invocation); the variants run one after the other, never together.
 
+``--restart PIPELINE`` runs every variant on the tables, checkpoints and topics that
+pipeline file names instead (made before, e.g. by ``bench_cli_status.py --tables N
+--folder DIR``): a restart of a running deployment rather than its first start.
+``--hot N`` puts the whole load on the first N tables (the rest idle).
+
     .venv/bin/python tests/bench/bench_many_tables.py [--tables 24] [--seconds 300]
-        [--rate 200] [--workdir /tmp/bench-many-tables]
+        [--rate 200] [--workdir /tmp/bench-many-tables] [--restart PIPELINE] [--hot N]
         [--with-old] [--variant NAME:key=value,...]
 """
 
@@ -111,6 +116,15 @@ def many_tables_config(workdir: Path, tables: int, conf: dict[str, str]) -> Path
     return path
 
 
+def restarted_config(pipeline: Path, workdir: Path, conf: dict[str, str]) -> Path:
+    """A copy of ``pipeline`` in ``workdir`` with ``conf`` added to its ``spark.conf``."""
+    document: dict[str, Any] = yaml.safe_load(pipeline.read_text())
+    document.setdefault("spark", {}).setdefault("conf", {}).update(conf)
+    path = workdir / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
 def driver_pid(group: int) -> int | None:
     """The JVM of the application whose process group is ``group``."""
     for sample in process_snapshot().values():
@@ -157,12 +171,16 @@ def run_variant(
     outcome = Outcome(name)
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    config_path = many_tables_config(workdir, args.tables, conf)
+    if args.restart:
+        config_path = restarted_config(args.restart, workdir, conf)
+    else:
+        config_path = many_tables_config(workdir, args.tables, conf)
     config = load_config(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
+    loaded = config.entities[: args.hot] if args.hot else config.entities
     events = int(args.rate * args.seconds)
     spec = WorkloadSpec(events=events, keys=args.keys, snapshot_rows=100, seed=7, poison_share=0.0)
-    messages = list(WorkloadGenerator(config.entities, make_registry(config), spec).messages())
+    messages = list(WorkloadGenerator(loaded, make_registry(config), spec).messages())
     processes = launch(RunMode.APPLICATION, config_path, workdir / "logs")
     application = processes[0]
     started = time.monotonic()
@@ -228,8 +246,10 @@ def growth(outcome: Outcome, top: int) -> list[tuple[str, int, int]]:
 
 def report(outcomes: list[Outcome], args: argparse.Namespace) -> None:
     """The figures side by side, then each variant's growing classes."""
+    tables = f"restart on {args.restart}" if args.restart else f"{args.tables} tables"
+    spread = f" on {args.hot} of them" if args.hot else ""
     print(
-        f"\n{args.tables} tables, {args.rate:.0f} events/s for {args.seconds:.0f} s "
+        f"\n{tables}, {args.rate:.0f} events/s{spread} for {args.seconds:.0f} s "
         f"(+{args.settle:.0f} s), one application\n"
     )
     print("| variant | healthy after | peak heap after GC | peak RSS | survived | exit |")
@@ -277,6 +297,8 @@ def main() -> None:
         default=[],
         help="NAME:key=value,... a run with these spark.conf entries (repeatable)",
     )
+    parser.add_argument("--restart", type=Path, help="a pipeline file whose tables exist")
+    parser.add_argument("--hot", type=int, default=0, help="tables with load (0: all)")
     parser.add_argument("--with-old", action="store_true", help="also a run with OLD_DEFAULTS")
     parser.add_argument("--no-defaults", action="store_true", help="only the --variant runs")
     args = parser.parse_args()
