@@ -17,16 +17,23 @@ from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
 
-def jvm(spark: SparkSession) -> Any:
-    """The Py4J view of the driver's JVM (``jvm.org.apache...``)."""
+def java_class(spark: SparkSession, name: str) -> Any:
+    """The Java class of fully qualified ``name`` in the driver's JVM, in one Py4J call.
+
+    Py4J's ``jvm.org.apache.hadoop.fs.Path`` asks the JVM about each name on the way
+    (``org``, ``org.apache``, ...), and each of those is a class lookup that fails only
+    after searching every jar on the class path, ``org`` once per PySpark import:
+    ~1.6 ms against 0.02 ms for the whole name at once, paid by every file a service
+    reads or writes through Hadoop (docs/benchmarks.md, "Py4J class lookups").
+    """
     view = spark.sparkContext._jvm
     assert view is not None, "the SparkSession has no JVM gateway (stopped?)"
-    return view
+    return getattr(view, name)
 
 
 def hadoop_path(spark: SparkSession, path: str) -> tuple[Any, Any]:
     """Hadoop's file system for ``path`` and the path itself, as Spark configures them."""
-    hadoop = jvm(spark).org.apache.hadoop.fs.Path(path)
+    hadoop = java_class(spark, "org.apache.hadoop.fs.Path")(path)
     return hadoop.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration()), hadoop
 
 
@@ -42,7 +49,7 @@ def read_text(spark: SparkSession, path: str) -> str:
     fs, file = hadoop_path(spark, path)
     stream = fs.open(file)
     try:
-        return str(jvm(spark).org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+        return str(java_class(spark, "org.apache.commons.io.IOUtils").toString(stream, "UTF-8"))
     finally:
         stream.close()
 
@@ -55,7 +62,7 @@ def read_text_if_exists(spark: SparkSession, path: str) -> str | None:
     try:
         return read_text(spark, path)
     except Py4JJavaError as exc:
-        missing = jvm(spark).java.lang.Class.forName("java.io.FileNotFoundException")
+        missing = java_class(spark, "java.lang.Class").forName("java.io.FileNotFoundException")
         if missing.isInstance(exc.java_exception):
             return None
         raise
@@ -79,17 +86,19 @@ def jobs_with_tag(spark: SparkSession, tag: str) -> int:
 
 def avro_schema(spark: SparkSession, definition: str) -> Any:
     """Avro's Java ``Schema`` parsed from its JSON ``definition``."""
-    return jvm(spark).org.apache.avro.Schema.Parser().parse(definition)
+    return java_class(spark, "org.apache.avro.Schema").Parser().parse(definition)
 
 
 def avro_compatibility(spark: SparkSession, reader: Any, writer: Any) -> Any:
     """Avro's ``SchemaCompatibility`` result of reading ``writer``'s data with ``reader``."""
-    check = jvm(spark).org.apache.avro.SchemaCompatibility.checkReaderWriterCompatibility
+    compatibility = java_class(spark, "org.apache.avro.SchemaCompatibility")
+    check = compatibility.checkReaderWriterCompatibility
     return check(reader, writer).getResult()
 
 
 def spark_type_of_avro(spark: SparkSession, avro_type: Any) -> T.DataType:
     """Spark's own reading of an Avro type: the type ``from_avro`` would produce."""
     parsed = avro_schema(spark, json.dumps(avro_type))
-    sql_type = jvm(spark).org.apache.spark.sql.avro.SchemaConverters.toSqlType(parsed)
+    converters = java_class(spark, "org.apache.spark.sql.avro.SchemaConverters")
+    sql_type = converters.toSqlType(parsed)
     return T._parse_datatype_json_string(sql_type.dataType().json())
