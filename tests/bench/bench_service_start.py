@@ -33,7 +33,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from cdc_devkit.processes import group_rss_bytes
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.config import PipelineConfig, load_config
@@ -42,7 +41,7 @@ from cdc_shared.schemas import make_registry
 from cdc_shared.spark import START_PARALLELISM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_many_tables import many_tables_config  # the same N tables
+from bench_many_tables import many_tables_config, restarted_config  # the same N tables
 
 BIN = Path(sys.executable).parent
 
@@ -82,15 +81,6 @@ def produce_changes(pipeline: PipelineConfig, events: int) -> None:
         produce(pipeline.kafka, WorkloadGenerator([entity], registry, spec).messages())
 
 
-def with_setting(pipeline: Path, folder: Path, setting: str, value: str) -> Path:
-    """A copy of ``pipeline`` in ``folder`` with ``setting`` in its ``spark.conf``."""
-    document = yaml.safe_load(pipeline.read_text())
-    document.setdefault("spark", {}).setdefault("conf", {})[setting] = value
-    copy = folder / "pipeline.yaml"
-    copy.write_text(yaml.safe_dump(document, sort_keys=False))
-    return copy
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--tables", type=int, default=24)
@@ -111,7 +101,7 @@ def main() -> None:
         folder = args.workdir / f"run-{number}"
         folder.mkdir(parents=True)
         if args.restart:
-            config = with_setting(args.restart, folder, args.setting, value)
+            config = restarted_config(args.restart, folder, {args.setting: value})
         else:
             config = many_tables_config(folder, args.tables, {args.setting: value})
             pipeline = load_config(config)
