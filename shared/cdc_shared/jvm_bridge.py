@@ -22,9 +22,9 @@ def java_class(spark: SparkSession, name: str) -> Any:
 
     Py4J's ``jvm.org.apache.hadoop.fs.Path`` asks the JVM about each name on the way
     (``org``, ``org.apache``, ...), and each of those is a class lookup that fails only
-    after searching every jar on the class path, ``org`` once per PySpark import:
-    ~1.6 ms against 0.02 ms for the whole name at once, paid by every file a service
-    reads or writes through Hadoop (docs/benchmarks.md, "Py4J class lookups").
+    after searching every jar on the class path, ``org`` once per PySpark import: many
+    times the cost of the whole name at once, paid by every file a service reads or
+    writes through Hadoop (docs/benchmarks.md, "Py4J class lookups").
     """
     view = spark.sparkContext._jvm
     assert view is not None, "the SparkSession has no JVM gateway (stopped?)"

@@ -25,7 +25,7 @@ def options(conf: dict[str, str] | None = None, master: str = "local[2]") -> str
     return spark_conf(SparkConfig(master=master, conf=conf or {}), "t").get(DRIVER_JAVA_OPTIONS)
 
 
-def test_without_an_archive_a_local_driver_gets_only_its_collector(cache: Path) -> None:
+def test_without_an_archive_a_local_driver_gets_its_collector_and_young_cap(cache: Path) -> None:
     assert options() == LOCAL
     assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}) == f"{LOCAL} -Xss4m"
 
