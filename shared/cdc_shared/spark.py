@@ -344,6 +344,15 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> None:
         raise errors[0]
 
 
+def side_by_side_in_groups(calls: Sequence[Callable[[], object]], size: int) -> None:
+    """Run ``calls`` ``size`` at a time (each group :func:`side_by_side`), in order.
+
+    A group starts when the previous one has ended; the first error stops the rest.
+    """
+    for start in range(0, len(calls), size):
+        side_by_side(calls[start : start + size])
+
+
 @contextmanager
 def counting_jobs(spark: SparkSession) -> Iterator[Callable[[], int]]:
     """Tag the Spark jobs this thread (and threads it starts) runs inside the block.

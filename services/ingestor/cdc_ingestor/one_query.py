@@ -23,21 +23,20 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import side_by_side
+from cdc_shared.spark import side_by_side, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
     last_committed_batch,
     planned_batches,
 )
-from cdc_shared.streaming import BatchStats, QueryIdentity, StreamRunner
+from cdc_shared.streaming import QueryIdentity, StreamRunner
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -69,17 +68,24 @@ class AllTopicsIngestion:
         for entity in self.entities:
             self.add(entity)
 
-    def add(self, entity: EntityConfig) -> None:
-        """Take ``entity`` up: its topic is read from the query's next start."""
+    def add(self, entity: EntityConfig, wait_s: float | None = None) -> None:
+        """Take ``entity`` up: its topic is read from the query's next start.
+
+        With ``wait_s``, its bronze is made first; if that raises, it is not taken up.
+        """
         stream = EntityIngestion(self.spark, self.config, entity, self.runner, self.registry)
         stream.identity = self.identity  # its txnAppId: the entity and the one query's id
+        if wait_s is not None:
+            stream.prepare(wait_s)
+            self._prepared.add(entity.source_topic)
         self.by_topic[entity.source_topic] = stream
 
     def prepare(self, wait_s: float) -> None:
         """Every entity's bronze (and the quarantine) unless made already; the first alone."""
         waiting = [s for t, s in self.by_topic.items() if t not in self._prepared]
-        for group in _chunks(waiting[:1], 1) + _chunks(waiting[1:], TABLES_AT_ONCE):
-            side_by_side([functools.partial(stream.prepare, wait_s) for stream in group])
+        prepares = [functools.partial(stream.prepare, wait_s) for stream in waiting]
+        side_by_side(prepares[:1])  # makes the quarantine table the others share
+        side_by_side_in_groups(prepares[1:], TABLES_AT_ONCE)
         self._prepared.update(s.entity.source_topic for s in waiting)
 
     def source(self) -> DataFrame:
@@ -111,31 +117,13 @@ class AllTopicsIngestion:
                 )
                 for stream in streams
             ]
-            for group in _chunks(writes, TABLES_AT_ONCE):
-                side_by_side(group)
+            side_by_side_in_groups(writes, TABLES_AT_ONCE)
             lap("tables")
         finally:
             batch.unpersist()
-        stats = self._combined(streams, batch_id)
+        stats = self.runner.take_group_stats([s.entity.name for s in streams], batch_id)
         stats.extra.update(lap.laps)
         self.runner.report(ALL_ENTITIES, batch_id, stats)
-
-    def _combined(self, streams: list[EntityIngestion], batch_id: int) -> BatchStats:
-        """The batch's counts over its entities, and each entity's own."""
-        counts: dict[str, int] = {}
-        by_entity: dict[str, dict[str, int]] = {}
-        errors: dict[str, int] = {}
-        tables: dict[str, dict[str, object]] = {}
-        for stream in streams:
-            stats = self.runner.take_stats(stream.entity.name, batch_id)
-            by_entity[stream.entity.name] = stats.counts
-            tables[stream.entity.name] = {**stats.counts, **stats.extra}
-            for name, value in stats.counts.items():
-                counts[name] = counts.get(name, 0) + value
-            for kind, value in stats.extra.get("errors", {}).items():
-                errors[kind] = errors.get(kind, 0) + value
-        extra = {"errors": errors, "tables": tables}
-        return BatchStats(counts=counts, extra=extra, by_entity=by_entity)
 
 
 def open_all_topics(
@@ -221,7 +209,3 @@ def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, lis
         for topic in topics
         if topic in metadata and metadata[topic].error is None
     }
-
-
-def _chunks(items: list[Any], size: int) -> list[list[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]

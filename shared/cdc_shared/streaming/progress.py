@@ -62,14 +62,16 @@ class BatchStats:
 
 
 def source_metric(name: str) -> LagReader:
-    """A lag reader: the named metric of the query's source (e.g. Kafka offsets behind)."""
+    """A lag reader: the named metric of the query's sources, summed (e.g. files behind).
+
+    A service's one query over many tables has a source per table: its lag is theirs
+    together. None when no source reports the metric.
+    """
 
     def read(progress: Any) -> float | None:
-        for source in progress.sources:
-            value = (source.metrics or {}).get(name)
-            if value is not None:
-                return float(value)
-        return None
+        values = [(source.metrics or {}).get(name) for source in progress.sources]
+        known = [float(value) for value in values if value is not None]
+        return sum(known) if known else None
 
     return read
 

@@ -157,8 +157,16 @@ class StreamRunner:
             try:
                 self._stop_after_batch(entity, self.queries[entity], time.monotonic() + timeout_s)
                 rebuild = self._rebuilders[entity]
-                writer, identity = rebuild()
-                self.start(entity, writer, identity, rebuild)
+                try:
+                    writer, identity = rebuild()
+                    self.start(entity, writer, identity, rebuild)
+                except Exception as error:  # stopped, not started again: ``run()`` raises
+                    self._failed = (
+                        f"{self.service} stopped: its stream {entity!r} was stopped to start "
+                        f"again with a new table, which failed: {error}"
+                    )
+                    self._stop.set()  # (``fail`` would wait for the lock held here)
+                    raise
             finally:
                 with self._lock:
                     self._replacing.discard(entity)
@@ -213,6 +221,27 @@ class StreamRunner:
         """The counts reported for a batch (empty when none were)."""
         with self._lock:
             return self._stats.pop((entity, batch_id), BatchStats())
+
+    def take_group_stats(self, entities: list[str], batch_id: int) -> BatchStats:
+        """What a service's one query did in a batch: the sum over ``entities``, and each one's.
+
+        Each entity's stream reported its own part (``report``); the counts are summed, the
+        ``errors`` counts by kind too, and ``tables`` holds each entity's counts and timings.
+        """
+        counts: dict[str, int] = {}
+        by_entity: dict[str, dict[str, int]] = {}
+        errors: dict[str, int] = {}
+        tables: dict[str, dict[str, object]] = {}
+        for entity in entities:
+            stats = self.take_stats(entity, batch_id)
+            by_entity[entity] = stats.counts
+            tables[entity] = {**stats.counts, **stats.extra}
+            for name, value in stats.counts.items():
+                counts[name] = counts.get(name, 0) + value
+            for kind, value in stats.extra.get("errors", {}).items():
+                errors[kind] = errors.get(kind, 0) + value
+        extra = {"errors": errors, "tables": tables}
+        return BatchStats(counts=counts, extra=extra, by_entity=by_entity)
 
     def set_problem(self, entity: str, problem: str | None) -> None:
         """Report (or clear, with None) what keeps an entity from progressing.

@@ -70,8 +70,12 @@ class GroupStream(EntityStream, Protocol):
     more entity, read from the next start of the query.
     """
 
-    def add(self, entity: EntityConfig) -> None:
-        """Take ``entity`` up from the query's next start."""
+    def add(self, entity: EntityConfig, wait_s: float | None = None) -> None:
+        """Take ``entity`` up from the query's next start.
+
+        With ``wait_s``, first make what it writes (its source awaited ``wait_s``): if
+        that raises, the group is left as it was (the running query untouched).
+        """
 
 
 #: Builds the one stream of a service over ``entities``: (spark, config, entities, runner).
@@ -311,8 +315,8 @@ class _ServiceStreams:
             self.config.storage_root, self.service.name, [entity.name], self.lost, self.session
         )
         try:
-            if self.group:
-                self.group[0].add(entity)
+            if self.group:  # its tables made before the running query stops
+                self.group[0].add(entity, wait_s=0)
                 started = self.runner.restart_rebuilt(ALL_ENTITIES)
             else:
                 writer, identity = self.open_query(entity, wait_s=0)
