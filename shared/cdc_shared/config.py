@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc_shared.layout import ALL_ENTITIES, INGESTOR, StorageLayout
+from cdc_shared.layout import ALL_ENTITIES, INGESTOR, MERGER, StorageLayout
 from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
@@ -464,6 +464,10 @@ class MergerConfig(StreamingServiceConfig):
         default="__debezium_unavailable_value", min_length=1
     )
     metrics_port: int = Field(default=9102, ge=0, lt=65536)
+    # One streaming query reads every entity's bronze (a union of Delta sources, the
+    # batch split by entity), instead of one query per entity (docs/configuration.md,
+    # "One query for all tables").
+    one_query: bool = False
 
     @field_validator("unavailable_value_placeholder")
     @classmethod
@@ -1001,13 +1005,19 @@ class PipelineConfig(BaseSettings):
         """Every table and checkpoint path under ``storage_root``."""
         return StorageLayout(self.storage_root)
 
+    def runs_one_query(self, service: str) -> bool:
+        """Whether ``service`` runs one query for all its entities (``<service>.one_query``)."""
+        return (service == INGESTOR and self.ingestor.one_query) or (
+            service == MERGER and self.merger.one_query
+        )
+
     def checkpoint_path(self, service: str, entity: str) -> str:
         """``<storage_root>/_checkpoints/<service>/<entity>``: where ``entity``'s stream resumes.
 
-        With ``ingestor.one_query`` every entity's ingestion resumes from the one query's
-        checkpoint, ``_checkpoints/ingestor/_all`` (its offsets are keyed by topic).
+        With ``ingestor.one_query`` (``merger.one_query``) every entity's ingestion (merge)
+        resumes from the one query's checkpoint, ``_checkpoints/<service>/_all``.
         """
-        if service == INGESTOR and self.ingestor.one_query:
+        if self.runs_one_query(service):
             entity = ALL_ENTITIES
         return self.layout.checkpoint(service, entity)
 

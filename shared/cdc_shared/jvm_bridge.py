@@ -102,3 +102,13 @@ def spark_type_of_avro(spark: SparkSession, avro_type: Any) -> T.DataType:
     converters = java_class(spark, "org.apache.spark.sql.avro.SchemaConverters")
     sql_type = converters.toSqlType(parsed)
     return T._parse_datatype_json_string(sql_type.dataType().json())
+
+
+def avro_schema_of_spark_type(spark: SparkSession, data_type: T.StructType) -> str:
+    """The Avro schema (JSON) ``to_avro`` writes a non-null struct of ``data_type`` with.
+
+    ``from_avro`` with it reads the same struct back (its top-level fields nullable).
+    """
+    java_type = java_class(spark, "org.apache.spark.sql.types.DataType").fromJson(data_type.json())
+    converters = java_class(spark, "org.apache.spark.sql.avro.SchemaConverters")
+    return str(converters.toAvroType(java_type, False, "row", "cdc").toString())

@@ -95,3 +95,32 @@ def parse_offsets(text: str) -> tuple[Any, ...]:
     """
     lines = text.splitlines()
     return tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])
+
+
+#: The file in the checkpoint of a query over many Delta tables (``merger.one_query``)
+#: listing its tables in the order of its sources, and where each one's stream started:
+#: ``{"entities": [...], "starting_versions": {entity: version | null}}``.
+SOURCES_FILE = "cdc_sources.json"
+
+
+def recorded_sources(files: CheckpointFiles, checkpoint: str) -> dict[str, Any] | None:
+    """The :data:`SOURCES_FILE` of ``checkpoint``; None when it has none."""
+    text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/{SOURCES_FILE}")
+    return None if text is None else dict(json.loads(text))
+
+
+def entity_source(
+    batch: CommittedBatch, files: CheckpointFiles, checkpoint: str, entity: str
+) -> Any:
+    """``entity``'s source offset in ``batch`` of the stream at ``checkpoint`` (None: not read).
+
+    A query over one entity has one source; a query over many lists them in
+    :data:`SOURCES_FILE`.
+    """
+    recorded = recorded_sources(files, checkpoint)
+    if recorded is None:
+        return batch.sources[0] if batch.sources else None
+    entities = list(recorded["entities"])
+    if entity not in entities or entities.index(entity) >= len(batch.sources):
+        return None
+    return batch.sources[entities.index(entity)]

@@ -83,7 +83,9 @@ def world(
         kafka_config,
         es_config,
         ingestor={"metrics_port": 0},
-        merger={"metrics_port": 0, "max_files_per_trigger": 1},  # several silver commits
+        # Several silver commits; one query for all tables (``merger.one_query``): status
+        # and maintenance read each table's position among that query's sources.
+        merger={"metrics_port": 0, "max_files_per_trigger": 1, "one_query": True},
         publisher_kafka={"metrics_port": 0},
     )
     # The producer knows value schema v2 from the start; the pipeline learns it later.

@@ -5,9 +5,10 @@ The ingestor, the merger and publisher-kafka run continuously in this process (a
 whose pattern selects a topic that does not exist yet. Once the services run, the new
 table's first changes are produced: each service takes the table up without a restart,
 and its silver and change topic end equal to the oracle and silver's feed. The ingestor
-runs as one query for all tables (``ingestor.one_query``): it takes the table up by
-starting that query again with the new topic; the merger and publisher-kafka open a
-stream of its own for it.
+and the merger run as one query for all tables (``ingestor.one_query``,
+``merger.one_query``): they take the table up by starting that query again with the new
+topic (the merger on a new checkpoint, the old table carried over);
+publisher-kafka opens a stream of its own for it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_a_table_that_appears_while_the_services_run_is_taken_up(
         entities=("customers",),
         entity_discovery_interval_s=2,
         ingestor={**fast, "one_query": True},
-        merger=fast,
+        merger={**fast, "one_query": True},
         publisher_kafka=fast,
         entity_sets=[],  # filled in below, once the run's topic names are known
     )
@@ -93,12 +94,12 @@ def test_a_table_that_appears_while_the_services_run_is_taken_up(
         assert not failures, failures
         delay = time.monotonic() - produced_at
         print(f"new table: first change in its topic {delay:.1f} s after its first record")
-        ingestor, *per_table = runners
-        assert list(ingestor.queries) == ["_all"]  # one query, restarted with orders' topic
-        assert ingestor.health()["streams"]["_all"]["active"]
-        for runner in per_table:
-            assert "orders" in runner.queries, f"{runner.service} did not take orders up"
-            assert runner.health()["streams"]["orders"]["active"]
+        ingestor, merger, publisher = runners
+        for one_query in (ingestor, merger):  # one query, restarted with orders' table
+            assert list(one_query.queries) == ["_all"], one_query.service
+            assert one_query.health()["streams"]["_all"]["active"], one_query.service
+        assert "orders" in publisher.queries, "publisher-kafka did not take orders up"
+        assert publisher.health()["streams"]["orders"]["active"]
         # Every event of the new table reaches silver and its change topic, no restart.
         eventually(lambda: assert_silver_equals_oracle(spark, pipeline, kafka_config))
         eventually(

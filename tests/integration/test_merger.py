@@ -11,12 +11,14 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from cdc_devkit.workload import produce
 from cdc_merger.bronze_start import FROM_FIRST_COMMIT_MARKER
-from cdc_merger.main import silver_layout
 from cdc_merger.main import start as start_merger
+from cdc_merger.merging import silver_layout
 from cdc_shared.config import KafkaConfig
 from cdc_shared.spark import counting_jobs
 from pyspark.sql import SparkSession
@@ -32,10 +34,16 @@ from support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 MERGER = str(Path(sys.executable).with_name("cdc-merger"))
-# SIGKILLs per test: one lands in the dangerous window (after the sink's commit, before
-# the checkpoint's), the other anywhere in the batches; every restart costs a Spark start
-# (the chaos run, tests/e2e/test_chaos.py, kills this service under load too).
-KILLS = 2
+# SIGKILLs per test: two land in the dangerous window (after the sink's commit, before
+# the checkpoint's; one per query mode), the other anywhere in the batches; every restart
+# costs a Spark start (the chaos run, tests/e2e/test_chaos.py, kills this service under
+# load too).
+KILLS = 3
+
+
+def _with_merger(pipeline: dict[str, Any], **settings: object) -> dict[str, Any]:
+    """A pipeline file's contents with ``settings`` in its merger section."""
+    return {**pipeline, "merger": {**pipeline.get("merger", {}), **settings}}
 
 
 def _logged_since(log: Path, offset: int, text: str) -> bool:
@@ -93,9 +101,13 @@ def test_workload_through_ingestor_and_merger_equals_oracle(
 def test_exactly_once_effect_under_sigkill(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
-    """SIGKILLs of the merger, one right after a silver commit: silver equals the oracle,
-    its feed repeats nothing, and the SCD type 2 history written in the same batches
-    equals the history the bronze events make (phone untracked: updated in place)."""
+    """SIGKILLs of the merger, each right after a silver commit or anywhere: silver equals
+    the oracle, its feed repeats nothing, and the SCD type 2 history written in the same
+    batches equals the history the bronze events make (phone untracked: updated in place).
+
+    The first run has a query per table; the next ones run as one query for all tables
+    (``merger.one_query``), switched to after a SIGKILL, carrying on from the per-table
+    checkpoint."""
     pipeline = make_pipeline(
         entities=("customers",),
         merger={
@@ -115,17 +127,21 @@ def test_exactly_once_effect_under_sigkill(
         Path(silver_layout(pipeline.config, pipeline.config.entity("customers")).silver_path)
         / "_delta_log"
     )
+    one_query = tmp_path / "pipeline-one-query.yaml"
+    one_query.write_text(
+        yaml.safe_dump(_with_merger(yaml.safe_load(pipeline.path.read_text()), one_query=True))
+    )
     rng = random.Random(11)
     log = tmp_path / "merger.log"
-    for kill in range(KILLS):  # the first in the dangerous window
+    for kill in range(KILLS):  # the first two in the dangerous window
         logged = log.stat().st_size if log.exists() else 0
         process = subprocess.Popen(
-            [MERGER, "--config", str(pipeline.path)],
+            [MERGER, "--config", str(pipeline.path if kill == 0 else one_query)],
             stdout=subprocess.DEVNULL,
             stderr=log.open("ab"),
             start_new_session=True,
         )
-        if kill % 2 == 0:  # right after a batch's silver commit, before the checkpoint's
+        if kill < 2:  # right after a batch's silver commit, before the checkpoint's
             # (version 0, the table's creation, is no batch's)
             seen = max(1, len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0)
             deadline = time.monotonic() + 120
@@ -141,7 +157,8 @@ def test_exactly_once_effect_under_sigkill(
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
     # The drain: in this process, whose Spark is warm, in one batch.
-    merger = pipeline.config.merger.model_copy(update={"max_files_per_trigger": 100_000})
+    update = {"max_files_per_trigger": 100_000, "one_query": True}
+    merger = pipeline.config.merger.model_copy(update=update)
     start_merger(
         pipeline.config.model_copy(update={"merger": merger}), once=True, spark=spark
     ).run()
@@ -156,10 +173,14 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
     """Bronze gains a column while the merger runs: the stream is rebuilt, silver evolves
-    (the new column joins silver; the one the column selection excludes never does)."""
+    (the new column joins silver; the one the column selection excludes never does).
+
+    The merger runs as one query for all tables (``merger.one_query``): the query is
+    rebuilt with every table's schema read again. (A query per table is rebuilt the same
+    way, by the runner: the publishers' schema-change test runs that path.)"""
     pipeline = make_pipeline(
         entities=("customers",),
-        merger={"trigger_interval": "1 second", "metrics_port": 0},
+        merger={"trigger_interval": "1 second", "metrics_port": 0, "one_query": True},
         overrides={"customers": {"except_columns": ["phone"]}},
     )
     messages, switch = generate_across_schema_change(

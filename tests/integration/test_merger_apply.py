@@ -450,7 +450,7 @@ def test_service_expiry_counts_retention_in_bronze_ingest_time(
     spark: SparkSession, make_pipeline: Any, customers: Silver
 ) -> None:
     """A merger behind on old bronze events keeps the tombstones those events still need."""
-    from cdc_merger.main import EntityMerge
+    from cdc_merger.merging import EntityMerge
 
     pipeline = make_pipeline(entities=("customers",), merger={"tombstone_retention_hours": 1})
     entity = pipeline.config.entity("customers")

@@ -18,7 +18,7 @@ import pytest
 from cdc_cli.verify import TargetComparison, verify
 from cdc_devkit.oracle import SourceEvent, history_versions
 from cdc_merger.history import END, END_TS, START, START_TS
-from cdc_merger.main import silver_layout
+from cdc_merger.merging import silver_layout
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.config import HistoryConfig, PipelineConfig
 from delta.tables import DeltaTable

@@ -61,6 +61,7 @@ from cdc_shared.config import (
 )
 from cdc_shared.layout import MERGER, SERVICES, display_name
 from cdc_shared.silver import DELETED_AT
+from cdc_shared.stream_checkpoint import entity_source
 
 from cdc_cli.checkpoints import (
     SparkState,
@@ -249,6 +250,7 @@ def _need_from_checkpoint(
     path: str,
     checkpoint: str,
     change_feed: bool,
+    entity: str,
 ) -> tuple[bool, StreamNeed | None]:
     """(whether the stream started, what it needs: None when it is caught up).
 
@@ -258,9 +260,10 @@ def _need_from_checkpoint(
     stream reads the table's Change Data Feed (the publishers) rather than its added files.
     """
     batch = last_committed_batch(state, checkpoint)
-    if batch is None or not batch.sources:
+    offset = None if batch is None else entity_source(batch, state, checkpoint, entity)
+    if batch is None or offset is None:
         return False, None
-    position = delta_position(batch.sources[0], commit_file_counter(state, path, change_feed))
+    position = delta_position(offset, commit_file_counter(state, path, change_feed))
     history = state.history(path)
     note = f"checkpoint batch {batch.batch_id}"
     if position.snapshot and position.next_version in history:
@@ -317,6 +320,7 @@ def stream_needs(
             bronze,
             config.checkpoint_path("merger", entity.name),
             change_feed=False,
+            entity=entity.name,
         )
         # A merger that has not started reads bronze's latest snapshot when it does.
         if need is not None:
@@ -338,6 +342,7 @@ def stream_needs(
                 silver,
                 config.checkpoint_path(service, entity.name),
                 change_feed=True,
+                entity=entity.name,
             )
             if not started:
                 need = _unstarted_publisher_need(state, service, table, silver, settings[service])
@@ -620,10 +625,12 @@ def merged_ingest_time(
     if state.table_version(bronze) is None:
         return None
     history = state.history(bronze)
-    batch = last_committed_batch(state, config.checkpoint_path(MERGER, entity.name))
-    if batch is None or not batch.sources:
+    checkpoint = config.checkpoint_path(MERGER, entity.name)
+    batch = last_committed_batch(state, checkpoint)
+    offset = None if batch is None else entity_source(batch, state, checkpoint, entity.name)
+    if batch is None or offset is None:
         return None
-    position = delta_position(batch.sources[0], commit_file_counter(state, bronze, False))
+    position = delta_position(offset, commit_file_counter(state, bronze, False))
     if position.snapshot:
         return None
     unread = data_commits_from(history, position.next_version)

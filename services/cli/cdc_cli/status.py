@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import QUARANTINE_WRITERS, publisher_progress_group
+from cdc_shared.stream_checkpoint import entity_source
 from confluent_kafka import KafkaException, TopicPartition
 
 from cdc_cli.checkpoints import (
@@ -121,11 +122,12 @@ def _delta_stream_lag(
     change_feed = table == "silver"
     checkpoint = config.checkpoint_path(service, entity)
     batch = last_committed_batch(reader, checkpoint)
-    if batch is None or not batch.sources:
+    offset = None if batch is None else entity_source(batch, reader, checkpoint, entity)
+    if batch is None or offset is None:
         return StreamLag(service, None, "versions", NOT_STARTED)
     if reader.table_version(path) is None:
         return StreamLag(service, None, "versions", f"{table} table is missing")
-    position = delta_position(batch.sources[0], commit_file_counter(reader, path, change_feed))
+    position = delta_position(offset, commit_file_counter(reader, path, change_feed))
     lag = _data_versions_from(reader, path, position.next_version)
     note = f"batch {batch.batch_id}, next {table} version {position.next_version}"
     return StreamLag(service, lag, "versions", note)

@@ -1,0 +1,92 @@
+"""Where the merger's one query starts each table, and how its checkpoint is read back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cdc_merger.main import start
+from cdc_merger.one_query import carried_positions, position_version
+from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.layout import ALL_ENTITIES, MERGER
+from cdc_shared.stream_checkpoint import SOURCES_FILE, entity_source, last_committed_batch
+
+CHECKPOINT = f"/data/_checkpoints/{MERGER}/{ALL_ENTITIES}"
+
+
+class Files:
+    """A checkpoint's files held in a dict (path -> text); folders are implied."""
+
+    def __init__(self, files: dict[str, str]) -> None:
+        self.files = files
+
+    def list_names(self, path: str) -> list[str] | None:
+        prefix = path.rstrip("/") + "/"
+        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
+        return sorted(names) or None
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        return self.files.get(path)
+
+
+def _offset(version: int, index: int = -1, starting: bool = False) -> dict[str, object]:
+    return {
+        "sourceVersion": 1,
+        "reservoirId": "t",
+        "reservoirVersion": version,
+        "index": index,
+        "isStartingVersion": starting,
+    }
+
+
+def _one_query_checkpoint(entities: list[str], offsets: list[object], committed: bool) -> Files:
+    lines = "\n".join("-" if o is None else json.dumps(o) for o in offsets)
+    files = {
+        f"{CHECKPOINT}/{SOURCES_FILE}": json.dumps(
+            {"entities": entities, "starting_versions": {e: 0 for e in entities}}
+        ),
+        f"{CHECKPOINT}/offsets/4": "v1\n{}\n" + lines,
+    }
+    if committed:
+        files[f"{CHECKPOINT}/commits/4"] = "v1\n{}"
+    return Files(files)
+
+
+def test_a_table_carries_on_at_the_version_its_stream_had_reached() -> None:
+    assert position_version(_offset(7)) == 7  # version 7 next: read again at worst
+    assert position_version(_offset(7, index=3)) == 7  # inside version 7: from its start
+    # Still inside its first snapshot (no version resumes it) or never read: the snapshot.
+    assert position_version(_offset(7, starting=True)) is None
+    assert position_version(None) is None
+
+
+def test_each_table_of_a_committed_batch_is_carried_by_its_place_among_the_sources() -> None:
+    files = _one_query_checkpoint(["a", "b"], [_offset(3), _offset(9, starting=True)], True)
+    assert carried_positions(files, CHECKPOINT, ["a", "b"]) == {"a": 3, "b": None}
+    # Planned but never committed: the starts recorded for that batch still hold.
+    files = _one_query_checkpoint(["a", "b"], [_offset(3), _offset(9)], committed=False)
+    assert carried_positions(files, CHECKPOINT, ["a", "b"]) == {"a": 0, "b": 0}
+
+
+def test_status_reads_each_table_at_its_place_in_the_one_query() -> None:
+    files = _one_query_checkpoint(["a", "b"], [_offset(3), _offset(9)], committed=True)
+    batch = last_committed_batch(files, CHECKPOINT)
+    assert batch is not None
+    assert entity_source(batch, files, CHECKPOINT, "b") == _offset(9)
+    assert entity_source(batch, files, CHECKPOINT, "c") is None  # not read by the query yet
+    # A query over one table has no list: its only source.
+    own = Files({"/x/offsets/0": "v1\n{}\n" + json.dumps(_offset(2)), "/x/commits/0": ""})
+    batch = last_committed_batch(own, "/x")
+    assert batch is not None
+    assert entity_source(batch, own, "/x", "a") == _offset(2)
+
+
+def test_every_table_resumes_from_the_one_query_checkpoint_and_no_entity_alone() -> None:
+    config = PipelineConfig(
+        storage_root="/data",
+        entities=[EntityConfig(name="customers", source_topic="db.customers", key=["id"])],
+        merger={"one_query": True},
+    )
+    assert config.checkpoint_path(MERGER, "customers") == CHECKPOINT
+    with pytest.raises(ConfigError, match="leave out --entity"):
+        start(config, ["customers"])
