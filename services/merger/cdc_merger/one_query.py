@@ -2,10 +2,10 @@
 
 One query reads every entity's bronze table: a Delta stream per table, each projected
 to one shape (the entity's name, and its bronze row as Avro bytes) and the streams
-unioned. Each micro-batch is cached
-once, split by entity, and each entity present in it is applied exactly as its own
-stream would apply it (:class:`cdc_merger.merging.EntityMerge`), a few side by side. An
-entity without new bronze rows in a batch runs no Spark job.
+unioned. Each micro-batch is cached once, split by entity, and each entity present in
+it is applied exactly as its own stream would apply it
+(:class:`cdc_merger.merging.EntityMerge`), a few side by side. An entity without new
+bronze rows in a batch runs no Spark job.
 
 Replaying bronze is harmless to the merger (every step compares sequences), so where
 the one query starts needs no exactness, only to never skip: each table's stream starts
