@@ -29,7 +29,7 @@ from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import side_by_side, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, side_by_side, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
@@ -43,9 +43,6 @@ from pyspark.sql import functions as F
 
 from cdc_ingestor.ingestion import EntityIngestion, kafka_source
 
-#: How many entities of one batch are written side by side: two cores, and each
-#: entity's write waits part of its time on Delta's log and the registry.
-TABLES_AT_ONCE = 4
 #: Spark's Kafka source offsets for "from the start" and "from the end" of a partition.
 EARLIEST, LATEST = -2, -1
 METADATA_TIMEOUT_S = 30.0

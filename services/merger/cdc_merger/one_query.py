@@ -34,7 +34,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
 from cdc_shared.layout import ALL_ENTITIES, MERGER
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import side_by_side, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, side_by_side, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     SOURCES_FILE,
     CheckpointFiles,
@@ -54,9 +54,6 @@ from cdc_merger.merging import EntityMerge
 
 log = logging.getLogger("cdc_merger")
 
-#: How many entities of one batch are applied side by side: two cores, and each MERGE
-#: waits part of its time on Delta's log.
-TABLES_AT_ONCE = 4
 #: The columns of the one query's rows: their entity's name, and the bronze row itself
 #: (Avro: the tables' rows differ in shape, and a union needs one).
 ENTITY_COLUMN, ROW = "__entity", "__row"
