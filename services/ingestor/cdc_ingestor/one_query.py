@@ -29,7 +29,7 @@ from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, side_by_side, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
@@ -37,6 +37,7 @@ from cdc_shared.stream_checkpoint import (
     planned_batches,
 )
 from cdc_shared.streaming import QueryIdentity, StreamRunner
+from cdc_shared.streaming.group import MemberStreams
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -60,30 +61,28 @@ class AllTopicsIngestion:
     identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
 
     def __post_init__(self) -> None:
-        self.by_topic: dict[str, EntityIngestion] = {}
-        self._prepared: set[str] = set()
+        self.members = MemberStreams(self._open, lambda entity: entity.source_topic, self.identity)
         for entity in self.entities:
             self.add(entity)
+
+    def _open(self, entity: EntityConfig) -> EntityIngestion:
+        return EntityIngestion(self.spark, self.config, entity, self.runner, self.registry)
+
+    @property
+    def by_topic(self) -> dict[str, EntityIngestion]:
+        """Each entity's own stream (its txnAppId: the entity and the one query), by topic."""
+        return self.members.by_key
 
     def add(self, entity: EntityConfig, wait_s: float | None = None) -> None:
         """Take ``entity`` up: its topic is read from the query's next start.
 
         With ``wait_s``, its bronze is made first; if that raises, it is not taken up.
         """
-        stream = EntityIngestion(self.spark, self.config, entity, self.runner, self.registry)
-        stream.identity = self.identity  # its txnAppId: the entity and the one query's id
-        if wait_s is not None:
-            stream.prepare(wait_s)
-            self._prepared.add(entity.source_topic)
-        self.by_topic[entity.source_topic] = stream
+        self.members.add(entity, wait_s)
 
     def prepare(self, wait_s: float) -> None:
         """Every entity's bronze (and the quarantine) unless made already; the first alone."""
-        waiting = [s for t, s in self.by_topic.items() if t not in self._prepared]
-        prepares = [functools.partial(stream.prepare, wait_s) for stream in waiting]
-        side_by_side(prepares[:1])  # makes the quarantine table the others share
-        side_by_side_in_groups(prepares[1:], TABLES_AT_ONCE)
-        self._prepared.update(s.entity.source_topic for s in waiting)
+        self.members.prepare(wait_s)
 
     def source(self) -> DataFrame:
         """One Kafka source over every entity's topic (see :func:`starting_offsets`)."""

@@ -34,7 +34,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
 from cdc_shared.layout import ALL_ENTITIES, MERGER
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, side_by_side, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     SOURCES_FILE,
     CheckpointFiles,
@@ -44,6 +44,7 @@ from cdc_shared.stream_checkpoint import (
     recorded_sources,
 )
 from cdc_shared.streaming import QueryIdentity, StreamRunner
+from cdc_shared.streaming.group import MemberStreams
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -70,11 +71,18 @@ class AllTablesMerge:
     identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
 
     def __post_init__(self) -> None:
-        self.streams: dict[str, EntityMerge] = {}
+        self.members = MemberStreams(self._open, lambda entity: entity.name, self.identity)
         self.row_schemas: dict[str, str] = {}  # entity -> the Avro schema of its rows in ROW
-        self._prepared: set[str] = set()
         for entity in self.entities:
             self.add(entity)
+
+    def _open(self, entity: EntityConfig) -> EntityMerge:
+        return EntityMerge(self.spark, self.config, entity, self.runner)
+
+    @property
+    def streams(self) -> dict[str, EntityMerge]:
+        """Each entity's own stream (its quarantine's txnAppId: the entity and this query)."""
+        return self.members.by_key
 
     def add(self, entity: EntityConfig, wait_s: float | None = None) -> None:
         """Take ``entity`` up: its bronze is read from the query's next start.
@@ -82,20 +90,11 @@ class AllTablesMerge:
         With ``wait_s``, its silver and side tables are made first (bronze awaited
         ``wait_s``); if that raises, the entity is not taken up.
         """
-        stream = EntityMerge(self.spark, self.config, entity, self.runner)
-        stream.identity = self.identity  # its quarantine's txnAppId: the entity and this query
-        if wait_s is not None:
-            stream.prepare(wait_s)
-            self._prepared.add(entity.name)
-        self.streams[entity.name] = stream
+        self.members.add(entity, wait_s)
 
     def prepare(self, wait_s: float) -> None:
         """Every entity's silver and side tables unless made already; the first alone."""
-        waiting = [s for name, s in self.streams.items() if name not in self._prepared]
-        prepares = [functools.partial(stream.prepare, wait_s) for stream in waiting]
-        side_by_side(prepares[:1])  # makes the quarantine table the others share
-        side_by_side_in_groups(prepares[1:], TABLES_AT_ONCE)
-        self._prepared.update(s.entity.name for s in waiting)
+        self.members.prepare(wait_s)
 
     def source(self) -> DataFrame:
         """Every entity's bronze stream, as one union (see the module docstring)."""
