@@ -15,23 +15,9 @@ from cdc_ingestor.one_query import (
 )
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
+from support.checkpoint_files import Files
 
 ROOT = "/data"
-
-
-class Files:
-    """A checkpoint's files held in a dict (path -> text); folders are implied."""
-
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files
-
-    def list_names(self, path: str) -> list[str] | None:
-        prefix = path.rstrip("/") + "/"
-        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
-        return sorted(names) or None
-
-    def read_text_if_exists(self, path: str) -> str | None:
-        return self.files.get(path)
 
 
 def _config(one_query: bool = True, starting: str = "earliest") -> PipelineConfig:

@@ -10,23 +10,9 @@ from cdc_merger.one_query import carried_positions, position_version
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, MERGER
 from cdc_shared.stream_checkpoint import SOURCES_FILE, entity_source, last_committed_batch
+from support.checkpoint_files import Files
 
 CHECKPOINT = f"/data/_checkpoints/{MERGER}/{ALL_ENTITIES}"
-
-
-class Files:
-    """A checkpoint's files held in a dict (path -> text); folders are implied."""
-
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files = files
-
-    def list_names(self, path: str) -> list[str] | None:
-        prefix = path.rstrip("/") + "/"
-        names = {p[len(prefix) :].split("/")[0] for p in self.files if p.startswith(prefix)}
-        return sorted(names) or None
-
-    def read_text_if_exists(self, path: str) -> str | None:
-        return self.files.get(path)
 
 
 def _offset(version: int, index: int = -1, starting: bool = False) -> dict[str, object]:
