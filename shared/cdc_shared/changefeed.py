@@ -52,14 +52,22 @@ CHANGE_COLUMNS = (
 MAX_SEQUENCE_FOR_VERSION = (1 << 62) - 1
 
 
-def change_feed(spark: SparkSession, silver_path: str, settings: ChangeFeedConfig) -> DataFrame:
+def change_feed(
+    spark: SparkSession,
+    silver_path: str,
+    settings: ChangeFeedConfig,
+    from_version: int | None = None,
+) -> DataFrame:
     """Silver's Change Data Feed as a stream, from the configured start, limited per batch.
 
     With no start configured the stream begins at version 0, the table's creation, so a
-    first start publishes every change silver ever had.
+    first start publishes every change silver ever had. ``from_version`` overrides the
+    configured start (a publisher's one query carrying a table over).
     """
     reader = spark.readStream.format("delta").option("readChangeFeed", "true")
-    if settings.starting_timestamp is not None:
+    if from_version is not None:
+        reader = reader.option("startingVersion", from_version)
+    elif settings.starting_timestamp is not None:
         reader = reader.option("startingTimestamp", settings.starting_timestamp)
     else:
         reader = reader.option("startingVersion", settings.starting_version or 0)

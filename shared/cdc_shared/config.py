@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc_shared.layout import ALL_ENTITIES, INGESTOR, MERGER, StorageLayout
+from cdc_shared.layout import ALL_ENTITIES, StorageLayout
 from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
@@ -412,6 +412,11 @@ class StreamingServiceConfig(_Section):
     trigger_interval: str = Field(default="5 seconds", min_length=1)
     metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
+    # One streaming query for every entity (one Kafka source over every topic, or a union
+    # of every table's Delta stream; each batch split by entity) instead of one query per
+    # entity: an idle table costs no query (docs/configuration.md, the "One ... query for
+    # all tables" sections).
+    one_query: bool = False
 
     def batch_interval(self, freshness: str | None) -> str:
         """How often a table's stream runs a batch.
@@ -436,10 +441,6 @@ class IngestorConfig(StreamingServiceConfig):
     # Records whose writer schema the reader cannot resolve: stop the entity (docs/design.md),
     # or quarantine them as incompatible_schema and go on.
     on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
-    # One streaming query reads every entity's topic (one Kafka source, the batch split
-    # by topic), instead of one query per entity: what an idle table costs drops to
-    # nothing (docs/configuration.md, "One ingestion query for all tables").
-    one_query: bool = False
 
 
 class MergerConfig(StreamingServiceConfig):
@@ -464,10 +465,6 @@ class MergerConfig(StreamingServiceConfig):
         default="__debezium_unavailable_value", min_length=1
     )
     metrics_port: int = Field(default=9102, ge=0, lt=65536)
-    # One streaming query reads every entity's bronze (a union of Delta sources, the
-    # batch split by entity), instead of one query per entity (docs/configuration.md,
-    # "One query for all tables").
-    one_query: bool = False
 
     @field_validator("unavailable_value_placeholder")
     @classmethod
@@ -1007,15 +1004,14 @@ class PipelineConfig(BaseSettings):
 
     def runs_one_query(self, service: str) -> bool:
         """Whether ``service`` runs one query for all its entities (``<service>.one_query``)."""
-        return (service == INGESTOR and self.ingestor.one_query) or (
-            service == MERGER and self.merger.one_query
-        )
+        settings = getattr(self, service, None)  # any other name: a stream of its own
+        return isinstance(settings, StreamingServiceConfig) and settings.one_query
 
     def checkpoint_path(self, service: str, entity: str) -> str:
         """``<storage_root>/_checkpoints/<service>/<entity>``: where ``entity``'s stream resumes.
 
-        With ``ingestor.one_query`` (``merger.one_query``) every entity's ingestion (merge)
-        resumes from the one query's checkpoint, ``_checkpoints/<service>/_all``.
+        With ``<service>.one_query`` every entity's stream resumes from the one query's
+        checkpoint, ``_checkpoints/<service>/_all``.
         """
         if self.runs_one_query(service):
             entity = ALL_ENTITIES

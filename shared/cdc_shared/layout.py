@@ -19,7 +19,7 @@ SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The services that quarantine what they cannot process (publisher-kafka: oversized events).
 QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The name, in place of an entity's, of a service's one query over all its entities
-#: (``ingestor.one_query``): its checkpoint folder and its stream in ``/health``. No
+#: (``<service>.one_query``): its checkpoint folder and its stream in ``/health``. No
 #: entity can take it: entity names start with a letter.
 ALL_ENTITIES = "_all"
 

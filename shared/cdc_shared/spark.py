@@ -53,9 +53,9 @@ PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
 START_PARALLELISM = "spark.cdc.streams.startParallelism"
 #: How many of a service's micro-batches run at once (``cdc_shared.streaming.gate``); 0: all.
 BATCH_PARALLELISM = "spark.cdc.streams.batchParallelism"
-#: How many tables a service's one query (``ingestor.one_query``, ``merger.one_query``)
-#: prepares and writes side by side: two cores, and each table's write waits part of its
-#: time on Delta's log (and the ingestor's on the registry).
+#: How many tables a service's one query (``<service>.one_query``) prepares and writes
+#: side by side: two cores, and each table's write waits part of its time on Delta's log
+#: (and the ingestor's on the registry).
 TABLES_AT_ONCE = 4
 #: PySpark's recording of each column function's Python call site (for error context).
 DATAFRAME_DEBUGGING = "spark.python.sql.dataFrameDebugging.enabled"

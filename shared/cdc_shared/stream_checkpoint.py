@@ -97,8 +97,9 @@ def parse_offsets(text: str) -> tuple[Any, ...]:
     return tuple(None if line.strip() == "-" else json.loads(line) for line in lines[2:])
 
 
-#: The file in the checkpoint of a query over many Delta tables (``merger.one_query``)
-#: listing its tables in the order of its sources, and where each one's stream started:
+#: The file in the checkpoint of a query over many Delta tables
+#: (``cdc_shared.streaming.delta_union``) listing its tables in the order of its sources,
+#: and where each one's stream started:
 #: ``{"entities": [...], "starting_versions": {entity: version | null}}``.
 SOURCES_FILE = "cdc_sources.json"
 

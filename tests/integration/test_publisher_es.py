@@ -72,7 +72,9 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
     """The index equals the oracle; each table's column selection narrows silver and the
-    index (the mapping too), bronze keeping every column."""
+    index (the mapping too), bronze keeping every column. Published by a query per table,
+    then as one query for all tables (``publisher_es.one_query``): the switch publishes
+    nothing anew, and the one query rebuilds lost indexes as the per-table streams do."""
     pipeline = make_pipeline(
         **SMALL_BATCHES,
         publisher_es={"max_files_per_trigger": 2, "metrics_port": 0},
@@ -117,11 +119,16 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     assert list(es.indices.get_alias(name=alias).body) == [f"{alias}-000001"]
     assert mapping["_meta"]["cdc_entity"] == "orders"
 
-    publish_once(pipeline.config, spark)  # nothing new: the index is untouched
+    # One query for all tables from here on, carried over from the per-table checkpoints
+    # (the last version read again): nothing new, the index is untouched.
+    config = with_publisher(pipeline.config, one_query=True)
+    publish_once(config, spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == first
+    one_query_checkpoint = Path(config.checkpoint_path("publisher_es", "customers"))
+    assert one_query_checkpoint.name == "_all"
+    assert any((one_query_checkpoint / "commits").iterdir()), "the one query committed nothing"
 
     # The indexes deleted between two runs, while the checkpoints resume past every change.
-    config = pipeline.config
     aliases = [entity.es_index_name for entity in config.entities]
     es.indices.delete(index=[f"{alias}-000001" for alias in aliases])
     # on_missing_index: stop refuses, saying how to rebuild, and creates no empty index.

@@ -1,10 +1,10 @@
-"""publisher-kafka as a process: SIGKILLs at random and right after a Kafka commit, and a
-broker restart mid-run; read_committed consumers still see every change exactly once."""
+"""publisher-kafka as a process: SIGKILLs right after a Kafka commit, with a query per
+table and as one query for all tables, and a broker restart mid-run; read_committed
+consumers still see every change exactly once."""
 
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_shared.clients import make_consumer
@@ -27,9 +28,10 @@ from support.silver import assert_silver_equals_oracle, merge_in_slices
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-kafka"))
-# SIGKILLs per test: one lands in the dangerous window (after the sink's commit, before
-# the checkpoint's), the other anywhere in the batches; every restart costs a Spark start
-# (the chaos run, tests/e2e/test_chaos.py, kills this service under load too).
+# SIGKILLs per test, each in the dangerous window (after the sink's commit, before the
+# checkpoint's): the first with a query per table, the second as one query for all
+# tables. Every restart costs a Spark start; the chaos run (tests/e2e/test_chaos.py)
+# kills this service at random moments under load.
 KILLS = 2
 
 
@@ -57,9 +59,9 @@ class ProgressWatch:
             return committed.offset - 1 if committed.offset >= 0 else -1
 
 
-def _start(pipeline: Pipeline, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def _start(config: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [PUBLISHER, "--config", str(pipeline.path), *extra],
+        [PUBLISHER, "--config", str(config), *extra],
         stdout=subprocess.DEVNULL,
         stderr=log.open("ab"),
         start_new_session=True,
@@ -105,20 +107,23 @@ def test_exactly_once_under_sigkill_and_broker_restart(
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
 
     watch = ProgressWatch(kafka_config, pipeline, "customers")
-    rng = random.Random(7)
     log = tmp_path / "publisher.log"
-    for kill in range(KILLS):  # the first in the dangerous window
-        process = _start(pipeline, log)
-        if kill % 2 == 0:  # right after a Kafka commit, before Spark's checkpoint commit
-            _wait_for_new_progress(watch, watch.version())
-        else:
-            time.sleep(rng.uniform(8, 14))
+    # After the first kill, one query for all tables (``publisher_kafka.one_query``): it
+    # carries on from the per-table checkpoint, the last version read again and skipped.
+    document = yaml.safe_load(pipeline.path.read_text())
+    document["publisher_kafka"] = {**document["publisher_kafka"], "one_query": True}
+    one_query = tmp_path / "pipeline-one-query.yaml"
+    one_query.write_text(yaml.safe_dump(document))
+    for kill in range(KILLS):
+        process = _start(pipeline.path if kill == 0 else one_query, log)
+        # Right after a Kafka commit, before Spark's checkpoint commit.
+        _wait_for_new_progress(watch, watch.version())
         assert process.poll() is None, f"publisher died by itself; see {log}"
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
 
     # The broker goes away in the middle of a run and comes back.
-    process = _start(pipeline, log)
+    process = _start(one_query, log)
     _wait_for_new_progress(watch, watch.version())
     infra.stop(TEST_INFRA, "kafka")
     time.sleep(5)
@@ -135,4 +140,6 @@ def test_exactly_once_under_sigkill_and_broker_restart(
     process.send_signal(signal.SIGTERM)
     assert process.wait(300) == 0, f"publisher did not stop cleanly on SIGTERM; see {log}"
     watch.consumer.close()
+    one_query_commits = Path(pipeline.config.layout.checkpoint("publisher_kafka", "_all"))
+    assert any((one_query_commits / "commits").iterdir()), "the one query committed nothing"
     assert_change_topics_exactly_once(spark, pipeline, kafka_config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.config import PipelineConfig
 from cdc_shared.schemas import make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import StreamRunner, StreamService, start_service
@@ -33,11 +33,6 @@ def start(
 
     One stream per entity, or one query for all of them (``ingestor.one_query``).
     """
-    if config.ingestor.one_query and entity_names is not None:
-        raise ConfigError(
-            "ingestor.one_query reads every entity in one query: it cannot be started for "
-            f"some entities only ({', '.join(entity_names)}); leave out --entity"
-        )
     registry = make_registry(config)
     ingestor = StreamService(
         SERVICE,

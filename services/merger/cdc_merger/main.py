@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import MERGER
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -37,11 +37,6 @@ def start(
 
     One stream per entity, or one query for all of them (``merger.one_query``).
     """
-    if config.merger.one_query and entity_names is not None:
-        raise ConfigError(
-            "merger.one_query merges every entity in one query: it cannot be started for "
-            f"some entities only ({', '.join(entity_names)}); leave out --entity"
-        )
     merger = StreamService(
         SERVICE,
         config.merger,

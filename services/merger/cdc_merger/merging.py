@@ -43,7 +43,7 @@ from cdc_merger.apply import (
     lost_local_checkpoint,
     without_columns,
 )
-from cdc_merger.bronze_start import reads_from_first_commit
+from cdc_merger.bronze_start import reads_from_first_commit, replayable_from_first_commit
 from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
 
@@ -159,9 +159,16 @@ class EntityMerge(EntityStreamBase):
         """
         checkpoint = self.config.checkpoint_path(SERVICE, self.entity.name)
         first = reads_from_first_commit(self.spark, self.bronze_path, checkpoint)
-        return self.bronze_stream(0 if first else None)
+        return self.stream_from(0 if first else None)
 
-    def bronze_stream(self, starting_version: int | None) -> DataFrame:
+    def first_start(self) -> int | None:
+        """Where a stream of bronze starts in the one query, having read nothing before.
+
+        Bronze's first commit when bronze can replay it, else (None) its snapshot.
+        """
+        return 0 if replayable_from_first_commit(self.spark, self.bronze_path) else None
+
+    def stream_from(self, starting_version: int | None) -> DataFrame:
         """Bronze as a Delta stream from ``starting_version`` (None: its snapshot), limited."""
         settings = self.config.merger
         reader = self.spark.readStream.format("delta")

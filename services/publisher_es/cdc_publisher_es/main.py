@@ -1,6 +1,7 @@
 """``cdc-publisher-es``: silver Change Data Feed -> one Elasticsearch index per entity.
 
-Per entity: silver's CDF as a stream (source) -> one action per change, id = primary key,
+Per entity (or all entities in one query, ``publisher_es.one_query``): silver's CDF
+as a stream (source) -> one action per change, id = primary key,
 ``version_type=external`` with a version that grows per key (transform) -> bulk writes
 with retries, permanent failures to ``quarantine/publisher_es`` (sink). A micro-batch
 returns, and so is committed to the checkpoint, only once each of its documents is
@@ -20,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import PipelineConfig
+from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -31,6 +32,7 @@ from cdc_shared.streaming import (
     rebuilding_on_schema_change,
     start_service,
 )
+from cdc_shared.streaming.delta_union import DeltaTablesQuery
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
@@ -108,7 +110,11 @@ class EntityPublisher(EntityStreamBase):
     # --- the stream ----------------------------------------------------------------
 
     def source(self) -> DataFrame:
-        """Silver's Change Data Feed as a stream, from the configured start.
+        """Silver's Change Data Feed as a stream, from the configured start."""
+        return self.stream_from(None)
+
+    def stream_from(self, version: int | None) -> DataFrame:
+        """Silver's Change Data Feed from ``version`` (None: the configured start).
 
         A micro-batch is collected in the driver (as Arrow), so unless
         ``max_bytes_per_trigger`` is set it is bounded by ``DEFAULT_MAX_BYTES_PER_TRIGGER``.
@@ -118,7 +124,11 @@ class EntityPublisher(EntityStreamBase):
             settings = settings.model_copy(
                 update={"max_bytes_per_trigger": DEFAULT_MAX_BYTES_PER_TRIGGER}
             )
-        return change_feed(self.spark, self.silver_path, settings)
+        return change_feed(self.spark, self.silver_path, settings, version)
+
+    def first_start(self) -> int | None:
+        """A new stream starts where configured (``publisher_es.starting_version``, ...)."""
+        return None
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Index the batch; return only when each document is applied or quarantined."""
@@ -241,15 +251,41 @@ def start(
     once: bool = False,
     spark: SparkSession | None = None,
 ) -> StreamRunner:
-    """Create the indexes and quarantine, start one stream per entity; ``run()`` the result."""
+    """Create the indexes and quarantine, start the streams; ``run()`` the result.
+
+    One stream per entity, or one query for all of them (``publisher_es.one_query``).
+    """
     publisher_es = StreamService(
         SERVICE,
         config.publisher_es,
         EntityPublisher,
         lag=None,  # silver versions not yet published: each batch reports it
         on_failure=recognising_lost_index(rebuilding_on_schema_change("silver")),
+        open_group=open_all_tables if config.publisher_es.one_query else None,
     )
     return start_service(publisher_es, config, entity_names, once, spark)
+
+
+def open_all_tables(
+    spark: SparkSession,
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    runner: StreamRunner,
+) -> DeltaTablesQuery[EntityPublisher]:
+    """publisher-es's one stream over every entity's change feed (an ``OpenGroup``).
+
+    Replays are harmless (Elasticsearch refuses a version it holds), so each table
+    starts at the silver version its previous stream had reached.
+    """
+    return DeltaTablesQuery(
+        spark,
+        config,
+        SERVICE,
+        entities,
+        runner,
+        open_member=lambda entity: EntityPublisher(spark, config, entity, runner),
+        table_path=config.layout.silver,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

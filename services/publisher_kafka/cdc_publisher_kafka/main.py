@@ -1,6 +1,7 @@
 """``cdc-publisher-kafka``: silver Change Data Feed -> Avro change topics, exactly-once.
 
-Per entity: silver's change feed (source) -> change events encoded with the topic's
+Per entity (or all entities in one query, ``publisher_kafka.one_query``): silver's
+change feed (source) -> change events encoded with the topic's
 registered schemas (transform) -> one Kafka transaction per micro-batch that also records
 how far it got (sink). A replayed micro-batch skips everything already published.
 An event larger than the change topic accepts goes to ``quarantine/publisher_kafka``
@@ -37,8 +38,10 @@ from cdc_shared.streaming import (
     StreamRunner,
     StreamService,
     rebuilding_on_schema_change,
+    refuse_some_entities_in_one_query,
     start_service,
 )
+from cdc_shared.streaming.delta_union import DeltaTablesQuery
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
@@ -92,25 +95,21 @@ class EntityPublication(EntityStreamBase):
         self.publisher: TransactionalPublisher | None = None  # made by the first prepare()
 
     def prepare(self, wait_s: float) -> None:
-        """Wait for silver, register the topic's schemas, make and start the producer once.
+        """Wait for silver, make and start the producer once.
 
-        Registered on every (re)build: after silver's schema changed, the rebuilt stream
-        publishes with the newest schemas. A change topic that lost what was published
-        to it stops the start (StreamFailedError), saying how to publish again. ACLs that
-        refuse this entity's topic or group stop this entity alone (EntityStoppedError);
-        a refused transactional id stops the service.
+        A change topic that lost what was published to it stops the start
+        (StreamFailedError), saying how to publish again. ACLs that refuse this entity's
+        topic or group stop this entity alone (EntityStoppedError); a refused
+        transactional id stops the service.
         """
         hint = f"start the merger for entity {self.entity.name!r} first"
         wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
-        self.registry.refresh()
-        schemas = entity_schemas(self.entity, self.registry)
-        self.contract = register_contract(self.entity, schemas, self.registry)
         if self.publisher is None:
             publisher = TransactionalPublisher(
                 self.config.kafka,
                 self.settings,
-                self.contract.topic,
+                self.entity.change_topic_name,
                 on_problem=self.set_problem,
             )
             started = False
@@ -147,7 +146,23 @@ class EntityPublication(EntityStreamBase):
 
     def source(self) -> DataFrame:
         """Silver's change feed from the configured start."""
-        return change_feed(self.spark, self.silver_path, self.settings)
+        return self.stream_from(None)
+
+    def stream_from(self, version: int | None) -> DataFrame:
+        """Silver's change feed from ``version`` (None: the configured start).
+
+        The topic's schemas are registered on every (re)build of the query (alone or in
+        the one query): after silver's schema changed, the rebuilt stream publishes with
+        the newest schemas.
+        """
+        self.registry.refresh()
+        schemas = entity_schemas(self.entity, self.registry)
+        self.contract = register_contract(self.entity, schemas, self.registry)
+        return change_feed(self.spark, self.silver_path, self.settings, version)
+
+    def first_start(self) -> int | None:
+        """A new stream starts where configured (``publisher_kafka.starting_version``, ...)."""
+        return None
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Publish the batch's changes not published yet, with the progress, atomically."""
@@ -293,7 +308,11 @@ def start(
     once: bool = False,
     spark: SparkSession | None = None,
 ) -> StreamRunner:
-    """Create the topics, register the schemas, start one stream per entity."""
+    """Create the topics, register the schemas, start the streams; ``run()`` the result.
+
+    One stream per entity, or one query for all of them (``publisher_kafka.one_query``).
+    """
+    refuse_some_entities_in_one_query(config, SERVICE, entity_names)  # before any topic
     settings = config.publisher_kafka
     registry = make_registry(config)
     entities = config.select_entities(entity_names)
@@ -326,12 +345,34 @@ def start(
                 runner.on_close(publication.close)
         return publications[entity.name]
 
+    def all_tables(
+        spark: SparkSession,
+        pipeline: PipelineConfig,
+        entities: list[EntityConfig],
+        runner: StreamRunner,
+    ) -> DeltaTablesQuery[EntityPublication]:
+        """The one stream over every entity's change feed (``publisher_kafka.one_query``).
+
+        Replays are harmless (each topic's progress says which silver versions it
+        holds), so each table starts at the silver version its previous stream reached.
+        """
+        return DeltaTablesQuery(
+            spark,
+            pipeline,
+            SERVICE,
+            entities,
+            runner,
+            open_member=lambda entity: kept_publication(spark, pipeline, entity, runner),
+            table_path=pipeline.layout.silver,
+        )
+
     publisher_kafka = StreamService(
         SERVICE,
         settings,
         kept_publication,
         lag=None,  # silver versions not yet published: each batch reports it
         on_failure=refused_permissions(rebuilding_on_schema_change("silver")),
+        open_group=all_tables if settings.one_query else None,
     )
     runner = start_service(publisher_kafka, config, entity_names, once, spark)
     for name in at_start & publications.keys():

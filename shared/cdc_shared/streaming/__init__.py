@@ -33,6 +33,7 @@ from cdc_shared.streaming.runtime import (
     OpenGroup,
     StreamService,
     foreach_batch_writer,
+    refuse_some_entities_in_one_query,
     start_service,
     with_trigger,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "no_space_message",
     "rebuilding_on_schema_change",
     "recognising_full_storage",
+    "refuse_some_entities_in_one_query",
     "source_metric",
     "start_service",
     "with_trigger",

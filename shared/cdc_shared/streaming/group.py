@@ -1,9 +1,9 @@
 """The entity streams inside a service's one query, each taken up and prepared once.
 
-A service run as one query for all its tables (``ingestor.one_query``,
-``merger.one_query``) still writes each table through that table's own stream; this
-holds those streams, gives each the one query's identity (their idempotent writes name
-the one query), and prepares them a few at a time.
+A service run as one query for all its tables (``<service>.one_query``) still writes
+each table through that table's own stream; this holds those streams, gives each the one
+query's identity (their idempotent writes name the one query), and prepares them a few
+at a time.
 """
 
 from __future__ import annotations

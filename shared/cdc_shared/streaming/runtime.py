@@ -146,6 +146,17 @@ def foreach_batch_writer(
     return with_trigger(writer, once, interval)
 
 
+def refuse_some_entities_in_one_query(
+    config: PipelineConfig, service: str, entity_names: list[str] | None
+) -> None:
+    """ConfigError when ``service`` runs one query for all entities and some are asked for."""
+    if config.runs_one_query(service) and entity_names is not None:
+        raise ConfigError(
+            f"{service}.one_query runs every entity in one query: it cannot be started "
+            f"for some entities only ({', '.join(entity_names)}); leave out --entity"
+        )
+
+
 def start_service(
     service: StreamService,
     config: PipelineConfig,
@@ -168,6 +179,7 @@ def start_service(
     session is built, through which they are written). The leases are renewed while it
     runs and released when its runner closes; a lease taken over fails the runner.
     """
+    refuse_some_entities_in_one_query(config, service.name, entity_names)
     entities = config.select_entities(entity_names)
     if not entities:
         raise ConfigError(f"the configuration defines no entities for the {service.name}")

@@ -1,15 +1,27 @@
-"""Where the merger's one query starts each table, and how its checkpoint is read back."""
+"""Where a one query over Delta tables (the merger's, the publishers') starts each table,
+how its checkpoint is read back, and that it is never started for some entities only."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
-from cdc_merger.main import start
-from cdc_merger.one_query import carried_positions, position_version
+from cdc_ingestor.main import start as start_ingestor
+from cdc_merger.main import start as start_merger
+from cdc_publisher_es.main import start as start_publisher_es
+from cdc_publisher_kafka.main import start as start_publisher_kafka
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
-from cdc_shared.layout import ALL_ENTITIES, MERGER
+from cdc_shared.layout import (
+    ALL_ENTITIES,
+    INGESTOR,
+    MERGER,
+    PUBLISHER_ES,
+    PUBLISHER_KAFKA,
+    SERVICES,
+)
 from cdc_shared.stream_checkpoint import SOURCES_FILE, entity_source, last_committed_batch
+from cdc_shared.streaming.delta_union import carried_positions, position_version
 from support.checkpoint_files import Files
 
 CHECKPOINT = f"/data/_checkpoints/{MERGER}/{ALL_ENTITIES}"
@@ -67,12 +79,26 @@ def test_status_reads_each_table_at_its_place_in_the_one_query() -> None:
     assert entity_source(batch, own, "/x", "a") == _offset(2)
 
 
-def test_every_table_resumes_from_the_one_query_checkpoint_and_no_entity_alone() -> None:
+@pytest.mark.parametrize(
+    ("service", "start"),
+    [
+        (INGESTOR, start_ingestor),
+        (MERGER, start_merger),
+        (PUBLISHER_KAFKA, start_publisher_kafka),
+        (PUBLISHER_ES, start_publisher_es),
+    ],
+)
+def test_every_table_resumes_from_the_one_query_checkpoint_and_no_entity_alone(
+    service: str, start: Callable[[PipelineConfig, list[str]], object]
+) -> None:
     config = PipelineConfig(
         storage_root="/data",
         entities=[EntityConfig(name="customers", source_topic="db.customers", key=["id"])],
-        merger={"one_query": True},
+        **{service: {"one_query": True}},
     )
-    assert config.checkpoint_path(MERGER, "customers") == CHECKPOINT
-    with pytest.raises(ConfigError, match="leave out --entity"):
+    assert config.checkpoint_path(service, "customers") == f"/data/_checkpoints/{service}/_all"
+    others = set(SERVICES) - {service}
+    assert all(config.checkpoint_path(s, "customers").endswith("/customers") for s in others)
+    # Refused before anything is made (no session, no topic, no registry).
+    with pytest.raises(ConfigError, match=rf"{service}\.one_query .* leave out --entity"):
         start(config, ["customers"])
