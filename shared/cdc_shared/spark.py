@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from pyspark import InheritableThread
-from pyspark.sql import Column, SparkSession
+from pyspark import InheritableThread, StorageLevel
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_shared import jvm, jvm_bridge
@@ -346,6 +346,24 @@ def side_by_side(calls: Sequence[Callable[[], object]]) -> None:
             errors.append(call.error)
     if errors:
         raise errors[0]
+
+
+@contextmanager
+def cached_in_few_partitions(batch: DataFrame) -> Iterator[DataFrame]:
+    """``batch`` read once, cached in as many partitions as the cluster has cores.
+
+    A one query's batch is split by table with a filter per table, and a filter scans
+    every partition of what it reads (a task each, empty or not): a batch read from 300
+    Kafka partitions, or from the files of 100 Delta tables, would cost every job of
+    every table that many tasks. Coalesced first (no shuffle: the source's partitions are
+    read a few per task), each table's job is a task per core.
+    """
+    cores = max(1, batch.sparkSession.sparkContext.defaultParallelism)
+    cached = batch.coalesce(cores).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        yield cached
+    finally:
+        cached.unpersist()
 
 
 def side_by_side_in_groups(calls: Sequence[Callable[[], object]], size: int) -> None:

@@ -29,7 +29,7 @@ from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, cached_in_few_partitions, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
@@ -38,7 +38,6 @@ from cdc_shared.stream_checkpoint import (
 )
 from cdc_shared.streaming import QueryIdentity, StreamRunner
 from cdc_shared.streaming.group import MemberStreams
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -93,13 +92,12 @@ class AllTopicsIngestion:
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Each entity present in the batch written as its own stream would (idempotently).
 
-        The batch is cached so that Kafka is read once, whatever the number of entities;
-        the topics present are found on the cache.
+        The batch is cached (in few partitions) so that Kafka is read once, whatever the
+        number of entities; the topics present are found on the cache.
         """
         lap = Stopwatch()
-        batch.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            present = sorted(row[0] for row in batch.select("topic").distinct().collect())
+        with cached_in_few_partitions(batch) as cached:
+            present = sorted(row[0] for row in cached.select("topic").distinct().collect())
             lap("split")
             unknown = [topic for topic in present if topic not in self.by_topic]
             if unknown:  # cannot happen with a subscription by name: never drop records
@@ -108,15 +106,13 @@ class AllTopicsIngestion:
             writes = [
                 functools.partial(
                     stream.process_batch,
-                    batch.where(F.col("topic") == stream.entity.source_topic),
+                    cached.where(F.col("topic") == stream.entity.source_topic),
                     batch_id,
                 )
                 for stream in streams
             ]
             side_by_side_in_groups(writes, TABLES_AT_ONCE)
             lap("tables")
-        finally:
-            batch.unpersist()
         stats = self.runner.take_group_stats([s.entity.name for s in streams], batch_id)
         stats.extra.update(lap.laps)
         self.runner.report(ALL_ENTITIES, batch_id, stats)

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro, to_avro
@@ -42,7 +41,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
 from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, side_by_side_in_groups
+from cdc_shared.spark import TABLES_AT_ONCE, cached_in_few_partitions, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
     SOURCES_FILE,
     CheckpointFiles,
@@ -137,24 +136,21 @@ class DeltaTablesQuery(Generic[Member]):
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Each entity present in the batch written as its own stream would write it.
 
-        The batch is cached so that each table is read once, whatever the number of
-        entities; the entities present are found on the cache.
+        The batch is cached (in few partitions) so that each table is read once, whatever
+        the number of entities; the entities present are found on the cache.
         """
         lap = Stopwatch()
-        batch.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            present = sorted(row[0] for row in batch.select(ENTITY_COLUMN).distinct().collect())
+        with cached_in_few_partitions(batch) as cached:
+            present = sorted(row[0] for row in cached.select(ENTITY_COLUMN).distinct().collect())
             lap("split")
             writes = [
                 functools.partial(
-                    self.streams[name].process_batch, self.rows_of(batch, name), batch_id
+                    self.streams[name].process_batch, self.rows_of(cached, name), batch_id
                 )
                 for name in present
             ]
             side_by_side_in_groups(writes, TABLES_AT_ONCE)
             lap("tables")
-        finally:
-            batch.unpersist()
         stats = self.runner.take_group_stats(present, batch_id)
         stats.extra.update(lap.laps)
         self.runner.report(ALL_ENTITIES, batch_id, stats)
