@@ -9,28 +9,10 @@ table starts at the bronze version its previous stream had reached.
 
 from __future__ import annotations
 
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import MERGER
-from cdc_shared.streaming import StreamRunner
-from cdc_shared.streaming.delta_union import DeltaTablesQuery
-from pyspark.sql import SparkSession
+from cdc_shared.layout import MERGER, StorageLayout
+from cdc_shared.streaming.delta_union import delta_tables_group
 
 from cdc_merger.merging import EntityMerge
 
-
-def open_all_tables(
-    spark: SparkSession,
-    config: PipelineConfig,
-    entities: list[EntityConfig],
-    runner: StreamRunner,
-) -> DeltaTablesQuery[EntityMerge]:
-    """The merger's one stream over every entity's bronze (an ``OpenGroup``)."""
-    return DeltaTablesQuery(
-        spark,
-        config,
-        MERGER,
-        entities,
-        runner,
-        open_member=lambda entity: EntityMerge(spark, config, entity, runner),
-        table_path=config.layout.bronze,
-    )
+#: The merger's one stream over every entity's bronze (an ``OpenGroup``).
+open_all_tables = delta_tables_group(MERGER, EntityMerge, StorageLayout.bronze)

@@ -21,8 +21,8 @@ from typing import Any
 import pyarrow as pa
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import PUBLISHER_ES
+from cdc_shared.config import PipelineConfig
+from cdc_shared.layout import PUBLISHER_ES, StorageLayout
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
@@ -32,7 +32,7 @@ from cdc_shared.streaming import (
     rebuilding_on_schema_change,
     start_service,
 )
-from cdc_shared.streaming.delta_union import DeltaTablesQuery
+from cdc_shared.streaming.delta_union import delta_tables_group
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
@@ -266,26 +266,10 @@ def start(
     return start_service(publisher_es, config, entity_names, once, spark)
 
 
-def open_all_tables(
-    spark: SparkSession,
-    config: PipelineConfig,
-    entities: list[EntityConfig],
-    runner: StreamRunner,
-) -> DeltaTablesQuery[EntityPublisher]:
-    """publisher-es's one stream over every entity's change feed (an ``OpenGroup``).
-
-    Replays are harmless (Elasticsearch refuses a version it holds), so each table
-    starts at the silver version its previous stream had reached.
-    """
-    return DeltaTablesQuery(
-        spark,
-        config,
-        SERVICE,
-        entities,
-        runner,
-        open_member=lambda entity: EntityPublisher(spark, config, entity, runner),
-        table_path=config.layout.silver,
-    )
+#: publisher-es's one stream over every entity's change feed (an ``OpenGroup``). Replays
+#: are harmless (Elasticsearch refuses a version it holds), so each table starts at the
+#: silver version its previous stream had reached.
+open_all_tables = delta_tables_group(SERVICE, EntityPublisher, StorageLayout.silver)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from cdc_shared.avro import SchemaRegistry
 from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig, PublisherKafkaConfig
-from cdc_shared.layout import PUBLISHER_KAFKA
+from cdc_shared.layout import PUBLISHER_KAFKA, StorageLayout
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.service import service_main
 from cdc_shared.streaming import (
@@ -41,7 +41,7 @@ from cdc_shared.streaming import (
     refuse_some_entities_in_one_query,
     start_service,
 )
-from cdc_shared.streaming.delta_union import DeltaTablesQuery
+from cdc_shared.streaming.delta_union import delta_tables_group
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
@@ -345,34 +345,19 @@ def start(
                 runner.on_close(publication.close)
         return publications[entity.name]
 
-    def all_tables(
-        spark: SparkSession,
-        pipeline: PipelineConfig,
-        entities: list[EntityConfig],
-        runner: StreamRunner,
-    ) -> DeltaTablesQuery[EntityPublication]:
-        """The one stream over every entity's change feed (``publisher_kafka.one_query``).
-
-        Replays are harmless (each topic's progress says which silver versions it
-        holds), so each table starts at the silver version its previous stream reached.
-        """
-        return DeltaTablesQuery(
-            spark,
-            pipeline,
-            SERVICE,
-            entities,
-            runner,
-            open_member=lambda entity: kept_publication(spark, pipeline, entity, runner),
-            table_path=pipeline.layout.silver,
-        )
-
     publisher_kafka = StreamService(
         SERVICE,
         settings,
         kept_publication,
         lag=None,  # silver versions not yet published: each batch reports it
         on_failure=refused_permissions(rebuilding_on_schema_change("silver")),
-        open_group=all_tables if settings.one_query else None,
+        # One query: replays are harmless (each topic's progress says which silver
+        # versions it holds), so each table starts where its previous stream reached.
+        open_group=(
+            delta_tables_group(SERVICE, kept_publication, StorageLayout.silver)
+            if settings.one_query
+            else None
+        ),
     )
     runner = start_service(publisher_kafka, config, entity_names, once, spark)
     for name in at_start & publications.keys():

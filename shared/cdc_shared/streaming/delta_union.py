@@ -39,7 +39,7 @@ from pyspark.sql.avro.functions import from_avro, to_avro
 
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
-from cdc_shared.layout import ALL_ENTITIES
+from cdc_shared.layout import ALL_ENTITIES, StorageLayout
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import TABLES_AT_ONCE, cached_in_few_partitions, side_by_side_in_groups
 from cdc_shared.stream_checkpoint import (
@@ -177,6 +177,36 @@ class DeltaTablesQuery(Generic[Member]):
         table = DeltaTable.forPath(self.spark, self.table_path(name))
         (latest,) = table.history(1).select("version").collect()
         return int(latest[0])
+
+
+def delta_tables_group(
+    service: str,
+    open_member: Callable[[SparkSession, PipelineConfig, EntityConfig, StreamRunner], Member],
+    table_path: Callable[[StorageLayout, str], str],
+) -> Callable[[SparkSession, PipelineConfig, list[EntityConfig], StreamRunner], Any]:
+    """A service's ``OpenGroup``: one query over every entity's Delta table.
+
+    ``table_path`` names an entity's table (e.g. ``StorageLayout.bronze``); each entity's
+    rows go to the stream ``open_member`` builds for it.
+    """
+
+    def open_group(
+        spark: SparkSession,
+        config: PipelineConfig,
+        entities: list[EntityConfig],
+        runner: StreamRunner,
+    ) -> DeltaTablesQuery[Member]:
+        return DeltaTablesQuery(
+            spark,
+            config,
+            service,
+            entities,
+            runner,
+            open_member=lambda entity: open_member(spark, config, entity, runner),
+            table_path=functools.partial(table_path, config.layout),
+        )
+
+    return open_group
 
 
 def starting_versions(
