@@ -755,6 +755,7 @@ def history_rebuild_s(b: Batch) -> float:
 HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
     ("  prepare (apply_batch lap)", step_s("prepare")),
     ("  guard (apply_batch lap)", step_s("guard")),
+    ("  write: silver's and history's steps at once", step_s("write")),
     ("  silver step: MERGE + tombstones", step_s("merge")),
     ("    silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
     ("  history step", step_s("history")),

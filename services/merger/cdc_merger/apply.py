@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -24,7 +25,7 @@ import pyarrow.compute as pc
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import BackgroundCall, clock
+from cdc_shared.spark import BackgroundCall, clock, side_by_side
 from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
@@ -387,7 +388,8 @@ def apply_batch(
     Spark jobs: one computes the newest event per key and the batch's counts (observed
     metrics, no extra pass); a second brings the offered keys and sequences to the driver
     (the tombstone index is consulted and updated there); then the MERGE, beside the
-    tombstones' append.
+    tombstones' append and the history step (when the entity has a history), so the two
+    cores share independent writes.
     """
     key = layout.key
     state = state or MergeState(spark, layout)
@@ -434,18 +436,17 @@ def apply_batch(
     if offered.unavailable:
         unavailable = _unavailable_without_prior(spark, candidates, layout)
         lap("unavailable")
+    # Silver's step and the history's are independent writes: side by side (``_history``).
+    writes: dict[str, Callable[[], None]] = {}
     if offered.keys:
         kept = [c for c in kept if c in silver.fieldNames()]
-        _write_silver(spark, candidates, layout, kept, with_tombstones=offered.deletes.num_rows > 0)
-        state.tombstones.record(offered.deletes, offered.upserts)
-        lap("merge")
+        writes["merge"] = lambda: _silver_step(spark, candidates, layout, kept, state, offered)
     if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
-        unsent = {
-            name: not_sent(F.col(f"after.`{name}`"), after[name], placeholder, null_updates)
-            for name in unavailable_columns(after, key, placeholder, null_updates)
-        }
-        _history(spark, layout, layout.history, rows, summary, unsent)
-        lap("history")
+        writes["history"] = lambda: _history(
+            spark, layout, rows, summary, placeholder, null_updates
+        )
+    step_ms = _side_by_side_timed(writes)
+    lap("write")
     return ApplyResult(
         events=int(summary["events"]),
         rejected=rejected,
@@ -453,24 +454,70 @@ def apply_batch(
         deletes=offered.deletes.num_rows,
         truncated=truncate is not None,
         ingested_until=summary["ingested_until"],
-        step_ms=lap.laps,
+        step_ms=lap.laps | step_ms,
         unavailable=unavailable,
     )
+
+
+def _side_by_side_timed(steps: dict[str, Callable[[], None]]) -> dict[str, int]:
+    """Run ``steps`` at once (one alone: in this thread); each one's wall time, ``<name>_ms``."""
+    took: dict[str, int] = {}
+
+    def timed(name: str, step: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            started = time.monotonic()
+            step()
+            took[f"{name}_ms"] = int((time.monotonic() - started) * 1000)
+
+        return run
+
+    if steps:
+        side_by_side([timed(name, step) for name, step in steps.items()])
+    return took
+
+
+def _silver_step(
+    spark: SparkSession,
+    candidates: DataFrame,
+    layout: SilverLayout,
+    kept: list[str],
+    state: MergeState,
+    offered: Offered,
+) -> None:
+    """Silver's MERGE and the deletes' tombstones, then the tombstone index updated."""
+    _write_silver(spark, candidates, layout, kept, offered.deletes.num_rows > 0)
+    state.tombstones.record(offered.deletes, offered.upserts)
 
 
 def _history(
     spark: SparkSession,
     layout: SilverLayout,
-    history: HistoryTable,
     rows: DataFrame,
     summary: dict[str, Any],
-    unsent: dict[str, Column],
+    placeholder: Placeholder | None,
+    null_updates: Collection[str],
 ) -> None:
-    """The batch's events and truncate into the entity's history (after silver's MERGE).
+    """The batch's events and truncates into the entity's history (beside silver's MERGE).
 
-    ``unsent``: per column an event may leave unsent, the condition that it did; the
-    history gives such a column the key's prior value, as silver does.
+    A column an event did not send (its ``placeholder``, or a null update of a
+    ``null_updates`` column) takes the key's prior value in the history, as in silver.
+
+    Independent of silver's step, so the two run at once: the history is rebuilt from
+    the batch's own events (its deletes included), the history's rows, the tombstones
+    earlier batches recorded and the truncates (recorded before either step starts).
+    The one table both write is the tombstones, by appends: a delete this batch records
+    twice (silver's newest per key, history's every delete) is a repeat, harmless to
+    both readers (silver's newest per key counts; history dedupes by key and sequence).
+    A crash between the two commits replays the batch, and each step is idempotent.
     """
+    history = layout.history
+    assert history is not None
+    after = rows.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    unsent = {
+        name: not_sent(F.col(f"after.`{name}`"), after[name], placeholder, null_updates)
+        for name in unavailable_columns(after, layout.key, placeholder, null_updates)
+    }
     events = history_events(rows, layout.key, unsent) if int(summary["applicable"]) else None
     if events is None and not summary["truncates"]:
         return
