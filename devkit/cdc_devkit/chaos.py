@@ -129,6 +129,9 @@ class ChaosOptions:
     # The deployments in turn (application: a kill takes every service down); the run
     # switches from one to the next at equal shares of the kills (``switch_points``).
     modes: tuple[RunMode, ...] = (RunMode.SERVICES,)
+    # None: the example's tables; else that many copies of them (a whole database).
+    tables: int | None = None
+    one_query: bool = False  # every service as one query for all its tables
 
 
 @dataclass
@@ -674,6 +677,8 @@ def _prepare(
         prefix="chaos",
         kafka_options={"sasl.password": secrets[0]},
         es_api_key=secrets[1],
+        tables=options.tables,
+        one_query=options.one_query,
     )
     proxy, schema_ids = None, {}
     if on_registry:

@@ -292,6 +292,15 @@ def chaos(
         "services, application, services), the run kills every process at once at equal "
         "shares of the kills and goes on in the next mode.",
     ),
+    tables: int | None = typer.Option(
+        None,
+        min=1,
+        help="That many tables, copies of the example's (a whole database); default: "
+        "the example's own.",
+    ),
+    one_query: bool = typer.Option(
+        False, "--one-query", help="Every service as one query for all its tables."
+    ),
 ) -> None:
     """Run the pipeline under SIGKILLs, broker restarts, Elasticsearch and registry outages.
 
@@ -316,6 +325,8 @@ def chaos(
         workdir=workdir,
         catch_up_timeout_s=timeout,
         modes=tuple(mode),
+        tables=tables,
+        one_query=one_query,
     )
     result = _run_or_exit(lambda: run_chaos(options, typer.echo))
     _print_summary(summary_rows(result))

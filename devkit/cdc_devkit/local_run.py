@@ -49,10 +49,16 @@ def write_pipeline_config(
     prefix: str = "demo",
     kafka_options: dict[str, str] | None = None,
     es_api_key: str | None = None,
+    tables: int | None = None,
+    one_query: bool = False,
 ) -> Path:
     """The example pipeline on fresh topics, tables and indexes under ``workdir``.
 
     Topic and index names get ``prefix`` plus a random run id, so runs never share state.
+    ``tables``: that many tables instead of the example's, copies of its entities taken
+    in turn, each named ``<entity>_t<n>`` with a source topic, change topic and index of
+    its own, and the driver heap the shipped default sizes for them (the example's is
+    set to 1 GiB). ``one_query``: every service runs one query for all its tables.
     """
     run = f"{prefix}{uuid.uuid4().hex[:6]}"
     document: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
@@ -73,11 +79,16 @@ def write_pipeline_config(
         entity["source_topic"] = f"{run}.{source}"
         entity["change_topic"] = f"{run}.{entity['change_topic']}"
         entity["es_index"] = f"{run}-{entity['es_index']}"
+    if tables is not None:
+        document["entities"] = copied_entities(document["entities"], tables)
+        del document["spark"]["conf"]["spark.driver.memory"]  # sized by the tables
     sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
     # Ports free now, not the example's: two runs (or a run and a test) can coexist.
     *ports, application_port = free_ports(len(sections) + 1)
     for section, port in zip(sections, ports, strict=True):
         document[section] = {"trigger_interval": "1 second", "metrics_port": port}
+        if one_query:
+            document[section]["one_query"] = True
     document["application"] = {"metrics_port": application_port}
     document["ingestor"]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
@@ -87,6 +98,25 @@ def write_pipeline_config(
     path = workdir / "pipeline.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
+
+
+def copied_entities(originals: list[dict[str, Any]], tables: int) -> list[dict[str, Any]]:
+    """``tables`` entities: ``originals`` copied in turn, each copy's names its own.
+
+    A copy is named ``<name>_t<n>`` (n from 000), with ``.t<n>`` after its source and
+    change topics and ``-t<n>`` after its index; everything else (key, schemas, history,
+    column selection) is the original's.
+    """
+    copies = []
+    for number in range(tables):
+        entity = dict(originals[number % len(originals)])
+        suffix = f"t{number:03d}"
+        entity["name"] = f"{entity['name']}_{suffix}"
+        entity["source_topic"] = f"{entity['source_topic']}.{suffix}"
+        entity["change_topic"] = f"{entity['change_topic']}.{suffix}"
+        entity["es_index"] = f"{entity['es_index']}-{suffix}"
+        copies.append(entity)
+    return copies
 
 
 def unwind_on_sigterm() -> None:

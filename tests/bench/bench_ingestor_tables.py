@@ -70,7 +70,7 @@ from urllib.parse import unquote
 import pyarrow.parquet as pq
 import yaml
 from cdc_devkit import infra
-from cdc_devkit.local_run import write_pipeline_config
+from cdc_devkit.local_run import copied_entities, write_pipeline_config
 from cdc_devkit.processes import ServiceProcess, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
@@ -148,16 +148,7 @@ def tables_config(workdir: Path, tables: int, driver_memory: str) -> Path:
     path = write_pipeline_config(workdir, infra.endpoints(TEST_INFRA), prefix="ingt")
     document: dict[str, Any] = yaml.safe_load(path.read_text())
     customers = next(e for e in document["entities"] if e["name"] == "customers")
-    copies = []
-    for number in range(tables):
-        entity = dict(customers)
-        suffix = f"t{number:03d}"
-        entity["name"] = f"customers_{suffix}"
-        entity["source_topic"] = f"{customers['source_topic']}_{suffix}"
-        entity["change_topic"] = f"{customers['change_topic']}_{suffix}"
-        entity["es_index"] = f"{customers['es_index']}-{suffix}"
-        copies.append(entity)
-    document["entities"] = copies
+    document["entities"] = copied_entities([customers], tables)
     document["spark"]["conf"]["spark.driver.memory"] = driver_memory
     document["ingestor"]["trigger_interval"] = "1 second"  # as written, said again
     path.write_text(yaml.safe_dump(document, sort_keys=False))

@@ -94,23 +94,11 @@ class Outcome:
 def many_tables_config(workdir: Path, tables: int, conf: dict[str, str]) -> Path:
     """The example pipeline with ``tables`` tables: copies of its entities, shipped defaults.
 
-    The example's entities are copied round-robin, each copy named ``<name>_<n>`` with a
-    source topic, change topic and index of its own; ``spark.conf`` holds ``conf`` only.
+    The copies as ``write_pipeline_config`` makes them; ``spark.conf`` holds ``conf`` only.
     """
     served = infra.endpoints(TEST_INFRA)
-    path = write_pipeline_config(workdir, served, prefix="many")
+    path = write_pipeline_config(workdir, served, prefix="many", tables=tables)
     document: dict[str, Any] = yaml.safe_load(path.read_text())
-    originals = document["entities"]
-    copies = []
-    for number in range(tables):
-        entity = dict(originals[number % len(originals)])
-        suffix = f"t{number:03d}"
-        entity["name"] = f"{entity['name']}_{suffix}"
-        entity["source_topic"] = f"{entity['source_topic']}.{suffix}"
-        entity["change_topic"] = f"{entity['change_topic']}.{suffix}"
-        entity["es_index"] = f"{entity['es_index']}-{suffix}"
-        copies.append(entity)
-    document["entities"] = copies
     document["spark"]["conf"] = dict(conf)
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path

@@ -31,8 +31,9 @@ from cdc_cli.maintenance import (
 from cdc_cli.quarantine import preview
 from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
-from cdc_devkit.local_run import write_pipeline_config
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_devkit.local_run import EXAMPLE_CONFIG, write_pipeline_config
+from cdc_shared.config import EntityConfig, PipelineConfig, load_config
+from cdc_shared.layout import SERVICES
 from cdc_shared.observability import HealthServer
 from pyspark.sql import types as T
 
@@ -259,3 +260,24 @@ def test_local_run_gives_each_service_its_own_metrics_port(tmp_path: Path) -> No
         sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
         ports = {document[s]["metrics_port"] for s in sections}
         assert len(ports) == len(sections) and all(p > 0 for p in ports)
+
+
+def test_local_run_copies_the_example_into_many_tables_each_with_its_own_names(
+    tmp_path: Path,
+) -> None:
+    """``cdc chaos --tables 24 --one-query``'s pipeline: a valid file, no name shared."""
+    served = Endpoints("127.0.0.1:1", "http://127.0.0.1:2")
+    path = write_pipeline_config(tmp_path, served, tables=24, one_query=True)
+    config = load_config(path)
+    assert len(config.entities) == 24
+    for names in (
+        [e.name for e in config.entities],
+        [e.source_topic for e in config.entities],
+        [e.change_topic for e in config.entities],
+        [e.es_index for e in config.entities],
+    ):
+        assert len(set(names)) == 24, names
+    example = yaml.safe_load(EXAMPLE_CONFIG.read_text())["entities"]
+    first = [f"{e['name']}_t00{i}" for i, e in enumerate(example)]
+    assert [e.name for e in config.entities[: len(example)]] == first
+    assert all(config.runs_one_query(service) for service in SERVICES)
