@@ -48,6 +48,7 @@ class ProcessSample:
     virtual_pages: int
     resident_bytes: int
     cpu_ticks: int  # user + system, with reaped children
+    executable: str = ""  # the program it runs ("" when /proc does not say)
 
 
 def process_snapshot() -> dict[int, ProcessSample]:
@@ -66,10 +67,19 @@ def process_snapshot() -> dict[int, ProcessSample]:
                 virtual_pages=int(statm[0]),
                 resident_bytes=int(statm[1]) * _PAGE,
                 cpu_ticks=sum(int(v) for v in stat[11:15]),
+                executable=_executable(entry),
             )
         except (OSError, IndexError, ValueError):
             continue
     return snapshot
+
+
+def _executable(entry: Path) -> str:
+    """The program a process runs, "" when /proc does not say (another user's, or gone)."""
+    try:
+        return os.readlink(entry / "exe")
+    except OSError:
+        return ""
 
 
 def owns_its_memory(sample: ProcessSample, snapshot: dict[int, ProcessSample]) -> bool:
@@ -81,9 +91,14 @@ def owns_its_memory(sample: ProcessSample, snapshot: dict[int, ProcessSample]) -
     just forked, e.g. a PySpark worker, also matches until it maps memory of its own:
     its pages are then still the parent's.) The two are read at different instants, and
     a JVM maps memory all the time, so sizes within 2% count as the same address space.
+    A child running another program than its parent has exec'd, so it owns its memory
+    whatever its size: a Python driver's JVM can come within 2% of the driver's size (a
+    driver with a hundred Kafka clients maps gigabytes of thread stacks).
     """
     parent = snapshot.get(sample.parent)
     if parent is None:
+        return True
+    if sample.executable and parent.executable and sample.executable != parent.executable:
         return True
     return abs(parent.virtual_pages - sample.virtual_pages) > parent.virtual_pages // 50
 

@@ -9,8 +9,10 @@ from cdc_devkit.processes import ProcessSample, group_rss_bytes, owns_its_memory
 MIB = 2**20
 
 
-def sample(pid: int, parent: int, virtual_pages: int, rss_mib: int) -> ProcessSample:
-    return ProcessSample(pid, parent, 100, virtual_pages, rss_mib * MIB, 0)
+def sample(
+    pid: int, parent: int, virtual_pages: int, rss_mib: int, executable: str = ""
+) -> ProcessSample:
+    return ProcessSample(pid, parent, 100, virtual_pages, rss_mib * MIB, 0, executable)
 
 
 def test_a_spawned_child_still_in_its_parents_memory_is_counted_once() -> None:
@@ -31,6 +33,18 @@ def test_a_spawned_child_read_while_its_parent_grew_is_still_counted_once() -> N
 
     assert not owns_its_memory(spawning, snapshot)
     assert group_rss_bytes(100, snapshot) == 1_200 * MIB
+
+
+def test_a_jvm_as_large_as_its_python_driver_is_counted() -> None:
+    # A driver with many Kafka clients maps as much as its JVM: sizes alone would take
+    # the JVM for a child not yet exec'd, and drop it.
+    driver = sample(100, 1, 1_900_000, 300, "/usr/bin/python3.11")
+    jvm = sample(101, 100, 1_910_000, 2_400, "/usr/lib/jvm/java-17/bin/java")
+    spawning = sample(102, 101, 1_910_000, 2_400, "/usr/lib/jvm/java-17/bin/java")
+    snapshot = {p.pid: p for p in (driver, jvm, spawning)}
+
+    assert [owns_its_memory(p, snapshot) for p in (driver, jvm, spawning)] == [True, True, False]
+    assert group_rss_bytes(100, snapshot) == 2_700 * MIB
 
 
 def test_the_current_process_group_is_measured() -> None:
