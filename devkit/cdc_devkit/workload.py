@@ -93,6 +93,10 @@ class WorkloadSpec:
     poison_share: float = 0.001
     schema_change_at: float | None = 0.5  # share of events before the newest schema is used
     json_form: JsonForm = "mixed"  # entities with JSON values or keys: schemas.enable
+    # Above 0: the first ``hot_tables`` entities get ``hot_tables_share`` of the changes,
+    # the others the rest (a database whose load sits on a few tables); 0: even.
+    hot_tables: int = 0
+    hot_tables_share: float = 0.7
 
 
 @dataclass(frozen=True)
@@ -184,11 +188,19 @@ class WorkloadGenerator:
                 for old in history[start : start + self.random.randint(1, 5)]:
                     yield GeneratedMessage(old.entity, old.topic, old.key, old.value, "redelivery")
                 continue
-            state = self.random.choice(self.entities)
+            state = self._changed_entity()
             encoder = state.value_encoders[-1 if index >= switch_at else 0]
             for message in self._next_change(state, encoder):
                 history.append(message)
                 yield message
+
+    def _changed_entity(self) -> EntityState:
+        """The entity the next change is on: any, or a hot one at ``hot_tables_share``."""
+        hot = self.spec.hot_tables
+        if not 0 < hot < len(self.entities):
+            return self.random.choice(self.entities)
+        on_hot = self.random.random() < self.spec.hot_tables_share
+        return self.random.choice(self.entities[:hot] if on_hot else self.entities[hot:])
 
     def _next_change(self, state: EntityState, encoder: Encoder) -> list[GeneratedMessage]:
         spec = self.spec

@@ -5,7 +5,7 @@ its docstring). The baseline's process is this command with ``--run-baseline``.
 
     .venv/bin/python tests/bench/bench_e2e.py [--rates 1000,5000,20000]
         [--seconds-per-rate 180] [--keys 100000] [--workdir data/bench-e2e]
-        [--pipelines cdc,cdc-app,baseline]
+        [--pipelines cdc,cdc-app,baseline] [--tables 24 --hot-tables 2 --one-query]
 """
 
 from __future__ import annotations

@@ -78,6 +78,15 @@ def test_workload_has_every_ingredient(registry: FileSchemaRegistry) -> None:
     assert top > 0.1 * sum(keys.values())
 
 
+def test_hot_tables_take_their_share_of_the_changes(registry: FileSchemaRegistry) -> None:
+    spec = {"events": 4000, "keys": 300, "snapshot_rows": 0, "poison_share": 0.0}
+    _, even = generate(registry, **spec, redelivery_share=0.0)
+    _, skewed = generate(registry, **spec, redelivery_share=0.0, hot_tables=1)
+    for messages, share in ((even, 0.5), (skewed, 0.7)):
+        events = Counter(m.entity for m in messages if m.kind == "event")
+        assert events[CUSTOMERS.name] / sum(events.values()) == pytest.approx(share, abs=0.03)
+
+
 def test_schema_changes_midway(registry: FileSchemaRegistry) -> None:
     _, messages = generate(registry, events=4000, keys=200, redelivery_share=0, poison_share=0)
     v1, v2 = (v.fingerprint for v in registry.versions("dbserver1.inventory.customers-value"))

@@ -43,10 +43,17 @@ end of the step (sampled events that never reach an output, superseded in a batc
 left out, so it is a lower bound). The highest sustainable load is the highest
 sustainable rate; after a step that does not drain, higher rates are not run.
 
+A whole database: ``--tables N`` runs N tables (copies of the example's entities taken in
+turn, ``cdc_devkit.local_run``) in every pipeline, the baseline's three queries per table
+included; ``--hot-tables K`` puts ``--hot-tables-share`` (0.7) of the changes on the first
+K tables and the rest on the others (``WorkloadSpec.hot_tables``), and then also gives
+the delays of the hot and the cold tables apart; ``--one-query`` runs each of our
+services as one query for all its tables (the baseline keeps its queries per table).
+
 Writes ``results.json``, ``results.md`` and ``plot.svg`` (delay percentiles and lag over
 time) under ``--workdir``, and prints the tables.
 
     .venv/bin/python tests/bench/bench_e2e.py [--rates 1000,5000,20000]
         [--seconds-per-rate 180] [--keys 100000] [--workdir data/bench-e2e]
-        [--pipelines cdc,cdc-app,baseline]
+        [--pipelines cdc,cdc-app,baseline] [--tables 24 --hot-tables 2 --one-query]
 """

@@ -67,6 +67,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="entities of the example pipeline to run, comma-separated (default all); the "
         "load is the same, spread over fewer streams",
     )
+    parser.add_argument(
+        "--tables",
+        type=int,
+        default=None,
+        help="that many tables, copies of the example's entities in turn (a whole "
+        "database); default: the example's own",
+    )
+    parser.add_argument(
+        "--hot-tables",
+        type=int,
+        default=0,
+        help="the first N tables take --hot-tables-share of the changes, the others the "
+        "rest; delays are then also given for each group (default 0: even)",
+    )
+    parser.add_argument("--hot-tables-share", type=float, default=0.7)
+    parser.add_argument(
+        "--one-query",
+        action="store_true",
+        help="every service of ours as one query for all its tables (one_query)",
+    )
     parser.add_argument("--down", action="store_true", help="stop the servers at the end")
     parser.add_argument("--run-baseline", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -81,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(args.pipelines) - set(PIPELINES)
     if unknown:
         raise SystemExit(f"unknown pipelines {sorted(unknown)}; known: {', '.join(PIPELINES)}")
+    if args.tables is not None and args.entities:
+        raise SystemExit("--tables copies every entity of the example: no --entities with it")
     if not args.baseline:
         args.pipelines = [p for p in args.pipelines if p != "baseline"]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

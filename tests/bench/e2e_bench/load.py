@@ -26,6 +26,8 @@ def producer_main(
     keys: int,
     events: int,
     seed: int,
+    hot_tables: int,
+    hot_tables_share: float,
     probes: dict[str, dict[Key, int]],
     commands: Any,
     results: Any,
@@ -44,6 +46,8 @@ def producer_main(
         poison_share=0.0,
         redelivery_share=0.0,
         schema_change_at=None,
+        hot_tables=hot_tables,
+        hot_tables_share=hot_tables_share,
     )
     generator = ShardGenerator(shard, shards, config.entities, make_registry(config), spec)
     wanted = {e.name: set(probes[e.name]) for e in config.entities}
@@ -110,6 +114,8 @@ class Load:
                     args.keys,
                     events,
                     args.seed,
+                    args.hot_tables,
+                    args.hot_tables_share,
                     probes,
                     self.commands[shard],
                     self.results,

@@ -32,6 +32,8 @@ class StepResult:
     drained: bool = False
     drain_seconds: float = 0.0
     delays_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> p50..
+    # With hot tables: "hot tables" / "cold tables" -> stage -> p50..
+    group_delays_ms: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # hop (ingest, merge, publish ...) -> p50..: each event's time between two outputs
     hops_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
@@ -198,8 +200,13 @@ def measure_delays(
     topic: TopicWatcher,
     index: IndexWatcher | None,
     started: float,
+    hot: set[str] | None = None,
 ) -> None:
-    """Delays per step and stage, the growth rule, and the delay series for the plot."""
+    """Delays per step and stage, the growth rule, and the delay series for the plot.
+
+    With ``hot`` tables (entity names), each step's delays also for the hot tables and
+    for the others, apart.
+    """
     probes = {(name, key) for name, key, _ in produced_at}
     kafka_ts, in_bronze, committed, commit_seq = _silver_times(config, probes)
     arrived: dict[str, dict[Mark, float]] = {"silver": committed, "topic": topic.seen}
@@ -223,12 +230,16 @@ def measure_delays(
         for stage in result.stages:
             all_, mid, end = [], [], []
             points = []
+            groups: dict[str, list[float]] = {}
             for mark, (wrapper_at, at_step) in produced_at.items():
                 if at_step != number or mark not in arrived[stage]:
                     continue
                 at = kafka_ts.get(mark, wrapper_at)
                 delay = arrived[stage][mark] - at
                 all_.append(delay * 1000)
+                if hot:
+                    group = "hot tables" if mark[0] in hot else "cold tables"
+                    groups.setdefault(group, []).append(delay * 1000)
                 offset = at - started - begun
                 if quarter <= offset < 2 * quarter:
                     mid.append(delay)
@@ -236,6 +247,8 @@ def measure_delays(
                     end.append(delay)
                 points.append((at - started, delay))
             step.delays_ms[stage] = _cuts(all_)
+            for group, delays in groups.items():
+                step.group_delays_ms.setdefault(group, {})[stage] = _cuts(delays)
             step.samples[stage] = len(all_)
             result.series.setdefault(stage, []).extend(_bins(points, 10.0))
             if mid and end:

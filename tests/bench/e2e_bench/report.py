@@ -21,7 +21,9 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
     lines = [
         f"# End-to-end benchmark, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
         "",
-        f"{os.cpu_count()} cores; {args.keys:,} keys per entity; {args.producers} producer "
+        f"{os.cpu_count()} cores; {args.tables or 'the example'} tables"
+        f"{' (ours: one query per service)' if args.one_query else ''}; "
+        f"{args.keys:,} keys per entity; {args.producers} producer "
         f"process(es); {args.seconds_per_rate:.0f} s per rate. Delays in seconds "
         "(p50 / p95 / p99) from the source record's Kafka timestamp.",
         "",
@@ -58,6 +60,24 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
         for s in r.steps:
             cells = " | ".join(_ms(s.hops_ms.get(name, {})) for name, _, _ in HOPS)
             lines.append(f"| {r.name} | {s.rate:,.0f} | {cells} |")
+    grouped = [(r, s) for r in results for s in r.steps if s.group_delays_ms]
+    if grouped:
+        lines += [
+            "",
+            f"The first {args.hot_tables} of {args.tables or 'the'} tables took "
+            f"{args.hot_tables_share:.0%} of the changes; delays of each group apart:",
+            "",
+            "| pipeline | offered/s | tables | to silver commit | to change topic "
+            "| to searchable |",
+            "|---|---:|---|---|---|---|",
+        ]
+        for r, s in grouped:
+            for group, stages in sorted(s.group_delays_ms.items()):
+                index = _ms(stages.get("index", {})) if "index" in r.stages else "-"
+                lines.append(
+                    f"| {r.name} | {s.rate:,.0f} | {group} | {_ms(stages.get('silver', {}))} "
+                    f"| {_ms(stages.get('topic', {}))} | {index} |"
+                )
     lines += ["", "| pipeline | highest sustainable load |", "|---|---|"]
     for r in results:
         best = r.highest_sustainable

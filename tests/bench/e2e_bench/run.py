@@ -59,9 +59,14 @@ def _configure(
     prefix: str,
     port_base: int,
     entities: list[str] | None = None,
+    tables: int | None = None,
+    one_query: bool = False,
 ) -> Path:
-    """The example pipeline file, metrics ports from ``port_base``, only ``entities``."""
-    path = write_pipeline_config(workdir, served, prefix=prefix)
+    """The example pipeline file, metrics ports from ``port_base``, only ``entities``.
+
+    ``tables`` and ``one_query`` as ``write_pipeline_config`` takes them.
+    """
+    path = write_pipeline_config(workdir, served, prefix=prefix, tables=tables, one_query=one_query)
     document = yaml.safe_load(path.read_text())
     if entities:
         document["entities"] = [e for e in document["entities"] if e["name"] in entities]
@@ -86,7 +91,15 @@ class PipelineRun:
         self.workdir = args.workdir / kind
         self.workdir.mkdir(parents=True)
         prefix = {"cdc": "e2e", "cdc-app": "app"}.get(kind, "base")
-        self.config_path = _configure(self.workdir, served, prefix, args.port_base, args.entities)
+        self.config_path = _configure(
+            self.workdir,
+            served,
+            prefix,
+            args.port_base,
+            args.entities,
+            args.tables,
+            args.one_query and self.is_cdc,
+        )
         self.config = load_config(self.config_path)
         self.result = PipelineResult(kind, list(STAGES) if self.is_cdc else ["silver", "topic"])
         numbers = probe_numbers(
@@ -219,8 +232,9 @@ class PipelineRun:
                     (at.timestamp() - self.started, float(batch["lag"]))
                 )
         self.result.peak_rss_mib = {n: v / 2**20 for n, v in self.meter.peak_rss.items()}
+        hot = {e.name for e in self.config.entities[: self.args.hot_tables]}
         measure_delays(
-            self.config, self.result, self.produced_at, self.topic, self.index, self.started
+            self.config, self.result, self.produced_at, self.topic, self.index, self.started, hot
         )
         return self.result
 
