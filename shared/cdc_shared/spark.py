@@ -37,6 +37,11 @@ _NAMES_A_COLLECTOR = re.compile(r"-XX:[+-]Use\w*GC\b")
 #: old generation as live data needs it (docs/benchmarks.md, "young generation").
 LOCAL_DRIVER_YOUNG = "-XX:MaxNewSize=512m"
 _SIZES_THE_YOUNG_GENERATION = re.compile(r"-Xmn\d|-XX:(Max)?NewSize=|-XX:NewRatio=")
+#: The driver JVM's default time zone. Spark's session zone is UTC already; a JVM whose
+#: default zone is another makes Delta check each commit's incrementally computed file
+#: list by rebuilding the table's state (``allFilesInCrc`` verification, forced outside
+#: UTC): three more Spark jobs per commit of every table (docs/benchmarks.md).
+DRIVER_TIME_ZONE = "-Duser.timezone=UTC"
 
 #: Spark's setting for the data source options it masks in plans, the SQL tab of its UI
 #: and event logs (keys or values matching it; ``spark.redaction.regex`` applies too).
@@ -172,16 +177,17 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
 
 
 def _driver_java_options(options: str, local: bool) -> dict[str, str]:
-    """The driver's JVM options: the class archive, a local driver's collector, the user's.
+    """The driver's JVM options: the class archive, UTC, a local driver's collector, the user's.
 
-    The user's ``options`` come last, so that they win; a collector of theirs replaces
-    ours, since the JVM refuses two, and then its young generation is theirs to size too,
-    as it is when they size it themselves.
+    The user's ``options`` come last, so that they win (a time zone of theirs too); a
+    collector of theirs replaces ours, since the JVM refuses two, and then its young
+    generation is theirs to size too, as it is when they size it themselves.
     """
     ours = []
     archive = jvm.class_archive()
     if archive.is_file():
         ours.append(f"-XX:SharedArchiveFile={archive}")
+    ours.append(DRIVER_TIME_ZONE)
     if local and not _NAMES_A_COLLECTOR.search(options):
         ours.append(LOCAL_DRIVER_GC)
         if not _SIZES_THE_YOUNG_GENERATION.search(options):

@@ -1,4 +1,4 @@
-"""The driver's JVM options: the class archive of ``make jvm`` when it exists, a local
+"""The driver's JVM options: the class archive of ``make jvm`` when it exists, UTC, a local
 driver's collector, the user's options last."""
 
 from __future__ import annotations
@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 from cdc_shared import jvm
 from cdc_shared.config import SparkConfig
-from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, LOCAL_DRIVER_YOUNG, spark_conf
+from cdc_shared.spark import (
+    DRIVER_JAVA_OPTIONS,
+    DRIVER_TIME_ZONE,
+    LOCAL_DRIVER_GC,
+    LOCAL_DRIVER_YOUNG,
+    spark_conf,
+)
 
-LOCAL = f"{LOCAL_DRIVER_GC} {LOCAL_DRIVER_YOUNG}"
+UTC = DRIVER_TIME_ZONE
+LOCAL = f"{UTC} {LOCAL_DRIVER_GC} {LOCAL_DRIVER_YOUNG}"
 
 CLUSTER = "spark://127.0.0.1:7077"
 
@@ -34,18 +41,24 @@ def test_without_an_archive_a_local_driver_gets_its_collector_and_young_cap(cach
     "sizing", ["-Xmn1g", "-XX:MaxNewSize=2g", "-XX:NewSize=1g", "-XX:NewRatio=2"]
 )
 def test_the_users_young_generation_replaces_our_cap(cache: Path, sizing: str) -> None:
-    assert options({DRIVER_JAVA_OPTIONS: sizing}) == f"{LOCAL_DRIVER_GC} {sizing}"
+    assert options({DRIVER_JAVA_OPTIONS: sizing}) == f"{UTC} {LOCAL_DRIVER_GC} {sizing}"
 
 
 def test_a_cluster_driver_keeps_the_jvm_default_collector(cache: Path) -> None:
-    assert options(master=CLUSTER) is None
-    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}, master=CLUSTER) == "-Xss4m"
+    assert options(master=CLUSTER) == UTC
+    assert options({DRIVER_JAVA_OPTIONS: "-Xss4m"}, master=CLUSTER) == f"{UTC} -Xss4m"
+
+
+def test_the_users_time_zone_comes_after_ours(cache: Path) -> None:
+    # The JVM takes the last -D of a property: theirs.
+    zone = "-Duser.timezone=Europe/Berlin"
+    assert options({DRIVER_JAVA_OPTIONS: zone}) == f"{LOCAL} {zone}"
 
 
 @pytest.mark.parametrize("collector", ["-XX:+UseG1GC", "-XX:+UseSerialGC", "-XX:+UseZGC"])
 def test_the_users_collector_replaces_ours(cache: Path, collector: str) -> None:
     # The JVM refuses to start with two collectors.
-    assert options({DRIVER_JAVA_OPTIONS: f"-Xss4m {collector}"}) == f"-Xss4m {collector}"
+    assert options({DRIVER_JAVA_OPTIONS: f"-Xss4m {collector}"}) == f"{UTC} -Xss4m {collector}"
 
 
 def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
@@ -57,4 +70,4 @@ def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
     assert options({DRIVER_JAVA_OPTIONS: "-Xshare:off"}) == (
         f"-XX:SharedArchiveFile={archive} {LOCAL} -Xshare:off"
     )
-    assert options(master=CLUSTER) == f"-XX:SharedArchiveFile={archive}"
+    assert options(master=CLUSTER) == f"-XX:SharedArchiveFile={archive} {UTC}"
