@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry, subject_name
 from cdc_shared.clients import make_admin, make_producer
@@ -78,6 +78,9 @@ _WORDS = [
 ]
 
 
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What to generate. ``events`` counts change events after the snapshots."""
@@ -97,6 +100,13 @@ class WorkloadSpec:
     # the others the rest (a database whose load sits on a few tables); 0: even.
     hot_tables: int = 0
     hot_tables_share: float = 0.7
+
+    def hot_of(self, entities: Sequence[T]) -> Sequence[T]:
+        """The hot ones of ``entities`` (the first ``hot_tables``); none when the load is even.
+
+        Even when ``hot_tables`` is 0 or takes every entity.
+        """
+        return entities[: self.hot_tables] if 0 < self.hot_tables < len(entities) else []
 
 
 @dataclass(frozen=True)
@@ -196,11 +206,11 @@ class WorkloadGenerator:
 
     def _changed_entity(self) -> EntityState:
         """The entity the next change is on: any, or a hot one at ``hot_tables_share``."""
-        hot = self.spec.hot_tables
-        if not 0 < hot < len(self.entities):
+        hot = self.spec.hot_of(self.entities)
+        if not hot:
             return self.random.choice(self.entities)
         on_hot = self.random.random() < self.spec.hot_tables_share
-        return self.random.choice(self.entities[:hot] if on_hot else self.entities[hot:])
+        return self.random.choice(hot if on_hot else self.entities[len(hot) :])
 
     def _next_change(self, state: EntityState, encoder: Encoder) -> list[GeneratedMessage]:
         spec = self.spec

@@ -183,7 +183,9 @@ def delta_tables_group(
     service: str,
     open_member: Callable[[SparkSession, PipelineConfig, EntityConfig, StreamRunner], Member],
     table_path: Callable[[StorageLayout, str], str],
-) -> Callable[[SparkSession, PipelineConfig, list[EntityConfig], StreamRunner], Any]:
+) -> Callable[
+    [SparkSession, PipelineConfig, list[EntityConfig], StreamRunner], DeltaTablesQuery[Member]
+]:
     """A service's ``OpenGroup``: one query over every entity's Delta table.
 
     ``table_path`` names an entity's table (e.g. ``StorageLayout.bronze``); each entity's

@@ -232,7 +232,8 @@ class PipelineRun:
                     (at.timestamp() - self.started, float(batch["lag"]))
                 )
         self.result.peak_rss_mib = {n: v / 2**20 for n, v in self.meter.peak_rss.items()}
-        hot = {e.name for e in self.config.entities[: self.args.hot_tables]}
+        spec = WorkloadSpec(hot_tables=self.args.hot_tables)  # the producers' split
+        hot = {e.name for e in spec.hot_of(self.config.entities)}
         measure_delays(
             self.config, self.result, self.produced_at, self.topic, self.index, self.started, hot
         )
