@@ -583,6 +583,11 @@ class ApplicationConfig(_Section):
         return self.pool_weights.get(service, 1)
 
 
+#: Characters a key column's name cannot hold when history is on: Delta's ``replaceUsing``
+#: (the history's write) splits its column list at commas and each name at dots.
+HISTORY_KEY_FORBIDDEN = (",", ".", "`")
+
+
 class HistoryConfig(_Section):
     """An entity's SCD type 2 history table (``silver_history/<entity>``), off by default.
 
@@ -710,6 +715,13 @@ class EntityConfig(_Section):
         if keys:
             raise ValueError(
                 f"history names key columns {keys}: the key identifies a version, never tracked"
+            )
+        unplain = [k for k in self.key if any(c in k for c in HISTORY_KEY_FORBIDDEN)]
+        if self.history.enabled and unplain:
+            raise ValueError(
+                f"history is on and key columns {unplain} have one of "
+                f"{' '.join(HISTORY_KEY_FORBIDDEN)} in their names: the history replaces a "
+                "key's versions by Delta's replaceUsing, which takes plain column names"
             )
         return self
 

@@ -35,9 +35,9 @@ via ``ensure_tables``) and checked on a sample against the merger's own rebuild
 applied to both through ``apply_batch`` (the service's per-batch call), the order
 flipping every batch. Side by side (p50): batch seconds and p95, on/off, ``apply_batch``'s
 laps, the silver MERGE and the history step's parts (reading; history's own tombstones;
-the rebuild; its MERGE, from Delta's ``operationMetrics``), Spark jobs, and the files
+the rebuild; its replacing write, with Delta's ``operationMetrics``), Spark jobs, and the files
 and MiB each batch's scans read per table (from Spark's status store). At the end it
-checks history on gained a MERGE per batch and one current version per silver row,
+checks history on gained a write per batch and one current version per silver row,
 history off has no history table, and the two silvers agree. The full run, alone on
 the machine (about 15 minutes)::
 
@@ -608,10 +608,11 @@ class HistoryProbe:
 
     Wraps ``write_history`` (where ``apply_batch`` looks it up) and the two functions it
     calls that write: ``_remember_deletes`` (the batch's deletes as tombstones, history's
-    own) and ``_replace_versions`` (the rebuilt versions' local checkpoint, then the MERGE
-    into history). The same code runs; only the wall time around it is taken. What
-    ``write_history`` spends outside the two is reading: the batch's events, the touched
-    keys, their rows in history and their tombstones (local checkpoints).
+    own) and ``_replace_versions`` (the changed keys' versions replacing their rows in one
+    overwrite). The same code runs; only the wall time around it is taken. What
+    ``write_history`` spends outside the two is reading (the batch's events, the touched
+    keys, their rows in history and their tombstones: local checkpoints) and the rebuild
+    (the versions' local checkpoint).
     """
 
     def __init__(self, spark: SparkSession) -> None:
@@ -643,11 +644,13 @@ class HistoryProbe:
         setattr(module, name, timed)
 
 
-def merge_commit(spark: SparkSession, path: str) -> tuple[dict[str, int], bool]:
-    """The newest MERGE's ``operationMetrics``, and whether an OPTIMIZE followed it."""
+def merge_commit(
+    spark: SparkSession, path: str, operation: str = "MERGE"
+) -> tuple[dict[str, int], bool]:
+    """The newest ``operation``'s ``operationMetrics``, and whether an OPTIMIZE followed it."""
     history = DeltaTable.forPath(spark, path).history(3).orderBy(F.col("version").desc())
     rows = history.select("operation", "operationMetrics").collect()
-    merges = [dict(r[1] or {}) for r in rows if r[0] == "MERGE"]
+    merges = [dict(r[1] or {}) for r in rows if r[0] == operation]
     metrics = {k: int(v) for k, v in (merges[0] if merges else {}).items() if v.isdigit()}
     return metrics, bool(rows) and rows[0][0] == "OPTIMIZE"
 
@@ -685,7 +688,9 @@ def run_interleaved(
             silver_merge, compacted = merge_commit(spark, variant.silver_path)
             detail: dict[str, Any] = {"reads": whole.__dict__, "silver_merge": silver_merge}
             if "history" in variant.tables:
-                history_merge, history_compacted = merge_commit(spark, variant.tables["history"])
+                history_merge, history_compacted = merge_commit(
+                    spark, variant.tables["history"], "WRITE"
+                )
                 detail |= {
                     "history_s": probe.seconds,
                     "history_reads": scans.reads(probe.tag).__dict__ if probe.tag else {},
@@ -701,7 +706,7 @@ def run_interleaved(
 
 
 def check_history_run(spark: SparkSession, off: Variant, on: Variant, batches: int) -> None:
-    """Both variants really ran: history on gained a MERGE per batch and holds one
+    """Both variants really ran: history on gained a write per batch and holds one
     current version per silver row; history off has no history table; silvers equal."""
     # Each load stamps its own times: keys, sequences, ops and a changed value compared.
     same = ["id", SEQUENCE, OP, "first_name"]
@@ -712,8 +717,9 @@ def check_history_run(spark: SparkSession, off: Variant, on: Variant, batches: i
     assert not Path(off.silver_path).with_name("history").exists(), "history off wrote history"
     assert "history" not in off.tables
     history = DeltaTable.forPath(spark, on.tables["history"])
-    merges = history.history().where(F.col("operation") == "MERGE").count()
-    assert merges == batches, f"history on: {merges} MERGEs into history for {batches} batches"
+    replacing = F.col("operationParameters").getItem("replaceUsingCols").isNotNull()
+    writes = history.history().where((F.col("operation") == "WRITE") & replacing).count()
+    assert writes == batches, f"history on: {writes} writes into history for {batches} batches"
     current = history.toDF().where(F.col(END).isNull()).count()
     assert current == silver_on.count(), f"{current} current versions, {silver_on.count()} rows"
 
@@ -727,7 +733,7 @@ def step_s(name: str) -> Metric:
 
 
 def merge_metric(table: str, metric: str, scale: float = 1.0) -> Metric:
-    """A number of the batch's MERGE into ``table`` ("silver" or "history")."""
+    """A number of the batch's commit into ``table`` (silver's MERGE, history's write)."""
     return lambda b: b.detail.get(f"{table}_merge", {}).get(metric, 0) / scale
 
 
@@ -742,14 +748,10 @@ def read_metric(scope: str, kind: str, label: str, scale: float = 1.0) -> Metric
 
 
 def history_read_s(b: Batch) -> float:
-    """The history step's reading: its time outside the tombstones' append and replace."""
+    """The history step's reading and rebuild: its time outside the tombstones' append
+    and the replacing write."""
     parts = history_s("history")(b) - history_s("tombstones")(b)
     return parts - history_s("replace")(b)
-
-
-def history_rebuild_s(b: Batch) -> float:
-    """Replacing the versions minus the MERGE itself: their rebuild (a local checkpoint)."""
-    return history_s("replace")(b) - merge_metric("history", "executionTimeMs", 1000)(b)
 
 
 HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
@@ -759,28 +761,16 @@ HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
     ("  silver step: MERGE + tombstones", step_s("merge")),
     ("    silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
     ("  history step", step_s("history")),
-    ("    read: batch, keys, history rows, tombs", history_read_s),
+    ("    read batch, keys, rows, tombs; rebuild", history_read_s),
     ("    history's tombstones append", history_s("tombstones")),
-    ("    rebuild: versions' local checkpoint", history_rebuild_s),
-    ("    history MERGE executionTimeMs", merge_metric("history", "executionTimeMs", 1000)),
-    ("      of it scanTimeMs", merge_metric("history", "scanTimeMs", 1000)),
-    ("      of it rewriteTimeMs", merge_metric("history", "rewriteTimeMs", 1000)),
+    ("    replace: delete (DVs) + append", history_s("replace")),
     ("history table's files after the batch", lambda b: b.detail.get("history_files", 0)),
     ("JVM CPU s", lambda b: b.jvm_cpu_s),
     ("Spark jobs", lambda b: b.jobs),
     ("  in the history step", lambda b: b.detail.get("history_reads", {}).get("jobs", 0)),
 )
 JOB_LINES = ("Spark jobs", "  in the history step", "history table's files after the batch")
-HISTORY_MERGE_COUNTS = (
-    "numSourceRows",
-    "numTargetRowsUpdated",
-    "numTargetRowsInserted",
-    "numTargetRowsDeleted",
-    "numTargetRowsCopied",
-    "numTargetFilesRemoved",
-    "numTargetFilesAdded",
-    "numTargetDeletionVectorsAdded",
-)
+HISTORY_WRITE_COUNTS = ("numDeletedRows", "numOutputRows", "numFiles", "numRemovedFiles")
 
 
 def report_history(off: Variant, on: Variant, rows: int, warmup: int) -> None:
@@ -811,9 +801,9 @@ def report_history(off: Variant, on: Variant, rows: int, warmup: int) -> None:
             line(f"MiB read, {name}: {table}", read_metric(scope, "bytes", table, 2**20), 1)
     counts = [
         f"{m} {statistics.median(merge_metric('history', m)(b) for b in on.batches):.0f}"
-        for m in HISTORY_MERGE_COUNTS
+        for m in HISTORY_WRITE_COUNTS
     ]
-    print("history MERGE:", ", ".join(counts))
+    print("history's replacing write:", ", ".join(counts))
     compacted = [i for i, b in enumerate(on.batches) if b.detail.get("history_compacted")]
     print(f"history auto compactions after measured batches {compacted}")
     ratio = statistics.median(seconds[1]) / statistics.median(seconds[0])
@@ -843,7 +833,7 @@ def run_history(
     history = DeltaTable.forPath(spark, on.tables["history"]).detail().first()
     assert history is not None
     print(
-        f"\nchecked: silvers equal; history on: a MERGE per batch, one current version per "
+        f"\nchecked: silvers equal; history on: a write per batch, one current version per "
         f"silver row; history off: no history table. History at end: {history['numFiles']} "
         f"files, {history['sizeInBytes'] / 2**20:.1f} MiB; silver {on.files['at end']} files"
     )

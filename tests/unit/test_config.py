@@ -262,6 +262,15 @@ def test_history_is_off_by_default_and_tracks_named_columns() -> None:
         _entity(history={"except_columns": ["line"]})
 
 
+def test_history_refuses_key_names_its_write_cannot_take() -> None:
+    """The history's write (Delta's replaceUsing) splits names at commas and dots."""
+    for name in ("order.id", "a,b", "we`ird"):
+        with pytest.raises(ValueError, match=r"history is on and key columns \['"):
+            EntityConfig(name="o", source_topic="t", key=[name], history={"enabled": True})
+        assert EntityConfig(name="o", source_topic="t", key=[name]).key == [name]
+    EntityConfig(name="o", source_topic="t", key=["order_id", "line"], history={"enabled": True})
+
+
 def test_a_bad_history_field_is_named_with_its_path(tmp_path: Path) -> None:
     text = (
         "entities:\n  - name: orders\n    source_topic: db.orders\n    key: [id]\n"

@@ -10,11 +10,11 @@ Per batch, for the keys it touches, the history is rebuilt from events: the keys
 existing versions read back as events (each folded event an upsert with its own values,
 the end a delete), the batch's events, the keys' tombstones and every truncate as
 deletes. Deduplicated by (key, sequence) and ordered by sequence, they give the versions
-again, which replace the keys' rows in one MERGE. Rebuilding what the history already
-holds gives the same rows, so a replayed batch changes nothing, and an event older than
-the newest version lands between the right two versions whatever order the batches came
-in. A late event older than a delete becomes a version closed by that delete: history
-never resurrects what silver keeps deleted.
+again; the keys whose versions changed have their rows replaced in one commit. Rebuilding
+what the history already holds gives the same rows, so a replayed batch writes nothing,
+and an event older than the newest version lands between the right two versions whatever
+order the batches came in. A late event older than a delete becomes a version closed by
+that delete: history never resurrects what silver keeps deleted.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
+from functools import partial, reduce
 
 from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.spark import side_by_side
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
@@ -133,7 +134,7 @@ def write_history(
 
     Each input is read once: the batch's events, the history rows of the keys it touches
     and their tombstones are local checkpoints (three small jobs), the rebuild is one
-    shuffle by key, and its result the MERGE's source.
+    shuffle by key, and its result, for the keys it changed, replaces their rows.
     """
     current = DeltaTable.forPath(spark, table.path).toDF()
     schema = current.schema
@@ -158,21 +159,44 @@ def write_history(
             for s, _ in truncates
         ]
         touching.append(current.where(reduce(lambda a, b: a | b, spanning)).select(*key))
-    touched = reduce(DataFrame.unionByName, touching).distinct().localCheckpoint(eager=True)
-    known = current.join(F.broadcast(touched), on=key, how="left_semi").localCheckpoint(eager=True)
-    tombstones = (
+    # One partition: the distinct keys of ~a batch need no shuffle.
+    touched = reduce(DataFrame.unionByName, touching).coalesce(1).distinct()
+    touched = touched.localCheckpoint(eager=True)
+    known, tombstones = _computed_side_by_side(
+        current.join(F.broadcast(touched), on=key, how="left_semi"),
         spark.read.format("delta")
         .load(tombstone_path)
         .join(F.broadcast(touched), on=key, how="left_semi")
-        .select(*key, SEQUENCE)
-        .localCheckpoint(eager=True)
+        .select(*key, SEQUENCE),
     )
+
+    def replace() -> None:
+        versions = rebuilt_versions(
+            spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
+        )
+        rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
+        _replace_versions(spark, table.path, key, changed_versions(key, known, rebuilt))
+
     if batch is not None and deletes:
-        _remember_deletes(spark, batch, key, tombstone_path, tombstones)
-    versions = rebuilt_versions(
-        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
-    )
-    _replace_versions(spark, table.path, key, set(known.columns), versions)
+        remember = partial(_remember_deletes, spark, batch, key, tombstone_path, tombstones)
+        side_by_side([remember, replace])
+    else:
+        replace()
+
+
+def _computed_side_by_side(*frames: DataFrame) -> list[DataFrame]:
+    """Each of ``frames`` computed (a local checkpoint), all at once.
+
+    Reading a Delta table for a few keys is mostly waiting on the driver (the table's
+    snapshot, planning, small jobs), so two such reads overlap well.
+    """
+    computed: dict[int, DataFrame] = {}
+
+    def compute(number: int) -> None:
+        computed[number] = frames[number].localCheckpoint(eager=True)
+
+    side_by_side([partial(compute, n) for n in range(len(frames))])
+    return [computed[n] for n in range(len(frames))]
 
 
 def _typed(schema: T.StructType, name: str) -> Column:
@@ -196,7 +220,7 @@ def _remember_deletes(
     nothing for silver (the newest per key counts); one already ``recorded`` (the
     tombstones of the batch's keys) is not repeated.
     """
-    schema = spark.read.format("delta").load(tombstone_path).schema
+    schema = recorded.schema  # read from the tombstones: their key columns' types
     deletes = batch.where(F.col(OP) == DELETE).select(
         *[F.col(f"`{k}`").try_cast(schema[k].dataType).alias(k) for k in key],
         SEQUENCE,
@@ -318,7 +342,7 @@ def _versions(
     is the event after its last upsert (the next version's first, or a delete). Besides
     the versions (``_cdc_drop`` false), the (key, ``__start_at``) of each version the
     history held that begins no version any more (``_cdc_drop`` true: an older event with
-    the same tracked values moved its start), so the MERGE deletes it.
+    the same tracked values moved its start), so its key's rows are replaced.
     """
     by_key = events.repartition(*key)
     at = Window.partitionBy(*key, SEQUENCE)
@@ -395,16 +419,6 @@ def _comparable(name: str, data_type: T.DataType) -> Column:
     return column
 
 
-def _differs(name: str, data_type: T.DataType) -> str:
-    """SQL: the MERGE target's (``t``) and source's (``s``) column ``name`` differ.
-
-    A map is compared as its entries sorted by key (``_comparable``).
-    """
-    if isinstance(data_type, T.MapType):
-        return f"NOT (array_sort(map_entries(t.`{name}`)) <=> array_sort(map_entries(s.`{name}`)))"
-    return f"NOT (t.`{name}` <=> s.`{name}`)"
-
-
 def _with_prior_values(events: DataFrame, order: WindowSpec, columns: list[str]) -> DataFrame:
     """Each column an event did not send (``UNSENT``) filled from the key's previous event.
 
@@ -427,33 +441,52 @@ def _with_prior_values(events: DataFrame, order: WindowSpec, columns: list[str])
     return events.withColumns(filled)
 
 
-@on_conflict_retry
-def _replace_versions(
-    spark: SparkSession, path: str, key: list[str], existing: set[str], versions: DataFrame
-) -> None:
-    """Replace the touched keys' rows by ``versions`` in one MERGE on (key, ``__start_at``).
+def changed_versions(key: list[str], known: DataFrame, versions: DataFrame) -> DataFrame:
+    """The versions of the keys whose versions changed: the rows to write for them.
 
-    ``versions`` also name the rows to delete (``_cdc_drop``): versions the history held
-    that begin no version any more. ``existing``: the history's columns. Unchanged rows
-    are left alone, so a replay changes no row.
+    ``versions`` (``rebuilt_versions``, computed) also name the rows to delete
+    (``_cdc_drop``): versions the history held that begin no version any more; ``known``:
+    the rows the history held of the touched keys. A key changed when one of its versions
+    is new, differs from the one ``known`` holds at the same (key, ``__start_at``), or is
+    dropped; a key with a dropped version always keeps one (the older event that moved
+    its start begins it). A replay changes no key, so this is empty.
     """
-    history = DeltaTable.forPath(spark, path)
-    on = [*key, START]
-    source = versions.localCheckpoint(eager=True)  # read before the MERGE changes its target
     columns = [c for c in versions.columns if c != _DROP]
-    if set(columns) <= existing:
-        types = {f.name: f.dataType for f in versions.schema.fields}
-        changed = " OR ".join(_differs(c, types[c]) for c in columns)
-    else:
-        changed = "true"  # a new column: every touched row gains it
-    assignments: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
-    condition = " AND ".join(f"t.`{c}` = s.`{c}`" for c in on)
+    kept = versions.where(~F.col(_DROP)).select(*columns)
+    if not set(columns) <= set(known.columns):
+        return kept  # a new column: every touched key's rows gain it
+    types = {f.name: f.dataType for f in versions.schema.fields}
+    held = known.select(*[F.col(f"`{c}`").alias(f"_held_{c}") for c in columns])
+    same_version = [F.col(f"`{c}`") == F.col(f"`_held_{c}`") for c in [*key, START]]
+    differs = [
+        ~_comparable(c, types[c]).eqNullSafe(_comparable(f"_held_{c}", types[c])) for c in columns
+    ]
+    changed_rows = kept.join(F.broadcast(held), same_version, "left").where(
+        F.col(f"`_held_{START}`").isNull() | reduce(lambda a, b: a | b, differs)
+    )
+    changed = changed_rows.select(*key).unionByName(versions.where(F.col(_DROP)).select(*key))
+    return kept.join(F.broadcast(changed), on=key, how="left_semi")
+
+
+@on_conflict_retry
+def _replace_versions(spark: SparkSession, path: str, key: list[str], versions: DataFrame) -> None:
+    """Replace every row of the keys in ``versions`` by ``versions``, in one commit.
+
+    Delta's ``replaceUsing`` on the key: a delete that reads only the key columns of the
+    history's files and marks the keys' rows in deletion vectors, then an append, in one
+    overwrite; the history's large files are read once and none is rewritten (a MERGE
+    read them twice, whole). Nothing to write, no commit.
+    """
+    changed = versions.localCheckpoint(eager=True)  # the delete and the append read it
+    if changed.isEmpty():
+        return
+    columns = DeltaTable.forPath(spark, path).toDF().columns
+    order = [c for c in columns if c in versions.columns]
     (
-        history.alias("t")
-        .merge(source.alias("s"), condition)
-        .whenMatchedDelete(condition=f"s.{_DROP}")
-        .whenMatchedUpdate(condition=f"NOT s.{_DROP} AND ({changed})", set=assignments)
-        .whenNotMatchedInsert(condition=f"NOT s.{_DROP}", values=assignments)
-        .withSchemaEvolution()
-        .execute()
+        changed.select(*order, *[c for c in versions.columns if c not in order])
+        .write.format("delta")
+        .mode("overwrite")
+        .option("replaceUsing", ", ".join(key))
+        .option("mergeSchema", "true")
+        .save(path)
     )
