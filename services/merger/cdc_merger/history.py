@@ -175,7 +175,8 @@ def write_history(
             spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
         )
         rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
-        _replace_versions(spark, table.path, key, changed_versions(key, known, rebuilt))
+        changed = changed_versions(key, known, rebuilt)
+        _replace_versions(table.path, key, changed, order=known.columns)
 
     if batch is not None and deletes:
         remember = partial(_remember_deletes, spark, batch, key, tombstone_path, tombstones)
@@ -190,13 +191,13 @@ def _computed_side_by_side(*frames: DataFrame) -> list[DataFrame]:
     Reading a Delta table for a few keys is mostly waiting on the driver (the table's
     snapshot, planning, small jobs), so two such reads overlap well.
     """
-    computed: dict[int, DataFrame] = {}
+    computed = list(frames)
 
     def compute(number: int) -> None:
         computed[number] = frames[number].localCheckpoint(eager=True)
 
     side_by_side([partial(compute, n) for n in range(len(frames))])
-    return [computed[n] for n in range(len(frames))]
+    return computed
 
 
 def _typed(schema: T.StructType, name: str) -> Column:
@@ -469,21 +470,23 @@ def changed_versions(key: list[str], known: DataFrame, versions: DataFrame) -> D
 
 
 @on_conflict_retry
-def _replace_versions(spark: SparkSession, path: str, key: list[str], versions: DataFrame) -> None:
+def _replace_versions(path: str, key: list[str], versions: DataFrame, order: list[str]) -> None:
     """Replace every row of the keys in ``versions`` by ``versions``, in one commit.
 
     Delta's ``replaceUsing`` on the key: a delete that reads only the key columns of the
     history's files and marks the keys' rows in deletion vectors, then an append, in one
     overwrite; the history's large files are read once and none is rewritten (a MERGE
-    read them twice, whole). Nothing to write, no commit.
+    read them twice, whole). Nothing to write, no commit. ``order``: the history's
+    columns as read (a new column goes last).
     """
-    changed = versions.localCheckpoint(eager=True)  # the delete and the append read it
-    if changed.isEmpty():
+    counted = Observation()
+    # Computed once: the delete and the append both read it.
+    changed = versions.observe(counted, F.count(F.lit(1)).alias("rows")).localCheckpoint(eager=True)
+    if not int(counted.get["rows"]):
         return
-    columns = DeltaTable.forPath(spark, path).toDF().columns
-    order = [c for c in columns if c in versions.columns]
+    columns = [c for c in order if c in versions.columns]
     (
-        changed.select(*order, *[c for c in versions.columns if c not in order])
+        changed.select(*columns, *[c for c in versions.columns if c not in columns])
         .write.format("delta")
         .mode("overwrite")
         .option("replaceUsing", ", ".join(key))
