@@ -34,8 +34,8 @@ via ``ensure_tables``) and checked on a sample against the merger's own rebuild
 (``rebuilt_versions``). Then ``--warmup`` + ``--small`` 1,000-change batches, each
 applied to both through ``apply_batch`` (the service's per-batch call), the order
 flipping every batch. Side by side (p50): batch seconds and p95, on/off, ``apply_batch``'s
-laps, the silver MERGE and the history step's parts (reading; history's own tombstones;
-the rebuild; its replacing write, with Delta's ``operationMetrics``), Spark jobs, and the files
+laps, the silver MERGE and the history step's parts (reading and the rebuild; its
+replacing write, with Delta's ``operationMetrics``), Spark jobs, and the files
 and MiB each batch's scans read per table (from Spark's status store). At the end it
 checks history on gained a write per batch and one current version per silver row,
 history off has no history table, and the two silvers agree. The full run, alone on
@@ -606,13 +606,12 @@ def _bytes(text: str | None) -> int:
 class HistoryProbe:
     """Times the parts of the merger's history step, and tags its Spark jobs.
 
-    Wraps ``write_history`` (where ``apply_batch`` looks it up) and the two functions it
-    calls that write: ``_remember_deletes`` (the batch's deletes as tombstones, history's
-    own) and ``_replace_versions`` (the changed keys' versions replacing their rows in one
-    overwrite). The same code runs; only the wall time around it is taken. What
-    ``write_history`` spends outside the two is reading (the batch's events, the touched
-    keys, their rows in history and their tombstones: local checkpoints) and the rebuild
-    (the versions' local checkpoint).
+    Wraps ``write_history`` (where ``apply_batch`` looks it up) and the function it calls
+    that writes, ``_replace_versions`` (the changed keys' versions replacing their rows in
+    one overwrite). The same code runs; only the wall time around it is taken. What
+    ``write_history`` spends outside it is reading (the batch's events, the touched keys,
+    their rows in history and their tombstones: local checkpoints) and the rebuild (the
+    versions' local checkpoint).
     """
 
     def __init__(self, spark: SparkSession) -> None:
@@ -620,7 +619,6 @@ class HistoryProbe:
         self.seconds: dict[str, float] = {}
         self.tag = ""
         self._wrap(merger_apply, "write_history", "history", tagged=True)
-        self._wrap(merger_history, "_remember_deletes", "tombstones")
         self._wrap(merger_history, "_replace_versions", "replace")
 
     def reset(self) -> None:
@@ -748,21 +746,18 @@ def read_metric(scope: str, kind: str, label: str, scale: float = 1.0) -> Metric
 
 
 def history_read_s(b: Batch) -> float:
-    """The history step's reading and rebuild: its time outside the tombstones' append
-    and the replacing write."""
-    parts = history_s("history")(b) - history_s("tombstones")(b)
-    return parts - history_s("replace")(b)
+    """The history step's reading and rebuild: its time outside the replacing write."""
+    return history_s("history")(b) - history_s("replace")(b)
 
 
 HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
     ("  prepare (apply_batch lap)", step_s("prepare")),
     ("  guard (apply_batch lap)", step_s("guard")),
     ("  write: silver's and history's steps at once", step_s("write")),
-    ("  silver step: MERGE + tombstones", step_s("merge")),
+    ("  silver step: MERGE + tombstones (with history: every delete)", step_s("merge")),
     ("    silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
     ("  history step", step_s("history")),
     ("    read batch, keys, rows, tombs; rebuild", history_read_s),
-    ("    history's tombstones append", history_s("tombstones")),
     ("    replace: delete (DVs) + append", history_s("replace")),
     ("history table's files after the batch", lambda b: b.detail.get("history_files", 0)),
     ("JVM CPU s", lambda b: b.jvm_cpu_s),

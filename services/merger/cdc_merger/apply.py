@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +26,7 @@ import pyarrow.compute as pc
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import BackgroundCall, clock, side_by_side
+from cdc_shared.spark import clock, side_by_side
 from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
@@ -43,6 +44,8 @@ DELETE = "d"
 TRUNCATE = "t"
 ERROR_KIND = "_cdc_error_kind"
 ERROR_MESSAGE = "_cdc_error_message"
+#: Every delete sequence of the key in the batch (``latest_per_key(every_delete=True)``).
+DELETES = "_cdc_deletes"
 
 SILVER_PROPERTIES = {
     "delta.enableChangeDataFeed": "true",
@@ -192,6 +195,7 @@ def latest_per_key(
     silver: T.StructType,
     placeholder: Placeholder | None = None,
     null_updates: Collection[str] = (),
+    every_delete: bool = False,
 ) -> DataFrame:
     """The newest upsert or delete per key (by sequence), as flat silver-shaped rows.
 
@@ -201,7 +205,8 @@ def latest_per_key(
     placeholder; for the ``null_updates`` columns: a null in an update) takes the newest
     value an earlier event of the key in this batch did send; where none did, the value
     is null and the column is named in ``_cdc_unavailable`` (silver's value is then kept
-    by the MERGE, see :func:`silver_merge`).
+    by the MERGE, see :func:`silver_merge`). With ``every_delete``, ``_cdc_deletes``
+    holds the sequence of every delete of the key in the batch (a history needs each).
     """
     after = events.schema["after"].dataType
     assert isinstance(after, T.StructType)
@@ -239,9 +244,11 @@ def latest_per_key(
             F.max(F.col(seen[name])).alias(f"{seen[name]}_max"),
         )
     ]
-    grouped = flat.groupBy(*key).agg(newest, *carried)
+    deleted = F.collect_list(F.when(F.col(OP) == DELETE, F.col(SEQUENCE))).alias(DELETES)
+    grouped = flat.groupBy(*key).agg(newest, *carried, *([deleted] if every_delete else []))
+    deletes = [DELETES] if every_delete else []
     if not spotted:
-        return grouped.select(*key, "newest.*")
+        return grouped.select(*key, "newest.*", *deletes)
 
     def missing(name: str) -> Column:
         return F.col(f"newest.{seen[name]}").isNull() & (F.col(f"newest.{OP}") != DELETE)
@@ -262,6 +269,7 @@ def latest_per_key(
             if c not in seen.values()
         ],
         F.filter(F.array(*still_missing), lambda name: name.isNotNull()).alias(UNAVAILABLE),
+        *deletes,
     )
 
 
@@ -403,16 +411,12 @@ def apply_batch(
         checked.observe(batch, *_batch_metrics()).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     )
     rows = without_columns(valid, dropped)
-    latest = latest_per_key(rows, key, silver, placeholder, null_updates)
-    after = rows.schema["after"].dataType
-    assert isinstance(after, T.StructType)
-    kept = unavailable_columns(after, key, placeholder, null_updates)
-    floor = state.truncates.get()
-    if floor is not None:
-        latest = latest.where(F.col(SEQUENCE) > sequence_literal(floor))
+    with_history = layout.history is not None
+    latest = latest_per_key(rows, key, silver, placeholder, null_updates, with_history)
     # A local checkpoint: the MERGE (which reads its source twice) and the tombstones'
     # append then read computed rows instead of planning bronze's read again.
-    candidates = latest.withColumn(COMMIT_TS, clock()).localCheckpoint(eager=True)
+    newest = latest.withColumn(COMMIT_TS, clock()).localCheckpoint(eager=True)
+    candidates = _newer_than(newest, state.truncates.get())
     summary = batch.get
     lap("prepare")
     rejected = int(summary["rejected"])
@@ -424,7 +428,7 @@ def apply_batch(
         truncate = [int(v) for v in truncate]
         _truncate(spark, layout, truncate, [list(t[0]) for t in summary["truncates"]])
         state.truncates.raise_to(truncate)
-        candidates = candidates.where(F.col(SEQUENCE) > sequence_literal(truncate))
+        candidates = _newer_than(candidates, truncate)
         lap("truncate")
     offered = Offered.of(candidates, key) if int(summary["applicable"]) else Offered.none()
     stale = state.tombstones.stale_upserts(offered.upserts) if offered.upserts.num_rows else []
@@ -436,12 +440,19 @@ def apply_batch(
     if offered.unavailable:
         unavailable = _unavailable_without_prior(spark, candidates, layout)
         lap("unavailable")
+    tombstones = _tombstones(newest, candidates, layout.key, with_history, summary, offered)
     # Silver's step and the history's are independent writes: side by side (``_history``).
     writes: dict[str, Callable[[], None]] = {}
-    if offered.keys:
+    if offered.keys or tombstones is not None:
+        after = rows.schema["after"].dataType
+        assert isinstance(after, T.StructType)
+        kept = unavailable_columns(after, key, placeholder, null_updates)
         kept = [c for c in kept if c in silver.fieldNames()]
-        writes["merge"] = lambda: _silver_step(spark, candidates, layout, kept, state, offered)
-    if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
+        merged = candidates if offered.keys else None
+        writes["merge"] = lambda: _silver_step(
+            spark, merged, tombstones, layout, kept, state, offered
+        )
+    if with_history and (int(summary["applicable"]) or truncate is not None):
         writes["history"] = lambda: _history(
             spark, layout, rows, summary, placeholder, null_updates
         )
@@ -457,6 +468,13 @@ def apply_batch(
         step_ms=lap.laps | step_ms,
         unavailable=unavailable,
     )
+
+
+def _newer_than(candidates: DataFrame, sequence: list[int] | None) -> DataFrame:
+    """The ``candidates`` newer than ``sequence`` (a truncate's); all when it is None."""
+    if sequence is None:
+        return candidates
+    return candidates.where(F.col(SEQUENCE) > sequence_literal(sequence))
 
 
 def _side_by_side_timed(steps: dict[str, Callable[[], None]]) -> dict[str, int]:
@@ -476,16 +494,44 @@ def _side_by_side_timed(steps: dict[str, Callable[[], None]]) -> dict[str, int]:
     return took
 
 
+def _tombstones(
+    newest: DataFrame,
+    candidates: DataFrame,
+    key: list[str],
+    every_delete: bool,
+    summary: dict[str, Any],
+    offered: Offered,
+) -> DataFrame | None:
+    """The tombstones the batch records (key, sequence, time), None when it has none.
+
+    Silver needs each key's newest delete it applies (the ``candidates``' deletes). An
+    entity with a history needs every delete of the batch (``newest``, read before
+    truncates and tombstones filtered it): a delete that ended no version yet ends the
+    one a later-arriving older event begins. Silver records them for both, so the two
+    steps of a batch do not both append to the tombstones.
+    """
+    if every_delete:
+        if not int(summary["deletes"]):
+            return None
+        sequence = F.explode(DELETES).alias(SEQUENCE)
+        return newest.select(*key, sequence, F.col(COMMIT_TS).alias(DELETED_AT))
+    if not offered.deletes.num_rows:
+        return None
+    deletes = candidates.where(F.col(OP) == DELETE)
+    return deletes.select(*key, SEQUENCE, F.col(COMMIT_TS).alias(DELETED_AT))
+
+
 def _silver_step(
     spark: SparkSession,
-    candidates: DataFrame,
+    candidates: DataFrame | None,
+    tombstones: DataFrame | None,
     layout: SilverLayout,
     kept: list[str],
     state: MergeState,
     offered: Offered,
 ) -> None:
-    """Silver's MERGE and the deletes' tombstones, then the tombstone index updated."""
-    _write_silver(spark, candidates, layout, kept, offered.deletes.num_rows > 0)
+    """Silver's MERGE and the tombstones' append, then the tombstone index updated."""
+    _write_silver(spark, candidates, tombstones, layout, kept)
     state.tombstones.record(offered.deletes, offered.upserts)
 
 
@@ -505,10 +551,10 @@ def _history(
     Independent of silver's step, so the two run at once: the history is rebuilt from
     the batch's own events (its deletes included), the history's rows, the tombstones
     earlier batches recorded and the truncates (recorded before either step starts).
-    The one table both write is the tombstones, by appends: a delete this batch records
-    twice (silver's newest per key, history's every delete) is a repeat, harmless to
-    both readers (silver's newest per key counts; history dedupes by key and sequence).
-    A crash between the two commits replays the batch, and each step is idempotent.
+    They write no table in common: silver's step records every delete of the batch as a
+    tombstone (``_tombstones``), for both. A crash between the commits replays the batch,
+    and each step is idempotent: a tombstone recorded again is a repeat, harmless to both
+    readers (silver's newest per key counts; history dedupes by key and sequence).
     """
     history = layout.history
     assert history is not None
@@ -546,6 +592,7 @@ def _batch_metrics() -> list[Column]:
         F.count(F.lit(1)).alias("events"),
         F.count(error).alias("rejected"),
         F.count(F.when(applicable, 1)).alias("applicable"),
+        F.count(F.when(applicable & (op == DELETE), 1)).alias("deletes"),
         F.max(F.when((op == TRUNCATE) & error.isNull(), F.col("sequence"))).alias("truncate"),
         F.collect_set(
             F.when(
@@ -660,24 +707,22 @@ def _unavailable_without_prior(
 
 def _write_silver(
     spark: SparkSession,
-    candidates: DataFrame,
+    candidates: DataFrame | None,
+    tombstones: DataFrame | None,
     layout: SilverLayout,
     kept: list[str],
-    with_tombstones: bool,
 ) -> None:
-    """The MERGE, and the deletes' tombstones appended beside it (both must commit).
+    """The MERGE of ``candidates`` and the ``tombstones``' append, side by side.
 
     Either order of the two commits is safe: a replay re-applies the deletes (they are
     never filtered by tombstones) and appends their tombstones again (the newest counts).
     """
-    if not with_tombstones:
-        _merge_silver(spark, candidates, layout, kept)
-        return
-    appended = BackgroundCall(lambda: _record_tombstones(spark, candidates, layout))
-    try:
-        _merge_silver(spark, candidates, layout, kept)
-    finally:
-        appended.wait()
+    writes: list[Callable[[], None]] = []
+    if candidates is not None:
+        writes.append(partial(_merge_silver, spark, candidates, layout, kept))
+    if tombstones is not None:
+        writes.append(partial(_record_tombstones, tombstones, layout.tombstone_path))
+    side_by_side(writes)
 
 
 @on_conflict_retry
@@ -696,7 +741,7 @@ def silver_merge(
     An update keeps silver's value of each column in ``kept`` (columns silver has) that
     the row names in ``_cdc_unavailable``: the source did not send it.
     """
-    columns = [c for c in candidates.columns if c not in (OP, UNAVAILABLE)] + [OP]
+    columns = [c for c in candidates.columns if c not in (OP, UNAVAILABLE, DELETES)] + [OP]
     inserted: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     updated: dict[str, str | Column] = {
         **inserted,
@@ -718,12 +763,9 @@ def silver_merge(
 
 
 @on_conflict_retry
-def _record_tombstones(spark: SparkSession, candidates: DataFrame, layout: SilverLayout) -> None:
-    """Append the deletes' tombstones: the newest per key counts, so a replay is harmless."""
-    deletes = candidates.where(F.col(OP) == DELETE).select(
-        *layout.key, SEQUENCE, F.col(COMMIT_TS).alias(DELETED_AT)
-    )
-    deletes.coalesce(1).write.format("delta").mode("append").save(layout.tombstone_path)
+def _record_tombstones(tombstones: DataFrame, path: str) -> None:
+    """Append the batch's tombstones: a repeat is harmless, so a replay is too."""
+    tombstones.coalesce(1).write.format("delta").mode("append").save(path)
 
 
 @on_conflict_retry

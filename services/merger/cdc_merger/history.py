@@ -26,7 +26,7 @@ from functools import partial, reduce
 
 from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.spark import side_by_side
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
@@ -139,18 +139,11 @@ def write_history(
     current = DeltaTable.forPath(spark, table.path).toDF()
     schema = current.schema
     batch: DataFrame | None = None
-    deletes = 0
     if events is not None:
-        counted = Observation()
-        batch = (
-            events.select(
-                *[_typed(schema, c).alias(c) for c in events.columns if c not in _EVENT],
-                *_EVENT,
-            )
-            .observe(counted, F.count(F.when(F.col(OP) == DELETE, 1)).alias("deletes"))
-            .localCheckpoint(eager=True)
-        )
-        deletes = int(counted.get["deletes"])
+        batch = events.select(
+            *[_typed(schema, c).alias(c) for c in events.columns if c not in _EVENT],
+            *_EVENT,
+        ).localCheckpoint(eager=True)
     touching: list[DataFrame] = [] if batch is None else [batch.select(*key)]
     if truncates:
         spanning = [
@@ -170,19 +163,12 @@ def write_history(
         .select(*key, SEQUENCE),
     )
 
-    def replace() -> None:
-        versions = rebuilt_versions(
-            spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
-        )
-        rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
-        changed = changed_versions(key, known, rebuilt)
-        _replace_versions(table.path, key, changed, order=known.columns)
-
-    if batch is not None and deletes:
-        remember = partial(_remember_deletes, spark, batch, key, tombstone_path, tombstones)
-        side_by_side([remember, replace])
-    else:
-        replace()
+    versions = rebuilt_versions(
+        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
+    )
+    rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
+    changed = changed_versions(key, known, rebuilt)
+    _replace_versions(table.path, key, changed, order=known.columns)
 
 
 def _computed_side_by_side(*frames: DataFrame) -> list[DataFrame]:
@@ -204,31 +190,6 @@ def _typed(schema: T.StructType, name: str) -> Column:
     """Column ``name`` cast to history's type of it (a column history lacks: as it is)."""
     column = F.col(f"`{name}`")
     return column.try_cast(schema[name].dataType) if name in schema.fieldNames() else column
-
-
-@on_conflict_retry
-def _remember_deletes(
-    spark: SparkSession,
-    batch: DataFrame,
-    key: list[str],
-    tombstone_path: str,
-    recorded: DataFrame,
-) -> None:
-    """Record every delete of the batch as a tombstone, not only each key's newest.
-
-    Silver needs only the newest; history needs each, since a delete that ended no
-    version yet ends the one a later-arriving older event begins. Older tombstones change
-    nothing for silver (the newest per key counts); one already ``recorded`` (the
-    tombstones of the batch's keys) is not repeated.
-    """
-    schema = recorded.schema  # read from the tombstones: their key columns' types
-    deletes = batch.where(F.col(OP) == DELETE).select(
-        *[F.col(f"`{k}`").try_cast(schema[k].dataType).alias(k) for k in key],
-        SEQUENCE,
-        F.current_timestamp().alias(DELETED_AT),
-    )
-    new = deletes.join(recorded, on=[*key, SEQUENCE], how="left_anti")
-    new.coalesce(1).write.format("delta").mode("append").save(tombstone_path)
 
 
 def rebuilt_versions(
