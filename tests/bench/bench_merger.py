@@ -10,7 +10,9 @@ merger's foreachBatch does. Three variants, each on its own fresh silver table:
   the merger creates it (CDF and deletion vectors on);
 - lean: the merger's ``apply_batch`` today, on the same kind of silver;
 - lean-off: the same with the unavailable-value check off (``placeholder=None``), for
-  what that check costs (``--variants baseline,lean-off,lean``).
+  what that check costs (``--variants baseline,lean-off,lean``);
+- lean-cow: the same on a silver whose ``delta.enableDeletionVectors`` is false, so its
+  MERGEs rewrite the files they touch (``--variants lean,lean-cow``).
 
 Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does not count
 (the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
@@ -356,6 +358,18 @@ def lean_variant(
 def unaware_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
     """Today's path without the unavailable-value check (``placeholder=None``)."""
     return lean_variant(spark, root, bronze, rows, placeholder=None, name="lean-off")
+
+
+def copy_on_write_variant(
+    spark: SparkSession, root: Path, bronze: T.StructType, rows: int
+) -> Variant:
+    """Today's path on a silver whose MERGEs rewrite files (no deletion vectors)."""
+    variant = lean_variant(spark, root, bronze, rows, name="lean-cow")
+    spark.sql(
+        f"ALTER TABLE delta.`{variant.silver_path}` "
+        "SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'false')"
+    )
+    return variant
 
 
 def before_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows: int) -> Variant:
@@ -836,6 +850,38 @@ def run_history(
         report_history(off, on, rows, warmup)
 
 
+def run_copy_on_write(
+    spark: SparkSession, bronze: T.StructType, workdir: Path, rows: int, warmup: int, count: int
+) -> None:
+    """Two fresh silvers of ``rows`` rows, deletion vectors and rewriting, the same batches."""
+    vectors = lean_variant(spark, workdir / "vectors", bronze, rows, name="deletion-vectors")
+    rewrite = copy_on_write_variant(spark, workdir / "rewrite", bronze, rows)
+    workload = Workload(next_id=rows)
+    run_interleaved(spark, [vectors, rewrite], bronze, workload, count, warmup, HistoryProbe(spark))
+    print(
+        f"\nsilver of {rows:,} rows, {count} 1,000-change batches each (after {warmup} "
+        "warm-up), interleaved"
+    )
+    print(
+        f"{'variant':<18}{'p50 s':>8}{'p95 s':>8}{'MERGE p50 s':>13}{'jobs p50':>10}"
+        f"{'files':>7}{'MiB':>7}"
+    )
+    for variant in (vectors, rewrite):
+        seconds = [b.seconds for b in variant.batches]
+        detail = DeltaTable.forPath(spark, variant.silver_path).detail().first()
+        assert detail is not None
+        print(
+            f"{variant.name:<18}{statistics.median(seconds):>8.2f}{p(seconds, 0.95):>8.2f}"
+            f"{statistics.median(b.merge_ms for b in variant.batches) / 1000:>13.2f}"
+            f"{statistics.median(b.jobs for b in variant.batches):>10.0f}"
+            f"{detail['numFiles']:>7}{detail['sizeInBytes'] / 2**20:>7.1f}"
+        )
+    ratio = statistics.median(b.seconds for b in rewrite.batches) / statistics.median(
+        b.seconds for b in vectors.batches
+    )
+    print(f"rewriting files takes {ratio:.2f}x the batch time of deletion vectors (p50)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -856,6 +902,11 @@ def main() -> None:
         action="store_true",
         help="only history off vs on: --warmup, then --small batches each, interleaved",
     )
+    parser.add_argument(
+        "--copy-on-write",
+        action="store_true",
+        help="only deletion vectors vs rewriting files: --warmup, --small batches, interleaved",
+    )
     args = parser.parse_args()
     conf = {"spark.ui.enabled": "false", "spark.driver.memory": "4g"}
     conf.update(dict(item.split("=", 1) for item in args.conf))
@@ -869,11 +920,15 @@ def main() -> None:
     if args.history:
         run_history(spark, bronze, workdir, args.rows, args.warmup, args.small)
         return
+    if args.copy_on_write:
+        run_copy_on_write(spark, bronze, workdir, args.rows, args.warmup, args.small)
+        return
     makers = {
         "baseline": baseline_variant,
         "before": before_variant,
         "lean": lean_variant,
         "lean-off": unaware_variant,
+        "lean-cow": copy_on_write_variant,
     }
 
     variants = []
