@@ -455,12 +455,17 @@ class MergerConfig(StreamingServiceConfig):
     (Debezium's ``unavailable.value.placeholder``; ``hex:`` then hex octets, as there): a
     column carrying it keeps its prior value (``cdc_merger.unavailable``). ``null`` stores
     every value as sent.
+
+    ``deletion_vectors_from_mib``: the size from which a silver's MERGEs mark changed
+    rows in deletion vectors; a smaller silver's rewrite the files they change, which is
+    cheaper there (``cdc_merger.write_mode``). 0: deletion vectors at every size.
     """
 
     max_files_per_trigger: int | None = Field(default=1000, gt=0)
     max_bytes_per_trigger: str | None = None  # e.g. "512m"; with files, the first limit wins
     tombstone_retention_hours: float | None = Field(default=168.0, gt=0)
     tombstone_expiry_interval_s: float = Field(default=3600.0, gt=0)
+    deletion_vectors_from_mib: float = Field(default=2.0, ge=0)
     unavailable_value_placeholder: str | None = Field(
         default="__debezium_unavailable_value", min_length=1
     )

@@ -78,6 +78,22 @@ def write_text(spark: SparkSession, path: str, text: str) -> None:
         stream.close()
 
 
+def delta_table_bytes(spark: SparkSession, path: str) -> int:
+    """Bytes of the files of the Delta table at ``path``, at the version this JVM last loaded.
+
+    Delta's log of the table holds its newest snapshot (brought up to date by this
+    process's own commits and by ``DeltaTable.forPath``). The size comes from that
+    version's checksum, which Delta writes with every commit: no Spark job; without a
+    checksum, Delta computes it from the table's state (a Spark job).
+    """
+    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
+    snapshot = delta_log.forTable(spark._jsparkSession, path).unsafeVolatileSnapshot()
+    checksum = snapshot.checksumOpt()
+    if checksum.isDefined():
+        return int(checksum.get().tableSizeBytes())
+    return int(snapshot.sizeInBytes())
+
+
 def jobs_with_tag(spark: SparkSession, tag: str) -> int:
     """How many Spark jobs carry the job tag ``tag`` (running or done)."""
     tracker = spark.sparkContext._jsc.sc().statusTracker()

@@ -84,8 +84,14 @@ def world(
         es_config,
         ingestor={"metrics_port": 0},
         # Several silver commits; one query for all tables (``merger.one_query``): status
-        # and maintenance read each table's position among that query's sources.
-        merger={"metrics_port": 0, "max_files_per_trigger": 1, "one_query": True},
+        # and maintenance read each table's position among that query's sources. Deletion
+        # vectors at every size: the readers without a JVM must read them.
+        merger={
+            "metrics_port": 0,
+            "max_files_per_trigger": 1,
+            "one_query": True,
+            "deletion_vectors_from_mib": 0,
+        },
         publisher_kafka={"metrics_port": 0},
     )
     # The producer knows value schema v2 from the start; the pipeline learns it later.

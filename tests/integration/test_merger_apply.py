@@ -28,6 +28,8 @@ from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, HistoryConfig
 from cdc_shared.schemas import entity_schemas
+from cdc_shared.tables import table_properties
+from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -791,3 +793,51 @@ def test_a_null_in_an_update_keeps_the_value_when_told_to(customers: Silver) -> 
 
     customers.apply(customers.event("u", {"id": 2}, [20], person(None, "222")))  # option off
     assert {r.id: r.email for r in customers.rows().collect()}[2] is None
+
+
+def _last_merge(silver: Silver) -> dict[str, str]:
+    """The ``operationMetrics`` of silver's newest MERGE."""
+    history = DeltaTable.forPath(silver.spark, silver.layout.silver_path).history(5)
+    merges = history.where(F.col("operation") == "MERGE").orderBy(F.col("version").desc())
+    newest = merges.first()
+    assert newest is not None, "no MERGE in silver's history"
+    return dict(newest["operationMetrics"])
+
+
+def test_silver_switches_to_deletion_vectors_as_it_grows(customers: Silver) -> None:
+    """Below ``deletion_vectors_from_mib`` silver's MERGEs rewrite the files they change;
+    at it, they mark the changed rows in deletion vectors; back to rewriting only below
+    half of it. Silver holds the same rows either way."""
+    from cdc_merger.write_mode import DELETION_VECTORS, SilverWriteMode
+
+    path = customers.layout.silver_path
+    customers.apply(*[customers.event("c", {"id": i}, [i], customer(f"n{i}")) for i in range(50)])
+    mode = SilverWriteMode(customers.spark, path, from_mib=1.0)  # silver: a few KiB
+    mode.open()
+    assert table_properties(customers.spark, path)[DELETION_VECTORS] == "false"
+    customers.apply(customers.event("u", {"id": 3}, [103], customer("rewritten")))
+    rewrite = _last_merge(customers)
+    assert rewrite["numTargetDeletionVectorsAdded"] == "0", rewrite
+    assert int(rewrite["numTargetFilesRemoved"]) >= 1, rewrite
+
+    def size() -> int:
+        detail = customers.spark.sql(f"DESCRIBE DETAIL delta.`{path}`").first()
+        assert detail is not None
+        return int(detail["sizeInBytes"])
+
+    mode.from_bytes = size()  # silver has reached the size
+    mode.check()
+    assert table_properties(customers.spark, path)[DELETION_VECTORS] == "true"
+    customers.apply(customers.event("u", {"id": 4}, [104], customer("marked")))
+    marked = _last_merge(customers)
+    assert int(marked["numTargetDeletionVectorsAdded"]) >= 1, marked
+    assert marked["numTargetFilesRemoved"] == "0", marked
+
+    mode.from_bytes = size() * 3 // 2  # above silver, not twice it: deletion vectors stay
+    mode.check()
+    assert table_properties(customers.spark, path)[DELETION_VECTORS] == "true"
+    mode.from_bytes = 2 * size() + 2  # silver is under half of it: rewriting again
+    mode.check()
+    assert table_properties(customers.spark, path)[DELETION_VECTORS] == "false"
+    expected = {i: f"n{i}" for i in range(50)} | {3: "rewritten", 4: "marked"}
+    assert names(customers) == expected

@@ -52,6 +52,8 @@ SILVER_PROPERTIES = {
     "delta.enableDeletionVectors": "true",
     **AUTO_COMPACT,
 }
+#: Puts deletion vectors in a new table's protocol whatever its property says.
+DELETION_VECTORS_SUPPORTED = {"delta.feature.deletionVectors": "supported"}
 TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true", **AUTO_COMPACT}
 #: The placeholder a batch recognises unless told otherwise (Debezium's default).
 DEFAULT_PLACEHOLDER = Placeholder.of(DEBEZIUM_PLACEHOLDER)
@@ -119,12 +121,24 @@ def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
     )
 
 
-def ensure_tables(spark: SparkSession, bronze_schema: T.StructType, layout: SilverLayout) -> None:
-    """Create silver (Change Data Feed on), its tombstones and truncates unless they exist."""
+def ensure_tables(
+    spark: SparkSession,
+    bronze_schema: T.StructType,
+    layout: SilverLayout,
+    deletion_vectors: bool = True,
+) -> None:
+    """Create silver (Change Data Feed on), its tombstones and truncates unless they exist.
+
+    ``deletion_vectors``: whether a silver made here starts with its MERGEs writing
+    deletion vectors (the table feature is in its protocol either way:
+    ``cdc_merger.write_mode`` switches the property as the table grows).
+    """
     from cdc_shared.tables import ensure_table
 
     silver = silver_schema(bronze_schema, layout.key)
-    ensure_table(spark, layout.silver_path, silver, SILVER_PROPERTIES)
+    writes = {"delta.enableDeletionVectors": "true" if deletion_vectors else "false"}
+    properties = SILVER_PROPERTIES | DELETION_VECTORS_SUPPORTED | writes
+    ensure_table(spark, layout.silver_path, silver, properties)
     ensure_table(
         spark, layout.tombstone_path, tombstone_schema(silver, layout.key), TOMBSTONE_PROPERTIES
     )

@@ -46,6 +46,7 @@ from cdc_merger.apply import (
 from cdc_merger.bronze_start import reads_from_first_commit, replayable_from_first_commit
 from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
+from cdc_merger.write_mode import SilverWriteMode
 
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
@@ -112,6 +113,9 @@ class EntityMerge(EntityStreamBase):
         self.quarantine_path = self.config.layout.quarantine(SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
         self.placeholder = Placeholder.of(self.config.merger.unavailable_value_placeholder)
+        self.write_mode = SilverWriteMode(
+            self.spark, self.layout.silver_path, self.config.merger.deletion_vectors_from_mib
+        )
 
     def prepare(self, wait_s: float) -> None:
         """Silver and tombstones, shaped by bronze (waits for the ingestor to create it).
@@ -128,7 +132,9 @@ class EntityMerge(EntityStreamBase):
         if self.entity.history.enabled:  # and history's
             kept = [c for c in _row_columns(bronze) if c not in dropped]
             self.entity.history_untracked_columns(kept)
-        ensure_tables(self.spark, without_columns(bronze, dropped).schema, self.layout)
+        schema = without_columns(bronze, dropped).schema
+        ensure_tables(self.spark, schema, self.layout, self.write_mode.from_bytes == 0)
+        self.write_mode.open()  # deletion vectors or rewriting, by silver's size
         self.warn_selection_narrowed(dropped)
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
 
@@ -219,6 +225,7 @@ class EntityMerge(EntityStreamBase):
                 self.null_update_columns(batch),
             )
             expired = self.expire_tombstones(result.ingested_until)
+            self.write_mode.check()
         counts = {
             # Spark does not count rows a MERGE reads: counted here for the batch log.
             "input_rows": result.events,
