@@ -12,7 +12,8 @@ merger's foreachBatch does. Three variants, each on its own fresh silver table:
 - lean-off: the same with the unavailable-value check off (``placeholder=None``), for
   what that check costs (``--variants baseline,lean-off,lean``);
 - lean-cow: the same on a silver whose ``delta.enableDeletionVectors`` is false, so its
-  MERGEs rewrite the files they touch (``--variants lean,lean-cow``).
+  MERGEs rewrite the files they touch (``--variants lean,lean-cow``; interleaved with
+  lean, which is better: ``--copy-on-write``, and with ``--history`` both keep a history).
 
 Each variant loads N rows, then merges ``--warmup`` 1,000-change batches it does not count
 (the JVM needs many batches to reach its speed here), ``--small`` 1,000-change batches,
@@ -361,10 +362,17 @@ def unaware_variant(spark: SparkSession, root: Path, bronze: T.StructType, rows:
 
 
 def copy_on_write_variant(
-    spark: SparkSession, root: Path, bronze: T.StructType, rows: int
+    spark: SparkSession,
+    root: Path,
+    bronze: T.StructType,
+    rows: int,
+    history: HistoryConfig | None = None,
 ) -> Variant:
-    """Today's path on a silver whose MERGEs rewrite files (no deletion vectors)."""
-    variant = lean_variant(spark, root, bronze, rows, name="lean-cow")
+    """Today's path on a silver whose MERGEs rewrite files (no deletion vectors).
+
+    A ``history`` keeps its deletion vectors, as the merger's do (its write needs them).
+    """
+    variant = lean_variant(spark, root, bronze, rows, name="lean-cow", history=history)
     spark.sql(
         f"ALTER TABLE delta.`{variant.silver_path}` "
         "SET TBLPROPERTIES ('delta.enableDeletionVectors' = 'false')"
@@ -851,11 +859,22 @@ def run_history(
 
 
 def run_copy_on_write(
-    spark: SparkSession, bronze: T.StructType, workdir: Path, rows: int, warmup: int, count: int
+    spark: SparkSession,
+    bronze: T.StructType,
+    workdir: Path,
+    rows: int,
+    warmup: int,
+    count: int,
+    history: HistoryConfig | None = None,
 ) -> None:
-    """Two fresh silvers of ``rows`` rows, deletion vectors and rewriting, the same batches."""
-    vectors = lean_variant(spark, workdir / "vectors", bronze, rows, name="deletion-vectors")
-    rewrite = copy_on_write_variant(spark, workdir / "rewrite", bronze, rows)
+    """Two fresh silvers of ``rows`` rows, deletion vectors and rewriting, the same batches.
+
+    With ``history``, each has its history (deletion vectors in both).
+    """
+    vectors = lean_variant(
+        spark, workdir / "vectors", bronze, rows, name="deletion-vectors", history=history
+    )
+    rewrite = copy_on_write_variant(spark, workdir / "rewrite", bronze, rows, history)
     workload = Workload(next_id=rows)
     run_interleaved(spark, [vectors, rewrite], bronze, workload, count, warmup, HistoryProbe(spark))
     print(
@@ -917,11 +936,12 @@ def main() -> None:
     bronze = bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
     plan = [10_000] * args.repeats + [100_000] * args.repeats
     workdir = Path(tempfile.mkdtemp(prefix="bench-merger-"))
+    if args.copy_on_write:  # with --history: both variants keep a history
+        history = HistoryConfig(enabled=True) if args.history else None
+        run_copy_on_write(spark, bronze, workdir, args.rows, args.warmup, args.small, history)
+        return
     if args.history:
         run_history(spark, bronze, workdir, args.rows, args.warmup, args.small)
-        return
-    if args.copy_on_write:
-        run_copy_on_write(spark, bronze, workdir, args.rows, args.warmup, args.small)
         return
     makers = {
         "baseline": baseline_variant,

@@ -74,12 +74,15 @@ def test_workload_through_ingestor_and_merger_equals_oracle(
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)
     # Small silvers: their MERGEs rewrite files (merger.deletion_vectors_from_mib), and
-    # deletion vectors stay in their protocol for when they grow.
+    # deletion vectors stay in their protocol for when they grow. A history keeps them on.
     for entity in pipeline.config.entities:
-        path = silver_layout(pipeline.config, entity).silver_path
-        properties = table_properties(spark, path)
+        layout = silver_layout(pipeline.config, entity)
+        properties = table_properties(spark, layout.silver_path)
         assert properties["delta.enableDeletionVectors"] == "false", entity.name
         assert properties["delta.feature.deletionVectors"] == "supported", entity.name
+        if layout.history is not None:
+            history = table_properties(spark, layout.history.path)
+            assert history["delta.enableDeletionVectors"] == "true", entity.name
 
     # Bronze could replay every row from its commits: the streams read it from version 0.
     for entity in pipeline.config.entities:

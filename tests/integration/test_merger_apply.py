@@ -808,11 +808,11 @@ def test_silver_switches_to_deletion_vectors_as_it_grows(customers: Silver) -> N
     """Below ``deletion_vectors_from_mib`` silver's MERGEs rewrite the files they change;
     at it, they mark the changed rows in deletion vectors; back to rewriting only below
     half of it. Silver holds the same rows either way."""
-    from cdc_merger.write_mode import DELETION_VECTORS, SilverWriteMode
+    from cdc_merger.write_mode import DELETION_VECTORS, WriteMode
 
     path = customers.layout.silver_path
     customers.apply(*[customers.event("c", {"id": i}, [i], customer(f"n{i}")) for i in range(50)])
-    mode = SilverWriteMode(customers.spark, path, from_mib=1.0)  # silver: a few KiB
+    mode = WriteMode(customers.spark, path, from_mib=1.0)  # silver: a few KiB
     mode.open()
     assert table_properties(customers.spark, path)[DELETION_VECTORS] == "false"
     customers.apply(customers.event("u", {"id": 3}, [103], customer("rewritten")))

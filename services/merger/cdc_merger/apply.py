@@ -131,7 +131,8 @@ def ensure_tables(
 
     ``deletion_vectors``: whether a silver made here starts with its MERGEs writing
     deletion vectors (the table feature is in its protocol either way:
-    ``cdc_merger.write_mode`` switches the property as the table grows).
+    ``cdc_merger.write_mode`` switches the property as the table grows). A history
+    always has them on: its write (``history._replace_versions``) fails without them.
     """
     from cdc_shared.tables import ensure_table
 

@@ -46,7 +46,7 @@ from cdc_merger.apply import (
 from cdc_merger.bronze_start import reads_from_first_commit, replayable_from_first_commit
 from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
-from cdc_merger.write_mode import SilverWriteMode
+from cdc_merger.write_mode import WriteMode
 
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
@@ -113,7 +113,7 @@ class EntityMerge(EntityStreamBase):
         self.quarantine_path = self.config.layout.quarantine(SERVICE)
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
         self.placeholder = Placeholder.of(self.config.merger.unavailable_value_placeholder)
-        self.write_mode = SilverWriteMode(
+        self.write_mode = WriteMode(
             self.spark, self.layout.silver_path, self.config.merger.deletion_vectors_from_mib
         )
 
@@ -133,7 +133,8 @@ class EntityMerge(EntityStreamBase):
             kept = [c for c in _row_columns(bronze) if c not in dropped]
             self.entity.history_untracked_columns(kept)
         schema = without_columns(bronze, dropped).schema
-        ensure_tables(self.spark, schema, self.layout, self.write_mode.from_bytes == 0)
+        always = self.config.merger.deletion_vectors_from_mib == 0
+        ensure_tables(self.spark, schema, self.layout, deletion_vectors=always)
         self.write_mode.open()  # deletion vectors or rewriting, by silver's size
         self.warn_selection_narrowed(dropped)
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)

@@ -1,6 +1,6 @@
-"""Whether silver's MERGEs mark changed rows in deletion vectors or rewrite their files.
+"""Whether the merger's writes mark changed rows in deletion vectors or rewrite files.
 
-A MERGE that updates or deletes rows of a file can mark them deleted in a deletion vector
+A MERGE or DELETE that changes rows of a file can mark them deleted in a deletion vector
 (it reads and writes little of the file, in ~7 more Spark jobs) or rewrite the file. On
 a small table rewriting is the cheaper of the two, since the table is a file or two; on
 a large one deletion vectors are (docs/benchmarks.md, "deletion vectors against
@@ -11,6 +11,11 @@ back to rewriting only below half of it, so a table near the line does not switc
 every batch. Checked when the table is opened and after each batch (the size comes from
 the checksum of the version the batch committed, no Spark job); a change is one commit.
 The table feature stays in silver's protocol either way, so readers see no change.
+
+A history keeps deletion vectors at every size: its replacing write (a Delta
+``replaceUsing`` overwrite, ``history._replace_versions``) fails when it has to rewrite
+files instead (Delta 4.4: ``DELTA_FILE_TO_OVERWRITE_NOT_FOUND``, the DELETE with an
+``EXISTS`` condition cannot name the files it touched).
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ def deletion_vectors_wanted(size_bytes: int, from_bytes: int, have: bool) -> boo
     return size_bytes >= (from_bytes // 2 if have else from_bytes)
 
 
-class SilverWriteMode:
-    """Keeps one silver's ``delta.enableDeletionVectors`` in line with its size."""
+class WriteMode:
+    """Keeps one table's ``delta.enableDeletionVectors`` in line with its size."""
 
     def __init__(self, spark: SparkSession, path: str, from_mib: float) -> None:
         self.spark = spark
@@ -65,7 +70,7 @@ class SilverWriteMode:
         if wanted != self.deletion_vectors:
             _set_deletion_vectors(self.spark, self.path, wanted)
             log.info(
-                "silver's MERGEs now %s",
+                "the merger's writes to a table now %s",
                 "write deletion vectors" if wanted else "rewrite the files they change",
                 extra={"table": self.path, "size_mib": round(size / 2**20, 1)},
             )
