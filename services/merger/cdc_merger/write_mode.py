@@ -1,4 +1,4 @@
-"""Whether the merger's writes mark changed rows in deletion vectors or rewrite files.
+"""Whether silver's MERGEs mark changed rows in deletion vectors or rewrite files.
 
 A MERGE or DELETE that changes rows of a file can mark them deleted in a deletion vector
 (it reads and writes little of the file, in ~7 more Spark jobs) or rewrite the file. On
@@ -70,8 +70,8 @@ class WriteMode:
         if wanted != self.deletion_vectors:
             _set_deletion_vectors(self.spark, self.path, wanted)
             log.info(
-                "the merger's writes to a table now %s",
-                "write deletion vectors" if wanted else "rewrite the files they change",
+                "silver's MERGEs now %s",
+                "mark changed rows in deletion vectors" if wanted else "rewrite files",
                 extra={"table": self.path, "size_mib": round(size / 2**20, 1)},
             )
             self.deletion_vectors = wanted
