@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from py4j.protocol import Py4JJavaError
-from pyspark.sql import SparkSession
+from pyspark.sql import Observation, SparkSession
 from pyspark.sql import types as T
 
 
@@ -92,6 +92,17 @@ def delta_table_bytes(spark: SparkSession, path: str) -> int:
     if checksum.isDefined():
         return int(checksum.get().tableSizeBytes())
     return int(snapshot.sizeInBytes())
+
+
+def observation_collected(observation: Observation) -> bool:
+    """Whether Spark collected ``observation``'s metrics (waits for its action to end).
+
+    Spark ends an observation with no metrics when it ran none of the observed plan
+    (adaptive execution can prove an empty micro-batch's input empty and skip it);
+    ``Observation.get`` then fails on the empty row instead of returning the metrics.
+    """
+    assert observation._jo is not None, "observe a DataFrame before reading its metrics"
+    return int(observation._jo.getRow().length()) > 0
 
 
 def jobs_with_tag(spark: SparkSession, tag: str) -> int:

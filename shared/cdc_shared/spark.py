@@ -10,9 +10,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from pyspark import InheritableThread, StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_shared import jvm, jvm_bridge
@@ -282,6 +283,22 @@ def collect_python_garbage(interval_s: float) -> None:
         thread = threading.Thread(target=collect, name="cdc-python-gc", daemon=True)
         thread.start()
         _collectors[:] = [thread]
+
+
+def observed(
+    observation: Observation, frame: DataFrame, metrics: Sequence[Column]
+) -> dict[str, Any]:
+    """The ``metrics`` ``observation`` collected over ``frame``, once its action has run.
+
+    When Spark ran none of the observed plan (an empty micro-batch that adaptive
+    execution proved empty), it collected nothing: the metrics are then computed from
+    ``frame`` itself, one small job over an empty input.
+    """
+    if jvm_bridge.observation_collected(observation):
+        return observation.get
+    row = frame.agg(*metrics).first()
+    assert row is not None  # an aggregate without grouping has one row
+    return row.asDict(recursive=False)
 
 
 def clock() -> Column:

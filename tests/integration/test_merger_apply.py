@@ -841,3 +841,16 @@ def test_silver_switches_to_deletion_vectors_as_it_grows(customers: Silver) -> N
     assert table_properties(customers.spark, path)[DELETION_VECTORS] == "false"
     expected = {i: f"n{i}" for i in range(50)} | {3: "rewritten", 4: "marked"}
     assert names(customers) == expected
+
+
+@pytest.mark.parametrize("history", [False, True])
+def test_an_empty_batch_applies_nothing(spark: SparkSession, tmp_path: Path, history: bool) -> None:
+    """A micro-batch without rows (a stream's first, over a bronze made but not written
+    yet): adaptive execution proves its input empty and runs none of its plan, so Spark
+    collects none of the batch's observed metrics. The batch applies nothing and fails
+    nothing, with the history's every-delete grouping too."""
+    kept = HistoryConfig(enabled=True) if history else None
+    silver = Silver(spark, tmp_path, CUSTOMERS, history=kept)
+    result = silver.apply_frame(spark.createDataFrame([], silver.bronze_schema))
+    assert (result.events, result.keys, result.rejected, result.deletes) == (0, 0, 0, 0)
+    assert silver.rows().count() == 0

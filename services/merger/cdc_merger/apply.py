@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import clock, side_by_side
+from cdc_shared.spark import clock, observed, side_by_side
 from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
@@ -421,18 +421,16 @@ def apply_batch(
     kind, message = rejection(events, key, silver)
     # Kafka tombstones (a null value after a delete) carry nothing to apply.
     checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
-    batch = Observation()  # a unique name: entities' batches may run at once
-    valid = (
-        checked.observe(batch, *_batch_metrics()).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
-    )
+    batch, metrics = Observation(), _batch_metrics()  # a unique name: batches run at once
+    valid = checked.observe(batch, *metrics).where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND)
     rows = without_columns(valid, dropped)
-    with_history = layout.history is not None
-    latest = latest_per_key(rows, key, silver, placeholder, null_updates, with_history)
+    every_delete = layout.history is not None  # a history needs each delete's tombstone
+    latest = latest_per_key(rows, key, silver, placeholder, null_updates, every_delete)
     # A local checkpoint: the MERGE (which reads its source twice) and the tombstones'
     # append then read computed rows instead of planning bronze's read again.
     newest = latest.withColumn(COMMIT_TS, clock()).localCheckpoint(eager=True)
     candidates = _newer_than(newest, state.truncates.get())
-    summary = batch.get
+    summary = observed(batch, checked, metrics)
     lap("prepare")
     rejected = int(summary["rejected"])
     if rejected:
@@ -455,7 +453,7 @@ def apply_batch(
     if offered.unavailable:
         unavailable = _unavailable_without_prior(spark, candidates, layout)
         lap("unavailable")
-    tombstones = _tombstones(newest, candidates, layout.key, with_history, summary, offered)
+    tombstones = _tombstones(newest, candidates, layout.key, every_delete, summary, offered)
     # Silver's step and the history's are independent writes: side by side (``_history``).
     writes: dict[str, Callable[[], None]] = {}
     if offered.keys or tombstones is not None:
@@ -467,7 +465,7 @@ def apply_batch(
         writes["merge"] = lambda: _silver_step(
             spark, merged, tombstones, layout, kept, state, offered
         )
-    if with_history and (int(summary["applicable"]) or truncate is not None):
+    if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
         writes["history"] = lambda: _history(
             spark, layout, rows, summary, placeholder, null_updates
         )

@@ -27,7 +27,7 @@ from functools import partial, reduce
 from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import side_by_side
+from cdc_shared.spark import observed, side_by_side
 from cdc_shared.tables import on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
@@ -440,10 +440,10 @@ def _replace_versions(path: str, key: list[str], versions: DataFrame, order: lis
     read them twice, whole). Nothing to write, no commit. ``order``: the history's
     columns as read (a new column goes last).
     """
-    counted = Observation()
+    counted, rows = Observation(), [F.count(F.lit(1)).alias("rows")]
     # Computed once: the delete and the append both read it.
-    changed = versions.observe(counted, F.count(F.lit(1)).alias("rows")).localCheckpoint(eager=True)
-    if not int(counted.get["rows"]):
+    changed = versions.observe(counted, *rows).localCheckpoint(eager=True)
+    if not int(observed(counted, versions, rows)["rows"]):
         return
     columns = [c for c in order if c in versions.columns]
     (
