@@ -94,6 +94,11 @@ def delta_table_bytes(spark: SparkSession, path: str) -> int:
     return int(snapshot.sizeInBytes())
 
 
+def observation_ready(observation: Observation) -> bool:
+    """Whether the action an observation watched has run (``get`` would wait forever)."""
+    return bool(observation._jo is not None and observation._jo.future().isCompleted())
+
+
 def observation_collected(observation: Observation) -> bool:
     """Whether Spark collected ``observation``'s metrics (waits for its action to end).
 

@@ -15,6 +15,7 @@ from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import ConfigError, PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
+from cdc_shared.jvm_bridge import observation_ready
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.stream_checkpoint import CheckpointFiles, HadoopFiles, planned_batches
@@ -44,7 +45,7 @@ from cdc_ingestor.incompatible_schema import (
     incompatible_stop,
     log_incompatible,
 )
-from cdc_ingestor.outcomes import count_outcomes, observation_ready, outcome_metrics, outcomes
+from cdc_ingestor.outcomes import count_outcomes, outcome_metrics, outcomes
 from cdc_ingestor.schema_learning import SchemaTracker
 
 SERVICE = INGESTOR

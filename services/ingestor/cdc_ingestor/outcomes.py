@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cdc_shared.config import EntityConfig
-from pyspark.sql import Column, DataFrame, Observation, Row
+from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
 from cdc_ingestor.decode import ERROR_KINDS, quarantine_columns
@@ -20,11 +20,6 @@ from cdc_ingestor.decode import ERROR_KINDS, quarantine_columns
 MAX_COLLECTED_QUARANTINE = 20_000
 #: Records per outcome (only those that occurred), and the collected quarantine records.
 Outcomes = tuple[dict[str, int], list[Any]]
-
-
-def observation_ready(observation: Observation) -> bool:
-    """Whether the action an observation watched has run (``get`` would wait forever)."""
-    return bool(observation._jo is not None and observation._jo.future().isCompleted())
 
 
 def outcome_metrics(entity: EntityConfig) -> list[Column]:
