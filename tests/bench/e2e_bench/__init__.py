@@ -49,6 +49,10 @@ included; ``--hot-tables K`` puts ``--hot-tables-share`` (0.7) of the changes on
 K tables and the rest on the others (``WorkloadSpec.hot_tables``), and then also gives
 the delays of the hot and the cold tables apart; ``--one-query`` runs each of our
 services as one query for all its tables (the baseline keeps its queries per table).
+A pipeline named ``KIND@N`` in ``--pipelines`` runs on N tables instead, so one invocation
+compares table counts (``cdc-app@2,cdc-app@100 --hot-tables 2 --hot-tables-share 1``:
+the load on 2 tables, 98 idle); ``--snapshot-rows`` makes each table's snapshot smaller.
+Each pipeline's start (launch until healthy) is reported too.
 
 Writes ``results.json``, ``results.md`` and ``plot.svg`` (delay percentiles and lag over
 time) under ``--workdir``, and prints the tables.

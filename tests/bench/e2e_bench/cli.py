@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pipelines",
         type=lambda text: [p for p in text.split(",") if p],
         default=list(PIPELINES),
-        help="which to run, one after another (default cdc,cdc-app,baseline)",
+        help="which to run, one after another (default cdc,cdc-app,baseline); KIND@N runs "
+        "KIND on N tables instead of --tables (e.g. cdc-app@2,cdc-app@100)",
     )
     parser.add_argument(
         "--baseline",
@@ -83,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hot-tables-share", type=float, default=0.7)
     parser.add_argument(
+        "--snapshot-rows",
+        type=int,
+        default=None,
+        help="rows of each table's snapshot (the warm-up); default half the key space",
+    )
+    parser.add_argument(
         "--one-query",
         action="store_true",
         help="every service of ours as one query for all its tables (one_query)",
@@ -92,19 +99,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def pipeline_run(text: str, tables: int | None) -> tuple[str, int | None]:
+    """``KIND`` or ``KIND@N`` of ``--pipelines`` -> (kind, tables); ``tables`` by default."""
+    kind, _, count = text.partition("@")
+    if kind not in PIPELINES:
+        raise SystemExit(f"unknown pipeline {kind!r}; known: {', '.join(PIPELINES)}")
+    if count and not count.isdigit():
+        raise SystemExit(f"{text!r}: the number of tables after @ must be a whole number")
+    return kind, int(count) if count else tables
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run both pipelines at every rate; write and print the figures."""
     args = parse_args(argv)
     if args.run_baseline:
         run_baseline(args.run_baseline)
         return
-    unknown = set(args.pipelines) - set(PIPELINES)
-    if unknown:
-        raise SystemExit(f"unknown pipelines {sorted(unknown)}; known: {', '.join(PIPELINES)}")
-    if args.tables is not None and args.entities:
+    runs = [pipeline_run(text, args.tables) for text in args.pipelines]
+    if any(tables is not None for _, tables in runs) and args.entities:
         raise SystemExit("--tables copies every entity of the example: no --entities with it")
     if not args.baseline:
-        args.pipelines = [p for p in args.pipelines if p != "baseline"]
+        runs = [(kind, tables) for kind, tables in runs if kind != "baseline"]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     served = infra.up()
     print(f"kafka {served.kafka_bootstrap_servers} · es {served.elasticsearch_url}", flush=True)
     started = time.time()
-    results = [run_pipeline(kind, args, served, started) for kind in args.pipelines]
+    results = [run_pipeline(kind, tables, args, served, started) for kind, tables in runs]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     document = {
         "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -28,6 +28,7 @@ def producer_main(
     seed: int,
     hot_tables: int,
     hot_tables_share: float,
+    snapshot_rows: int | None,
     probes: dict[str, dict[Key, int]],
     commands: Any,
     results: Any,
@@ -48,6 +49,7 @@ def producer_main(
         schema_change_at=None,
         hot_tables=hot_tables,
         hot_tables_share=hot_tables_share,
+        snapshot_rows=snapshot_rows,
     )
     generator = ShardGenerator(shard, shards, config.entities, make_registry(config), spec)
     wanted = {e.name: set(probes[e.name]) for e in config.entities}
@@ -80,7 +82,8 @@ def producer_main(
             yield message
 
     stream = watched(generator.messages())
-    snapshot = sum(min(spec.keys // 2, spec.keys) for _ in config.entities)
+    rows = spec.keys // 2 if snapshot_rows is None else snapshot_rows
+    snapshot = sum(min(rows, spec.keys) for _ in config.entities)
     while True:
         command = commands.get()
         if command[0] == "stop":
@@ -116,6 +119,7 @@ class Load:
                     args.seed,
                     args.hot_tables,
                     args.hot_tables_share,
+                    args.snapshot_rows,
                     probes,
                     self.commands[shard],
                     self.results,

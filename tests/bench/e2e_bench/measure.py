@@ -67,6 +67,7 @@ class PipelineResult:
     step_bounds: list[tuple[float, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     processes: list[str] = field(default_factory=list)  # the pipeline's own, not servers
+    start_s: float = 0.0  # from launch until healthy (the baseline: its queries started)
 
     @property
     def highest_sustainable(self) -> float | None:

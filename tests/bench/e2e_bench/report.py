@@ -21,7 +21,7 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
     lines = [
         f"# End-to-end benchmark, {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
         "",
-        f"{os.cpu_count()} cores; {args.tables or 'the example'} tables"
+        f"{os.cpu_count()} cores; {args.tables or 'the example'} tables (KIND@N: N tables)"
         f"{' (ours: one query per service)' if args.one_query else ''}; "
         f"{args.keys:,} keys per entity; {args.producers} producer "
         f"process(es); {args.seconds_per_rate:.0f} s per rate. Delays in seconds "
@@ -78,10 +78,15 @@ def markdown(results: list[PipelineResult], args: argparse.Namespace) -> str:
                     f"| {r.name} | {s.rate:,.0f} | {group} | {_ms(stages.get('silver', {}))} "
                     f"| {_ms(stages.get('topic', {}))} | {index} |"
                 )
-    lines += ["", "| pipeline | highest sustainable load |", "|---|---|"]
+    lines += [
+        "",
+        "| pipeline | highest sustainable load | ready after s (launch to healthy) |",
+        "|---|---|---:|",
+    ]
     for r in results:
         best = r.highest_sustainable
-        lines.append(f"| {r.name} | {'none of the rates' if best is None else f'{best:,.0f}/s'} |")
+        sustained = "none of the rates" if best is None else f"{best:,.0f}/s"
+        lines.append(f"| {r.name} | {sustained} | {r.start_s:.1f} |")
     lines += [
         "",
         "CPU seconds over each step and its drain (per 1,000 events produced), and peak RSS "

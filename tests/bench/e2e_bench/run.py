@@ -84,11 +84,18 @@ class PipelineRun:
     """One pipeline (``cdc`` or ``baseline``) from start to stop, one rate step at a time."""
 
     def __init__(
-        self, kind: str, args: argparse.Namespace, served: infra.Endpoints, started: float
+        self,
+        kind: str,
+        tables: int | None,
+        args: argparse.Namespace,
+        served: infra.Endpoints,
+        started: float,
     ) -> None:
-        self.kind, self.args, self.started = kind, args, started
+        self.args, self.started = args, started
         self.is_cdc = kind in CDC_MODES
-        self.workdir = args.workdir / kind
+        # Named with its tables when the run's pipelines differ in them (``KIND@N``).
+        self.kind = kind if tables == args.tables else f"{kind}@{tables or 'example'}"
+        self.workdir = args.workdir / self.kind
         self.workdir.mkdir(parents=True)
         prefix = {"cdc": "e2e", "cdc-app": "app"}.get(kind, "base")
         self.config_path = _configure(
@@ -97,11 +104,13 @@ class PipelineRun:
             prefix,
             args.port_base,
             args.entities,
-            args.tables,
+            tables,
             args.one_query and self.is_cdc,
         )
         self.config = load_config(self.config_path)
-        self.result = PipelineResult(kind, list(STAGES) if self.is_cdc else ["silver", "topic"])
+        self.result = PipelineResult(
+            self.kind, list(STAGES) if self.is_cdc else ["silver", "topic"]
+        )
         numbers = probe_numbers(
             args.keys, args.probe_share, WorkloadSpec().hot_keys, args.producers
         )
@@ -114,7 +123,9 @@ class PipelineRun:
         )
         self.result.processes = [s.name for s in self.services]
         self.meter = Meter()
-        self.progress = Progress(self.services, lambda line: print(f"  {kind}: {line}", flush=True))
+        self.progress = Progress(
+            self.services, lambda line: print(f"  {self.kind}: {line}", flush=True)
+        )
         self.topic = TopicWatcher(self.config, self.probes, headers=not self.is_cdc)
         self.index = IndexWatcher(self.config, self.probes) if self.is_cdc else None
         self.load: Load | None = None
@@ -129,6 +140,7 @@ class PipelineRun:
         ensure_topics(self.config.kafka, topics)
         _wait_for_group_coordinator(self.config)
         print(f"{self.kind}: starting; logs in {self.workdir / 'logs'}", flush=True)
+        launched = time.monotonic()
         for service in self.services:
             service.start()
             assert service.process is not None
@@ -148,6 +160,8 @@ class PipelineRun:
                 wait_a_little(self.services, 2)
         else:
             wait_until_healthy(self.services, self.config, self.args.start_timeout)
+        self.result.start_s = time.monotonic() - launched
+        print(f"{self.kind}: ready after {self.result.start_s:.1f} s", flush=True)
         self.meter.start()
         self.topic.start()
         if self.index is not None:
@@ -241,10 +255,14 @@ class PipelineRun:
 
 
 def run_pipeline(
-    kind: str, args: argparse.Namespace, served: infra.Endpoints, started: float
+    kind: str,
+    tables: int | None,
+    args: argparse.Namespace,
+    served: infra.Endpoints,
+    started: float,
 ) -> PipelineResult:
-    """Start ``kind`` (cdc or baseline), offer every rate, stop it, measure the delays."""
-    run = PipelineRun(kind, args, served, started)
+    """Start ``kind`` (cdc or baseline) on ``tables``, offer every rate, stop, measure."""
+    run = PipelineRun(kind, tables, args, served, started)
     try:
         run.start()
         run.warm_up()
