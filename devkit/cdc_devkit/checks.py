@@ -21,6 +21,7 @@ import fastavro
 from cdc_shared.avro import SchemaRegistry, read_header
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import INGESTOR
 from cdc_shared.schemas import make_registry
 from cdc_shared.tables import has_commits
 from confluent_kafka import TopicPartition
@@ -264,7 +265,7 @@ def source_coverage(
     landed = _coordinates(spark, config.layout.bronze(entity.name), "true")
     landed += _coordinates(
         spark,
-        config.layout.quarantine("ingestor"),
+        config.layout.quarantine(INGESTOR),
         f"kafka_topic = '{topic}'",
     )
     seen: set[tuple[int, int]] = set()
@@ -315,7 +316,7 @@ def quarantined_poison(
     kinds after the ingestor's error kinds.
     """
     check = PoisonCheck(len(poison))
-    path = config.layout.quarantine("ingestor")
+    path = config.layout.quarantine(INGESTOR)
     rows = []
     if has_commits(spark, path):
         frame = spark.read.format("delta").load(path)

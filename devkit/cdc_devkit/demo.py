@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 from cdc_merger.history import END, START
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
+from cdc_shared.layout import INGESTOR, MERGER, PUBLISHER_ES
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
@@ -315,7 +316,7 @@ def _count(spark: SparkSession, config: PipelineConfig, result: DemoResult) -> N
             result.rows[f"silver_history/{entity.name}"] = rows(config.layout.history(entity.name))
         result.change_events[entity.change_topic_name] = change_topic_state(config, entity).events
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
-    for service in ("ingestor", "merger", "publisher_es"):
+    for service in (INGESTOR, MERGER, PUBLISHER_ES):
         result.rows[f"quarantine/{service}"] = rows(config.layout.quarantine(service))
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.layout import INGESTOR
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
@@ -195,7 +196,7 @@ def _count(spark: SparkSession, config: PipelineConfig, result: PostgresDemoResu
                     spark.read.format("delta").load(path).count()
                 )
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
-    quarantine = config.layout.quarantine("ingestor")
+    quarantine = config.layout.quarantine(INGESTOR)
     result.rows["quarantine/ingestor"] = (
         spark.read.format("delta").load(quarantine).count() if has_commits(spark, quarantine) else 0
     )

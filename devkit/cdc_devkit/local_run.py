@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cdc_shared.config import PipelineConfig
+from cdc_shared.config import PipelineConfig, StreamingServiceConfig
+from cdc_shared.layout import INGESTOR, SERVICES, section_name
 from cdc_shared.schemas import make_registry
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
@@ -82,15 +83,14 @@ def write_pipeline_config(
     if tables is not None:
         document["entities"] = copied_entities(document["entities"], tables)
         del document["spark"]["conf"]["spark.driver.memory"]  # sized by the tables
-    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
     # Ports free now, not the example's: two runs (or a run and a test) can coexist.
-    *ports, application_port = free_ports(len(sections) + 1)
-    for section, port in zip(sections, ports, strict=True):
+    *ports, application_port = free_ports(len(SERVICES) + 1)
+    for section, port in zip(SERVICES, ports, strict=True):
         document[section] = {"trigger_interval": "1 second", "metrics_port": port}
         if one_query:
             document[section]["one_query"] = True
     document["application"] = {"metrics_port": application_port}
-    document["ingestor"]["max_offsets_per_trigger"] = 20_000
+    document[INGESTOR]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
         document["kafka"]["options"] = kafka_options
     if es_api_key:
@@ -178,13 +178,10 @@ class Progress(threading.Thread):
 
 def health_port(config: PipelineConfig, service: str) -> int:
     """The port a service (or the application) serves /health and /metrics on."""
-    return {
-        "application": config.application.metrics_port,
-        "ingestor": config.ingestor.metrics_port,
-        "merger": config.merger.metrics_port,
-        "publisher-kafka": config.publisher_kafka.metrics_port,
-        "publisher-es": config.publisher_es.metrics_port,
-    }[service]
+    if service == "application":
+        return config.application.metrics_port
+    section: StreamingServiceConfig = getattr(config, section_name(service))
+    return section.metrics_port
 
 
 def wait_until_healthy(

@@ -238,7 +238,7 @@ def batches_by_service(processes: list[ServiceProcess]) -> dict[str, list[dict[s
     grouped: dict[str, list[dict[str, Any]]] = {}
     for process in processes:
         for batch in process.batches:
-            name = str(batch.get("service") or process.name).replace("_", "-")
+            name = layout.display_name(str(batch.get("service") or process.name))
             grouped.setdefault(name, []).append(batch)
     return grouped
 

@@ -28,7 +28,16 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc_shared.layout import ALL_ENTITIES, StorageLayout
+from cdc_shared.layout import (
+    ALL_ENTITIES,
+    INGESTOR,
+    MERGER,
+    PUBLISHER_ES,
+    PUBLISHER_KAFKA,
+    SERVICE_NAMES,
+    StorageLayout,
+    display_name,
+)
 from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
@@ -548,10 +557,6 @@ class PublisherEsConfig(ChangeFeedConfig):
     on_missing_index: Literal["rebuild", "stop"] = "rebuild"
 
 
-#: The streaming services, in pipeline order, as ``cdc run --service`` and the logs name them.
-SERVICE_NAMES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
-
-
 class ApplicationConfig(_Section):
     """``cdc run``: several services as streaming queries of one Spark application.
 
@@ -565,17 +570,17 @@ class ApplicationConfig(_Section):
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
     pool_weights: dict[str, int] = Field(
         default_factory=lambda: {
-            "ingestor": 2,
-            "merger": 3,
-            "publisher-kafka": 1,
-            "publisher-es": 1,
+            display_name(INGESTOR): 2,
+            display_name(MERGER): 3,
+            display_name(PUBLISHER_KAFKA): 1,
+            display_name(PUBLISHER_ES): 1,
         }
     )
 
     @field_validator("pool_weights")
     @classmethod
     def _known_services(cls, weights: dict[str, int]) -> dict[str, int]:
-        normalised = {name.replace("_", "-"): weight for name, weight in weights.items()}
+        normalised = {display_name(name): weight for name, weight in weights.items()}
         unknown = sorted(set(normalised) - set(SERVICE_NAMES))
         if unknown:
             raise ValueError(f"unknown services {unknown}; known: {', '.join(SERVICE_NAMES)}")

@@ -25,8 +25,23 @@ ALL_ENTITIES = "_all"
 
 
 def display_name(service: str) -> str:
-    """The service as people and logs of processes name it: ``publisher-kafka``."""
+    """The service as people and logs of processes name it: ``publisher-kafka``.
+
+    Either spelling in, this one out.
+    """
     return service.replace("_", "-")
+
+
+def section_name(service: str) -> str:
+    """The service as its configuration section and folders name it: ``publisher_kafka``.
+
+    Either spelling in, this one out.
+    """
+    return service.replace("-", "_")
+
+
+#: The services, in pipeline order, as people, logs and ``cdc run --service`` name them.
+SERVICE_NAMES = tuple(display_name(service) for service in SERVICES)
 
 
 def command_name(service: str) -> str:

@@ -26,7 +26,17 @@ from types import FrameType
 from typing import Any, Protocol
 from xml.sax.saxutils import quoteattr
 
-from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.config import ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.layout import (
+    INGESTOR,
+    MERGER,
+    PUBLISHER_ES,
+    PUBLISHER_KAFKA,
+    SERVICE_NAMES,
+    SERVICES,
+    display_name,
+    section_name,
+)
 from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
 from cdc_shared.spark import (
@@ -57,10 +67,10 @@ def _starts() -> dict[str, StartService]:
     from cdc_publisher_kafka.main import start as publisher_kafka
 
     return {
-        "ingestor": ingestor,
-        "merger": merger,
-        "publisher-kafka": publisher_kafka,
-        "publisher-es": publisher_es,
+        display_name(INGESTOR): ingestor,
+        display_name(MERGER): merger,
+        display_name(PUBLISHER_KAFKA): publisher_kafka,
+        display_name(PUBLISHER_ES): publisher_es,
     }
 
 
@@ -68,7 +78,7 @@ def select_services(names: list[str] | None) -> list[str]:
     """The services to run, in pipeline order: ``names`` (either spelling), else all four."""
     if not names:
         return list(SERVICE_NAMES)
-    chosen = {name.replace("_", "-") for name in names}
+    chosen = {display_name(name) for name in names}
     unknown = sorted(chosen - set(SERVICE_NAMES))
     if unknown:
         raise ConfigError(f"unknown services {unknown}; known: {', '.join(SERVICE_NAMES)}")
@@ -108,9 +118,8 @@ def heap_outgrown(sized_for: int, running: int) -> str | None:
 
 def without_service_endpoints(config: PipelineConfig) -> PipelineConfig:
     """The configuration with every service's own metrics server off (the app serves one)."""
-    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es")
     return config.model_copy(
-        update={s: getattr(config, s).model_copy(update={"metrics_port": 0}) for s in sections}
+        update={s: getattr(config, s).model_copy(update={"metrics_port": 0}) for s in SERVICES}
     )
 
 
@@ -321,7 +330,7 @@ class Supervised(Protocol):
 
 def _pool(runner: Supervised) -> str:
     """The pool of a runner's service (runners name services with underscores)."""
-    return runner.service.replace("_", "-")
+    return display_name(runner.service)
 
 
 def run_application(
@@ -344,7 +353,7 @@ def run_application(
         application = Application(config, chosen, entity_names, once)
         refuse_if_running(
             config.storage_root,
-            [s.replace("-", "_") for s in chosen],
+            [section_name(s) for s in chosen],
             [e.name for e in entities],
             None if "://" not in config.storage_root else application.spark,  # S3: read by it
         )

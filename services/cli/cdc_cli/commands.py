@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import typer
 from cdc_shared.config import ConfigError, PipelineConfig, load_config
+from cdc_shared.layout import INGESTOR, MERGER
 
 ConfigPath = typer.Option(
     ..., "--config", envvar="CDC_CONFIG", help="Pipeline YAML (or set $CDC_CONFIG)."
@@ -172,7 +173,7 @@ def quarantine_show(
 
 def quarantine_replay(
     config: Path = ConfigPath,
-    service: str = typer.Option("ingestor", help="Only the ingestor's quarantine replays."),
+    service: str = typer.Option(INGESTOR, help="Only the ingestor's quarantine replays."),
     entity: str = typer.Option(..., help="The entity whose records to replay."),
     where: str | None = typer.Option(
         None,
@@ -307,7 +308,7 @@ def maintenance_command(
 
     pipeline = _config(config)
     ignored = tuple(ignore_service or ())
-    unknown = [s for s in ignored if s not in ("merger", *maintenance.SILVER_READERS)]
+    unknown = [s for s in ignored if s not in (MERGER, *maintenance.SILVER_READERS)]
     if unknown:
         _fail(f"--ignore-service: unknown services {unknown}", 2)
     refusals = (

@@ -59,7 +59,7 @@ from cdc_shared.config import (
     StreamingServiceConfig,
     s3a_bucket,
 )
-from cdc_shared.layout import MERGER, SERVICES, display_name
+from cdc_shared.layout import MERGER, PUBLISHER_ES, PUBLISHER_KAFKA, SERVICES, display_name
 from cdc_shared.silver import DELETED_AT
 from cdc_shared.stream_checkpoint import entity_source
 
@@ -80,7 +80,7 @@ if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a ses
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 DEFAULT_RETENTION_HOURS = 168.0  # Delta's default deletedFileRetentionDuration: 7 days
 DEFAULT_QUIET = dt.timedelta(minutes=10)
-SILVER_READERS = ("publisher_kafka", "publisher_es")
+SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
 RETENTION_PROPERTY = "delta.deletedFileRetentionDuration"
 HEALTH_TIMEOUT_S = 2.0
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
@@ -312,13 +312,13 @@ def stream_needs(
     state = state_reader(source)
     needs: list[StreamNeed] = []
     bronze = config.layout.bronze(entity.name)
-    if "merger" not in ignore_services and state.table_version(bronze) is not None:
+    if MERGER not in ignore_services and state.table_version(bronze) is not None:
         _, need = _need_from_checkpoint(
             state,
-            "merger",
+            MERGER,
             f"bronze/{entity.name}",
             bronze,
-            config.checkpoint_path("merger", entity.name),
+            config.checkpoint_path(MERGER, entity.name),
             change_feed=False,
             entity=entity.name,
         )
@@ -328,8 +328,8 @@ def stream_needs(
     silver = config.layout.silver(entity.name)
     if state.table_version(silver) is not None:
         settings: dict[str, ChangeFeedConfig] = {
-            "publisher_kafka": config.publisher_kafka,
-            "publisher_es": config.publisher_es,
+            PUBLISHER_KAFKA: config.publisher_kafka,
+            PUBLISHER_ES: config.publisher_es,
         }
         for service in SILVER_READERS:
             if service in ignore_services:

@@ -50,7 +50,7 @@ from cdc_ingestor.replay_origin import REPLAY_HEADER, Origin, origin_header, par
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import ConfigError, PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.layout import QUARANTINE_WRITERS
+from cdc_shared.layout import INGESTOR, QUARANTINE_WRITERS
 from cdc_shared.tables import ensure_table
 from confluent_kafka import KafkaError, Message, TopicPartition
 from delta.tables import DeltaTable
@@ -61,7 +61,7 @@ from pyspark.sql import types as T
 
 from cdc_cli.checkpoints import is_delta_table
 
-REPLAYABLE = ("ingestor",)
+REPLAYABLE = (INGESTOR,)
 RUN_HEADER = "cdc.replay.run"
 DEFAULT_LEASE = dt.timedelta(minutes=10)
 PENDING, DONE = "pending", "done"
@@ -337,7 +337,7 @@ class Replay:
         entity: str,
         spark: SparkSession,
         where: str | None = None,
-        service: str = "ingestor",
+        service: str = INGESTOR,
     ) -> None:
         _check_replayable(service)
         self.config = config
@@ -655,7 +655,7 @@ def replay(
     entity: str,
     where: str | None = None,
     *,
-    service: str = "ingestor",
+    service: str = INGESTOR,
     recover: bool = False,
     spark: SparkSession | None = None,
 ) -> ReplayResult:

@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import QUARANTINE_WRITERS, publisher_progress_group
+from cdc_shared.layout import (
+    INGESTOR,
+    MERGER,
+    PUBLISHER_ES,
+    PUBLISHER_KAFKA,
+    QUARANTINE_WRITERS,
+    publisher_progress_group,
+)
 from cdc_shared.stream_checkpoint import entity_source
 from confluent_kafka import KafkaException, TopicPartition
 
@@ -152,7 +159,7 @@ def kafka_end_offsets(config: PipelineConfig, topic: str) -> dict[int, tuple[int
 
 def ingestor_lag(config: PipelineConfig, entity: EntityConfig, reader: StateReader) -> StreamLag:
     """Records in the source topic after the offsets of the ingestor's last committed batch."""
-    service = "ingestor"
+    service = INGESTOR
     try:
         watermarks = kafka_end_offsets(config, entity.source_topic)
     except KafkaException as exc:
@@ -188,7 +195,7 @@ def publisher_kafka_lag(
     config: PipelineConfig, entity: EntityConfig, reader: StateReader
 ) -> StreamLag:
     """Silver versions after the furthest of the published progress and the checkpoint."""
-    service = "publisher_kafka"
+    service = PUBLISHER_KAFKA
     silver = config.layout.silver(entity.name)
     checkpointed = _delta_stream_lag(config, reader, service, entity.name, "silver")
     try:
@@ -262,9 +269,9 @@ def entity_status(
     silver_path = config.layout.silver(entity.name)
     streams = (
         ingestor_lag(config, entity, reader),
-        _delta_stream_lag(config, reader, "merger", entity.name, "bronze"),
+        _delta_stream_lag(config, reader, MERGER, entity.name, "bronze"),
         publisher_kafka_lag(config, entity, reader),
-        _delta_stream_lag(config, reader, "publisher_es", entity.name, "silver"),
+        _delta_stream_lag(config, reader, PUBLISHER_ES, entity.name, "silver"),
     )
     versions = (reader.table_version(bronze_path), reader.table_version(silver_path))
     return EntityStatus(entity.name, *versions, streams)

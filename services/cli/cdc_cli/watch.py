@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from cdc_shared.config import PipelineConfig
+from cdc_shared.layout import display_name
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdc_cli.maintenance import health_endpoints
@@ -116,7 +117,7 @@ def render_paces(
         if not current:
             lines.append(f"  {name:<16} {'reachable, no batch yet':<50} {where}")
         for service, totals in sorted(current.items()):
-            label = service.replace("_", "-")
+            label = display_name(service)
             if service not in previous:
                 lines.append(f"  {label:<16} {'reachable, measuring...':<50} {where}")
                 continue
