@@ -854,3 +854,41 @@ def test_an_empty_batch_applies_nothing(spark: SparkSession, tmp_path: Path, his
     result = silver.apply_frame(spark.createDataFrame([], silver.bronze_schema))
     assert (result.events, result.keys, result.rejected, result.deletes) == (0, 0, 0, 0)
     assert silver.rows().count() == 0
+
+
+def test_events_rejected_again_under_a_new_checkpoint_are_quarantined_once(
+    spark: SparkSession, make_pipeline: Any, customers: Silver
+) -> None:
+    """A batch read again under a new query id (a one query carried over onto a new
+    checkpoint reads each table's last version again) rejects its events again, under a
+    new txnAppId: the quarantine still holds each event once, and silver the rest."""
+    from cdc_merger.merging import EntityMerge
+    from cdc_shared.streaming import QueryIdentity, StreamRunner
+
+    pipeline = make_pipeline(entities=("customers",))
+    layout = pipeline.config.layout
+    empty = spark.createDataFrame([], customers.bronze_schema)
+    empty.write.format("delta").save(layout.bronze("customers"))
+    events = [
+        customers.event("x", {"id": 1}, [10], customer("unknown op")),
+        customers.event("c", {"id": 2}, [10], customer("kept")),
+        customers.event("c", None, [11], customer("no key")),
+    ]
+    batch = spark.createDataFrame(events, customers.bronze_schema)
+    runner = StreamRunner(spark, "merger")
+    try:
+        merge = EntityMerge(spark, pipeline.config, pipeline.config.entity("customers"), runner)
+        merge.prepare(0)
+        for query_id in ("first-checkpoint", "second-checkpoint"):
+            merge.identity = QueryIdentity()
+            merge.identity.set(query_id)
+            merge.process_batch(batch, 0)
+    finally:
+        runner.close()
+    quarantined = spark.read.format("delta").load(layout.quarantine("merger")).collect()
+    assert sorted(r.kafka_offset for r in quarantined) == [
+        events[0]["kafka_offset"],
+        events[2]["kafka_offset"],
+    ]
+    silver = spark.read.format("delta").load(layout.silver("customers")).collect()
+    assert [(r.id, r.first_name) for r in silver] == [(2, "kept")]

@@ -8,6 +8,7 @@ one per entity, or all of them inside its one query (:mod:`cdc_merger.one_query`
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import logging
 import time
 
@@ -28,7 +29,7 @@ from cdc_shared.tables import (
     quarantine_columns,
     wait_for_table,
 )
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -94,6 +95,31 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
             quarantined_at=F.current_timestamp(),
         )
     )
+
+
+#: The quarantine's columns that name one bronze event: its entity and Kafka coordinates
+#: (bronze holds each Kafka record once).
+QUARANTINED_EVENT = ("entity", "kafka_topic", "kafka_partition", "kafka_offset")
+
+
+def not_quarantined_yet(
+    spark: SparkSession, rows: DataFrame, quarantine_path: str, entity: str
+) -> DataFrame:
+    """``rows`` (``quarantine_rows``) less the events the quarantine holds already.
+
+    A batch read again under a new checkpoint rejects its events again under a new
+    ``txnAppId``, which the idempotent append cannot recognise: a one query carried over
+    onto a new checkpoint (a table taken up) reads each table's last version again
+    (``cdc_shared.streaming.delta_union``). Read only when a batch rejects events.
+    """
+    held = (
+        spark.read.format("delta")
+        .load(quarantine_path)
+        .where(F.col("entity") == entity)
+        .select(*QUARANTINED_EVENT)
+    )
+    same = [rows[column] == held[column] for column in QUARANTINED_EVENT]
+    return rows.join(held, on=functools.reduce(lambda a, b: a & b, same), how="left_anti")
 
 
 def _row_columns(bronze: DataFrame) -> list[str]:
@@ -190,14 +216,16 @@ class EntityMerge(EntityStreamBase):
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Apply the batch; replaying it changes nothing (every step compares sequences).
 
-        Rejected events go to ``quarantine/merger`` idempotently (txnAppId + batch id).
+        Rejected events go to ``quarantine/merger`` idempotently (txnAppId + batch id),
+        each event once whatever checkpoint read it (``not_quarantined_yet``).
         """
         started = time.monotonic()
         app = app_id(SERVICE, self.entity.name, self.identity.get())
 
         def quarantine(rejected: DataFrame) -> None:
             rows = quarantine_rows(rejected, self.entity.name, batch_id)
-            idempotent_append(rows, self.quarantine_path, app, batch_id)
+            new = not_quarantined_yet(self.spark, rows, self.quarantine_path, self.entity.name)
+            idempotent_append(new, self.quarantine_path, app, batch_id)
 
         # Every step of a batch is idempotent, so a batch whose MERGE source went with a
         # lost executor is applied again here instead of failing the stream.
