@@ -67,13 +67,10 @@ TABLES_AT_ONCE = 4
 DATAFRAME_DEBUGGING = "spark.python.sql.dataFrameDebugging.enabled"
 #: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
 #: few tables, then a share per streaming query (one per table and service), since each
-#: query's sessions, Delta snapshots and in-flight plans live in the driver's heap. A
-#: table inside a service's one query (``<service>.one_query``) has no query of its own,
-#: only its Delta snapshots and its part of the batch: a quarter of a query's share.
+#: query's sessions, Delta snapshots and in-flight plans live in the driver's heap.
 DRIVER_MEMORY = "spark.driver.memory"
 BASE_HEAP_MIB = 512
 HEAP_PER_QUERY_MIB = 16
-HEAP_PER_GROUPED_TABLE_MIB = 4
 MIN_HEAP_MIB = 1024
 _collector_lock = threading.Lock()
 _collectors: list[threading.Thread] = []  # the one collector thread, once started
@@ -200,52 +197,38 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
     return {DRIVER_JAVA_OPTIONS: combined} if combined else {}
 
 
-def _heap_mib(queries: int, grouped_tables: int) -> int:
-    mib = max(
-        MIN_HEAP_MIB,
-        BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries + HEAP_PER_GROUPED_TABLE_MIB * grouped_tables,
-    )
+def _heap_mib(queries: int) -> int:
+    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
     return -(-mib // 256) * 256
 
 
-def heap_load(tables: int, one_query: Sequence[bool]) -> tuple[int, int]:
-    """(streaming queries, tables inside one queries) of services reading ``tables`` each.
+def driver_memory(queries: int) -> str:
+    """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
 
-    ``one_query``: for each service, whether it runs one query for all its tables.
-    """
-    grouped = sum(one_query)
-    return grouped + tables * (len(one_query) - grouped), tables * grouped
-
-
-def driver_memory(queries: int, grouped_tables: int = 0) -> str:
-    """The driver heap for ``queries`` streaming queries, as Spark spells it.
-
-    ``grouped_tables``: tables read inside services' one queries (each service counted).
     Many tables in one application hold that many queries' state in one heap: with
     Spark's 1 GiB a few dozen of them exhaust it and the application dies of "GC overhead
     limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
     """
-    return f"{_heap_mib(queries, grouped_tables)}m"
+    return f"{_heap_mib(queries)}m"
 
 
-def heap_capacity(queries: int, grouped_tables: int = 0) -> int:
-    """How many streaming queries the heap sized for these holds (its rounding's room)."""
-    grouped_mib = HEAP_PER_GROUPED_TABLE_MIB * grouped_tables
-    return (_heap_mib(queries, grouped_tables) - BASE_HEAP_MIB - grouped_mib) // HEAP_PER_QUERY_MIB
+def heap_capacity(queries: int) -> int:
+    """How many streaming queries the heap sized for ``queries`` holds (its rounding's room)."""
+    return (_heap_mib(queries) - BASE_HEAP_MIB) // HEAP_PER_QUERY_MIB
 
 
-def with_sized_heap(config: SparkConfig, queries: int, grouped_tables: int = 0) -> SparkConfig:
-    """``config`` with the driver heap :func:`driver_memory` gives these queries and tables.
+def with_sized_heap(config: SparkConfig, queries: int) -> SparkConfig:
+    """``config`` with the driver heap :func:`driver_memory` gives ``queries`` queries.
 
     Unchanged when ``spark.conf`` sets ``spark.driver.memory``: the operator's size wins.
     The heap is fixed when the JVM starts, so it is sized for the queries known then.
     """
     if DRIVER_MEMORY in config.conf:
         return config
-    heap = driver_memory(queries, grouped_tables)
+    heap = driver_memory(queries)
     log.info(
         "driver heap sized for the streaming queries",
-        extra={"queries": queries, "one_query_tables": grouped_tables, DRIVER_MEMORY: heap},
+        extra={"queries": queries, DRIVER_MEMORY: heap},
     )
     return config.model_copy(update={"conf": {DRIVER_MEMORY: heap, **config.conf}})
 

@@ -16,13 +16,7 @@ from cdc_cli.application import (
     without_service_endpoints,
 )
 from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
-from cdc_shared.spark import (
-    DRIVER_MEMORY,
-    driver_memory,
-    heap_capacity,
-    heap_load,
-    with_sized_heap,
-)
+from cdc_shared.spark import DRIVER_MEMORY, driver_memory, heap_capacity, with_sized_heap
 
 
 def test_services_default_to_all_four_in_pipeline_order() -> None:
@@ -82,23 +76,6 @@ def test_the_driver_heap_grows_with_the_queries_unless_configured() -> None:
         == "3g"
     )
     assert driver_memory(400) == "6912m"  # rounded up to 256 MiB
-
-
-def test_a_table_inside_a_one_query_counts_a_quarter_of_a_query_in_the_heap() -> None:
-    """Every service as one query: 100 tables need 2.25 GiB, not the 6.75 GiB of 400
-    queries (the application's resident set followed the larger heap to 7.8 GiB)."""
-    every = {
-        s: {"one_query": True} for s in ("ingestor", "merger", "publisher_kafka", "publisher_es")
-    }
-    hundred = Application(PipelineConfig(entities=_tables(100), **every), list(SERVICE_NAMES))
-    assert hundred.spark_config().conf["spark.driver.memory"] == "2304m"
-    assert heap_load(100, [True, True, True, True]) == (4, 400)
-    merger_only = PipelineConfig(entities=_tables(100), merger={"one_query": True})
-    app = Application(merger_only, list(SERVICE_NAMES))
-    assert app.spark_config().conf["spark.driver.memory"] == "5888m"  # 301 queries, 100 tables
-    assert heap_load(100, [False, True, False, False]) == (301, 100)
-    assert with_sized_heap(SparkConfig(), *heap_load(100, [True])).conf[DRIVER_MEMORY] == "1024m"
-    assert heap_capacity(4, 400) == 12  # queries that still fit: (2304 - 512 - 1600) / 16 MiB
 
 
 def test_a_service_alone_sizes_its_heap_for_its_tables_unless_configured() -> None:

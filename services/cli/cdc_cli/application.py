@@ -44,7 +44,6 @@ from cdc_shared.spark import (
     build_spark_session,
     driver_memory,
     heap_capacity,
-    heap_load,
     side_by_side,
     with_sized_heap,
 )
@@ -100,19 +99,18 @@ def fair_scheduler_conf(
     return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
 
 
-def heap_outgrown(sized_for: tuple[int, int], running: int) -> str | None:
+def heap_outgrown(sized_for: int, running: int) -> str | None:
     """A warning when ``running`` queries outgrew a heap sized at start for ``sized_for``.
 
-    ``sized_for``: the queries and the tables inside one queries (``heap_load``). The heap
-    is fixed once the JVM runs; tables an entity set selects later (taken up without a
-    restart) add queries to it. A restart sizes it for the tables found then.
+    The heap is fixed once the JVM runs; tables an entity set selects later (taken up
+    without a restart) add queries to it. A restart sizes it for the tables found then.
     """
-    capacity = heap_capacity(*sized_for)
+    capacity = heap_capacity(sized_for)
     if running <= capacity:
         return None
     return (
         f"{running} streaming queries run now, more than the {capacity} the driver heap "
-        f"({driver_memory(*sized_for)}) was sized for at start, as tables were taken up: "
+        f"({driver_memory(sized_for)}) was sized for at start, as tables were taken up: "
         "restart `cdc run` (it sizes the heap for the tables it finds) or set "
         "spark.conf spark.driver.memory; an exhausted heap stops the application"
     )
@@ -146,8 +144,7 @@ class Application:
         self._server: HealthServer | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="cdc-run-")
         self._spark = spark
-        # (queries, tables inside one queries); None: spark.conf sets the heap
-        self._heap_sized_for: tuple[int, int] | None = None
+        self._heap_sized_for: int | None = None  # queries; None: spark.conf sets the heap
         self._heap_warned = False
 
     @property
@@ -163,12 +160,10 @@ class Application:
     def spark_config(self) -> SparkConfig:
         """FAIR pools and a heap sized for the queries, unless ``spark.conf`` says otherwise."""
         fair = fair_scheduler_conf(self.config, self.services, Path(self._scratch.name))
-        tables = len(self.config.select_entities(self.entity_names))
-        one_query = [self.config.runs_one_query(section_name(s)) for s in self.services]
-        load = heap_load(tables, one_query)
+        queries = len(self.config.select_entities(self.entity_names)) * len(self.services)
         if DRIVER_MEMORY not in self.config.spark.conf:
-            self._heap_sized_for = load
-        spark = with_sized_heap(self.config.spark, *load)
+            self._heap_sized_for = queries
+        spark = with_sized_heap(self.config.spark, queries)
         return spark.model_copy(update={"conf": {**fair, **spark.conf}})
 
     def serve(self) -> None:

@@ -24,7 +24,6 @@ from cdc_shared.spark import (
     BATCH_PARALLELISM,
     START_PARALLELISM,
     build_spark_session,
-    heap_load,
     side_by_side,
     with_sized_heap,
 )
@@ -198,10 +197,9 @@ def start_service(
         acquire_writer_leases(config.storage_root, service.name, names, lost) if on_disk else None
     )
     try:
-        # A service alone sizes its driver's heap for its tables (or its one query).
-        load = heap_load(len(entities), [config.runs_one_query(service.name)])
+        # A service alone sizes its driver's heap for its tables (one query each).
         session = spark or build_spark_session(
-            with_sized_heap(config.spark, *load), command_name(service.name)
+            with_sized_heap(config.spark, len(entities)), command_name(service.name)
         )
         if not on_disk:
             leases = acquire_writer_leases(config.storage_root, service.name, names, lost, session)
