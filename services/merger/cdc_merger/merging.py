@@ -8,7 +8,6 @@ one per entity, or all of them inside its one query (:mod:`cdc_merger.one_query`
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import logging
 import time
 
@@ -118,8 +117,8 @@ def not_quarantined_yet(
         .where(F.col("entity") == entity)
         .select(*QUARANTINED_EVENT)
     )
-    same = [rows[column] == held[column] for column in QUARANTINED_EVENT]
-    return rows.join(held, on=functools.reduce(lambda a, b: a & b, same), how="left_anti")
+    new = rows.join(held, on=list(QUARANTINED_EVENT), how="left_anti")
+    return new.select(*rows.columns)  # the join puts its columns first
 
 
 def _row_columns(bronze: DataFrame) -> list[str]:
