@@ -125,3 +125,15 @@ def entity_source(
     if entity not in entities or entities.index(entity) >= len(batch.sources):
         return None
     return batch.sources[entities.index(entity)]
+
+
+#: The file in a one query's checkpoint naming the tables it holds back
+#: (``cdc_shared.streaming.held``):
+#: ``{entity: {"position": ..., "batch_id": n, "query_id": id, "reason": text}}``.
+HELD_FILE = "cdc_held.json"
+
+
+def held_tables(files: CheckpointFiles, checkpoint: str) -> dict[str, dict[str, Any]]:
+    """The tables the one query at ``checkpoint`` holds back (:data:`HELD_FILE`), by entity."""
+    text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/{HELD_FILE}")
+    return dict(json.loads(text)) if text else {}

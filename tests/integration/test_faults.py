@@ -22,6 +22,7 @@ from cdc_ingestor.main import start
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import KafkaConfig, PipelineConfig
+from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.streaming import StreamFailedError, StreamRunner
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
@@ -141,22 +142,24 @@ def stop_customers_with(
     landed_first: int,
     deploy_and_produce: Callable[[], object],
     orders: int,
+    orders_query: str = "orders",
 ) -> str:
-    """Run the ingestor until the customers stream stopped while orders go on; the error
-    the service ended with."""
+    """Run the ingestor until the customers stream stopped while orders go on (in the query
+    ``orders_query``); the error the service ended with."""
     thread, failed = run_in_thread(runner)
     try:
         wait_for(lambda: landed(spark, pipeline) == landed_first)
         deploy_and_produce()  # while the ingestor runs
 
         def customers_stopped() -> bool:
-            problem = runner.health()["streams"]["customers"]["problem"] or ""
+            customers = runner.health()["streams"].get("customers", {})  # one query: _all
+            problem = customers.get("problem") or ""
             return problem.startswith("stopped")
 
         wait_for(customers_stopped, timeout_s=300)
         wait_for(lambda: bronze(spark, pipeline, "orders").count() == orders, timeout_s=300)
         assert not failed and thread.is_alive(), f"orders stopped too: {failed}"
-        assert runner.queries["orders"].isActive
+        assert runner.queries[orders_query].isActive
     finally:
         runner.request_stop()
         thread.join(180)
@@ -164,11 +167,13 @@ def stop_customers_with(
     return str(failed[0])
 
 
+@pytest.mark.parametrize("one_query", [False, True], ids=["query-per-table", "one-query"])
 def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     caplog: pytest.LogCaptureFixture,
+    one_query: bool,
 ) -> None:
     """A producer deploys, as the subject's newest version, a value schema whose ``id`` is a
     string (the reader's is an int), and another producer writes with a schema lacking a
@@ -177,11 +182,15 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     service exits with that error. Restarted with ``on_incompatible_schema: quarantine``,
     their records go to quarantine as ``incompatible_schema`` with an error logged, and
     compatible records before, between and after them reach bronze: nothing is lost or
-    doubled."""
+    doubled.
+
+    As one query for both tables (``ingestor.one_query``) the same holds: customers is held
+    back from its first record of the failing batch (``cdc_shared.streaming.held``) while
+    orders go on in the query, and the restart writes what it left unwritten."""
     caplog.set_level(logging.INFO)
     pipeline = make_pipeline(
         entities=("customers", "orders"),
-        ingestor={"trigger_interval": "1 second", "metrics_port": 0},
+        ingestor={"trigger_interval": "1 second", "metrics_port": 0, "one_query": one_query},
     )
     topic = pipeline.topic("customers")
     registry = FileSchemaRegistry([pipeline.schema_dir])
@@ -213,7 +222,10 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
         produce(kafka_config, iter(then + orders[400:]))
 
     runner = start(pipeline.config, once=False, spark=spark)
-    stop = stop_customers_with(spark, pipeline, runner, len(first), deploy_and_produce, len(orders))
+    orders_query = ALL_ENTITIES if one_query else "orders"
+    stop = stop_customers_with(
+        spark, pipeline, runner, len(first), deploy_and_produce, len(orders), orders_query
+    )
     assert "entity 'customers' stopped:" in stop and "cannot be resolved" in stop, stop
     assert "on_incompatible_schema: quarantine" in stop, stop
     assert "\n" not in stop, stop
@@ -246,8 +258,17 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     assert table.schema["after"].dataType["id"].dataType.simpleString() == "int"  # type: ignore[index]
     assert table.where("after.email is null and after is not null").count() == 0
 
+    assert_stop_logged(caplog, one_query)
+
+
+def assert_stop_logged(caplog: pytest.LogCaptureFixture, one_query: bool) -> None:
+    """An error was logged for the incompatible records; as one query, the restart wrote
+    the records the hold left unwritten (not the query reading them again)."""
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("incompatible" in m for m in errors), errors
+    if one_query:
+        messages = [r.getMessage() for r in caplog.records]
+        assert "a table held back is taken up again: its records since were written" in messages
 
 
 def assert_bronze_holds_the_rest(

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
@@ -309,11 +310,28 @@ def publish_across_a_revoked_write(
     stopped_alone("Write")
     assert "loses nothing" in caplog.text
 
+    # The same as one query for both tables (publisher_kafka.one_query): customers is held
+    # back from its batch's start (cdc_shared.streaming.held) and orders goes on.
+    as_one_query(secured_pipeline, document, caplog)
+    assert run_publisher(secured_pipeline, spark) == 1
+    stopped_alone("Write")
+
+    # Granted again: the next start takes customers up from where it was held.
     secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
     assert run_publisher(secured_pipeline, spark) == 0, caplog.text[-3000:]
     published = assert_change_topics_exactly_once(spark, secured_pipeline, admin)
     assert all(n > 0 for n in published.values())
     assert secured_broker.password(PUBLISHER) not in caplog.text
+
+
+def as_one_query(
+    pipeline: Pipeline, document: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``pipeline``'s file, ``document`` with publisher-kafka run as one query; the log
+    cleared."""
+    caplog.clear()
+    document["publisher_kafka"]["one_query"] = True
+    pipeline.path.write_text(yaml.safe_dump(document))
 
 
 def run_then_operate_through_the_cli(

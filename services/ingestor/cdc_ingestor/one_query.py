@@ -15,33 +15,43 @@ nothing. A per-entity stream with a batch planned but not committed must finish 
 first (:func:`refuse_unfinished_per_entity_batches`), and going back to one query per
 entity is refused (:func:`cdc_ingestor.ingestion.refuse_per_entity_after_one_query`):
 both would write records to bronze twice.
+
+A table whose batch fails for it alone is held back from its first record in that batch
+(:mod:`cdc_shared.streaming.held`) while the others go on; the next start writes its
+records from there to where the query resumes before the query starts
+(:meth:`AllTopicsIngestion.take_up_held`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cdc_shared.avro import SchemaRegistry
-from cdc_shared.clients import make_admin
+from cdc_shared.clients import make_admin, spark_kafka_options
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, cached_in_few_partitions, side_by_side_in_groups
+from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
     last_committed_batch,
+    parse_offsets,
     planned_batches,
 )
 from cdc_shared.streaming import QueryIdentity, StreamRunner
 from cdc_shared.streaming.group import MemberStreams
+from cdc_shared.streaming.held import HeldTables
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_ingestor.ingestion import EntityIngestion, kafka_source
+
+log = logging.getLogger("cdc_ingestor")
 
 #: Spark's Kafka source offsets for "from the start" and "from the end" of a partition.
 EARLIEST, LATEST = -2, -1
@@ -61,6 +71,8 @@ class AllTopicsIngestion:
 
     def __post_init__(self) -> None:
         self.members = MemberStreams(self._open, lambda entity: entity.source_topic, self.identity)
+        self.checkpoint = self.config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+        self.held = HeldTables(self.spark, self.checkpoint, self.runner)
         for entity in self.entities:
             self.add(entity)
 
@@ -80,8 +92,62 @@ class AllTopicsIngestion:
         self.members.add(entity, wait_s)
 
     def prepare(self, wait_s: float) -> None:
-        """Every entity's bronze (and the quarantine) unless made already; the first alone."""
+        """Every entity's bronze (and the quarantine) unless made already; the first alone.
+
+        Then the tables an earlier run held back are taken up again (:meth:`take_up_held`).
+        """
         self.members.prepare(wait_s)
+        self.take_up_held()
+
+    def take_up_held(self) -> None:
+        """Each table an earlier run held back: its records it left unwritten, written now.
+
+        The records from its held offsets to where the query resumes (its last committed
+        batch's end offsets) are read as one batch (Spark's Kafka source, as a batch
+        query) and written as the table's stream writes a batch, idempotently: its
+        ``txnAppId`` names the hold (``held-<query id>``), its ``txnVersion`` the batch
+        it was held in, so a crash before the held file forgets the table repeats
+        nothing. From there the query reads the table again. A table failing alone again
+        is held again; another failure stops the start.
+        """
+        resume_at = last_committed_batch(HadoopFiles(self.spark), self.checkpoint)
+        ends = resume_at.sources[0] if resume_at is not None and resume_at.sources else None
+        for name, entry in list(self.held.resuming.items()):
+            stream = next((s for s in self.by_topic.values() if s.entity.name == name), None)
+            if stream is None:
+                continue  # no longer configured: kept held for when it is again
+            topic = stream.entity.source_topic
+            end = (ends or {}).get(topic, {})
+            start = {p: int(entry["position"].get(p, EARLIEST)) for p in end}
+            lap = Stopwatch()
+            try:
+                if any(start[p] == EARLIEST or start[p] < int(end[p]) for p in end):
+                    records = held_records(self.spark, self.config, topic, start, end)
+                    self._open_as_hold(stream.entity, str(entry["query_id"])).process_batch(
+                        records, int(entry["batch_id"])
+                    )
+            except Exception as error:
+                failure = self.runner.failure_of(name, f"{type(error).__name__}: {error}")
+                if failure is None or failure.transient or not failure.entity_only:
+                    raise
+                self.held.resuming.pop(name)
+                self.held.hold(
+                    name, entry["position"], entry["batch_id"], entry["query_id"], failure.message
+                )
+                continue
+            counts = self.runner.take_stats(name, int(entry["batch_id"])).counts
+            self.held.taken_up(name)
+            log.info(
+                "a table held back is taken up again: its records since were written",
+                extra={"entity": name, "from": start, "to": end, **counts, **lap.laps},
+            )
+
+    def _open_as_hold(self, entity: EntityConfig, held_by: str) -> EntityIngestion:
+        """``entity``'s stream whose writes name the hold (``held-<query id>``)."""
+        stream = self._open(entity)
+        stream.identity = QueryIdentity()
+        stream.identity.set(f"held-{held_by}")
+        return stream
 
     def source(self) -> DataFrame:
         """One Kafka source over every entity's topic (see :func:`starting_offsets`)."""
@@ -93,7 +159,9 @@ class AllTopicsIngestion:
         """Each entity present in the batch written as its own stream would (idempotently).
 
         The batch is cached (in few partitions) so that Kafka is read once, whatever the
-        number of entities; the topics present are found on the cache.
+        number of entities; the topics present are found on the cache. A table that fails
+        alone is held back from its first record in this batch
+        (:mod:`cdc_shared.streaming.held`).
         """
         lap = Stopwatch()
         with cached_in_few_partitions(batch) as cached:
@@ -103,19 +171,65 @@ class AllTopicsIngestion:
             if unknown:  # cannot happen with a subscription by name: never drop records
                 raise RuntimeError(f"records of topics no entity reads: {unknown}")
             streams = [self.by_topic[topic] for topic in present]
-            writes = [
-                functools.partial(
+            entities = {stream.entity.name: stream.entity for stream in streams}
+            writes = {
+                stream.entity.name: functools.partial(
                     stream.process_batch,
                     cached.where(F.col("topic") == stream.entity.source_topic),
                     batch_id,
                 )
                 for stream in streams
-            ]
-            side_by_side_in_groups(writes, TABLES_AT_ONCE)
+                if stream.entity.name not in self.held
+            }
+            written = self.held.write_each(
+                writes,
+                batch_id,
+                self.identity.get(),
+                lambda name: self.batch_start(cached, batch_id, entities[name]),
+            )
             lap("tables")
-        stats = self.runner.take_group_stats([s.entity.name for s in streams], batch_id)
+        stats = self.runner.take_group_stats(written, batch_id)
         stats.extra.update(lap.laps)
         self.runner.report(ALL_ENTITIES, batch_id, stats)
+
+    def batch_start(self, cached: DataFrame, batch_id: int, entity: EntityConfig) -> dict[str, int]:
+        """The offsets of ``entity``'s first records in the batch running now, by partition.
+
+        A partition without records of it in the batch: the batch's end offset there
+        (``offsets/<batch id>``, written before the batch runs).
+        """
+        planned = HadoopFiles(self.spark).read_text_if_exists(
+            f"{self.checkpoint.rstrip('/')}/offsets/{batch_id}"
+        )
+        ends = parse_offsets(planned)[0] if planned else {}
+        start = {p: int(o) for p, o in (ends or {}).get(entity.source_topic, {}).items()}
+        firsts = (
+            cached.where(F.col("topic") == entity.source_topic)
+            .groupBy("partition")
+            .agg(F.min("offset"))
+            .collect()
+        )
+        return {**start, **{str(row[0]): int(row[1]) for row in firsts}}
+
+
+def held_records(
+    spark: SparkSession,
+    config: PipelineConfig,
+    topic: str,
+    start: dict[str, int],
+    end: dict[str, int],
+) -> DataFrame:
+    """``topic``'s records from ``start`` to ``end`` (offsets by partition), as a batch."""
+    return (
+        spark.read.format("kafka")
+        .options(**spark_kafka_options(config.kafka))
+        .option("subscribe", topic)
+        .option("startingOffsets", json.dumps({topic: start}))
+        .option("endingOffsets", json.dumps({topic: {p: int(o) for p, o in end.items()}}))
+        .option("failOnDataLoss", "true")
+        .option("includeHeaders", "true")
+        .load()
+    )
 
 
 def open_all_topics(

@@ -20,7 +20,9 @@ committed batch; the old checkpoint is kept aside (``_all.<time>``). The tables,
 order of the query's sources, and each one's start are written in the checkpoint
 (:data:`cdc_shared.stream_checkpoint.SOURCES_FILE`, which ``cdc status`` reads) before
 the query's first batch is planned: Spark plans that batch again from the same options
-after a crash.
+after a crash. A table whose write fails for it alone is held back
+(:mod:`cdc_shared.streaming.held`); the next start takes it up on a new checkpoint the
+same way, from the version its failed batch started at.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
 from cdc_shared.layout import ALL_ENTITIES, StorageLayout
 from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import TABLES_AT_ONCE, cached_in_few_partitions, side_by_side_in_groups
+from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import (
     SOURCES_FILE,
     CheckpointFiles,
@@ -51,6 +53,7 @@ from cdc_shared.stream_checkpoint import (
     recorded_sources,
 )
 from cdc_shared.streaming.group import MemberStream, MemberStreams
+from cdc_shared.streaming.held import HeldTables
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
 
 log = logging.getLogger("cdc_shared.streaming")
@@ -96,6 +99,7 @@ class DeltaTablesQuery(Generic[Member]):
     def __post_init__(self) -> None:
         self.members = MemberStreams(self.open_member, lambda entity: entity.name, self.identity)
         self.row_schemas: dict[str, str] = {}  # entity -> the Avro schema of its rows in ROW
+        self.held = HeldTables(self.spark, self.checkpoint(), self.runner)
         for entity in self.entities:
             self.add(entity)
 
@@ -137,23 +141,31 @@ class DeltaTablesQuery(Generic[Member]):
         """Each entity present in the batch written as its own stream would write it.
 
         The batch is cached (in few partitions) so that each table is read once, whatever
-        the number of entities; the entities present are found on the cache.
+        the number of entities; the entities present are found on the cache. A table that
+        fails alone is held back from this batch's start (:mod:`cdc_shared.streaming.held`).
         """
         lap = Stopwatch()
         with cached_in_few_partitions(batch) as cached:
             present = sorted(row[0] for row in cached.select(ENTITY_COLUMN).distinct().collect())
             lap("split")
-            writes = [
-                functools.partial(
+            writes = {
+                name: functools.partial(
                     self.streams[name].process_batch, self.rows_of(cached, name), batch_id
                 )
                 for name in present
-            ]
-            side_by_side_in_groups(writes, TABLES_AT_ONCE)
+                if name not in self.held
+            }
+            written = self.held.write_each(writes, batch_id, self.identity.get(), self.batch_start)
             lap("tables")
-        stats = self.runner.take_group_stats(present, batch_id)
+        stats = self.runner.take_group_stats(written, batch_id)
         stats.extra.update(lap.laps)
         self.runner.report(ALL_ENTITIES, batch_id, stats)
+
+    def batch_start(self, name: str) -> int | None:
+        """The version ``name``'s rows of the batch running now start at (its position)."""
+        files = HadoopFiles(self.spark)
+        recorded = recorded_sources(files, self.checkpoint()) or {"entities": []}
+        return carried_positions(files, self.checkpoint(), recorded["entities"]).get(name)
 
     def checkpoint(self) -> str:
         """The one query's checkpoint, ``_checkpoints/<service>/_all``."""
@@ -216,25 +228,39 @@ def starting_versions(
 ) -> dict[str, int | None]:
     """The version each entity's stream of the one query starts at (None: its default).
 
-    Kept as recorded in the checkpoint while its entities stay the same. Otherwise each
-    entity carries on from the checkpoint's last committed batch, or else from where its
-    own stream stood (``DeltaTablesQuery.own_start``). A checkpoint that planned a batch
-    with other entities is moved aside first.
+    Kept as recorded in the checkpoint while its entities stay the same and it holds no
+    table back from an earlier run. Otherwise each entity carries on from the
+    checkpoint's last committed batch (a held table from its held position), or else
+    from where its own stream stood (``DeltaTablesQuery.own_start``). A checkpoint that
+    planned a batch is moved aside first; tables held in this run stay held.
     """
     checkpoint = query.checkpoint()
     recorded = recorded_sources(files, checkpoint)
-    if recorded is not None and recorded["entities"] == names:
+    held = query.held
+    if recorded is not None and recorded["entities"] == names and not held.resuming:
         return dict(recorded["starting_versions"])
     carried: dict[str, int | None] = {}
     if recorded is not None and planned_batches(files, checkpoint):
-        carried = carried_positions(files, checkpoint, recorded["entities"])
+        carried = {
+            **carried_positions(files, checkpoint, recorded["entities"]),
+            **held.positions(),
+        }
         aside = f"{checkpoint.rstrip('/')}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
         _rename(query.spark, checkpoint, aside)
         log.warning(
-            "a one query reads other tables than its checkpoint: it starts on a new "
-            "checkpoint, each table carried over from the old one (kept aside)",
-            extra={"checkpoint": checkpoint, "moved_to": aside, "entities": len(names)},
+            "a one query reads other tables than its checkpoint, or takes up tables it "
+            "held back: it starts on a new checkpoint, each table carried over from the "
+            "old one (kept aside)",
+            extra={
+                "checkpoint": checkpoint,
+                "moved_to": aside,
+                "entities": len(names),
+                "taken_up": sorted(held.resuming),
+            },
         )
+        held.resuming.clear()
+        if held.held:
+            held.save()
     elif recorded is not None:  # chosen, but no batch planned yet: keep what was chosen
         carried = dict(recorded["starting_versions"])
     starts = {

@@ -22,7 +22,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_shared.observability import HEALTHY, HealthServer
 from cdc_shared.retry import backoff_s, log_retry
-from cdc_shared.streaming.failures import OnFailure, StreamFailedError
+from cdc_shared.streaming.failures import Failure, OnFailure, StreamFailedError
 from cdc_shared.streaming.progress import (
     BatchStats,
     LagReader,
@@ -189,6 +189,10 @@ class StreamRunner:
             "stream stopped; the other entities go on",
             extra={"service": self.service, "entity": entity, "reason": reason},
         )
+
+    def failure_of(self, entity: str, error: str) -> Failure | None:
+        """The service's reading of ``entity``'s ``error`` (its ``on_failure``); None: unknown."""
+        return self._on_failure(entity, error) if self._on_failure else None
 
     def stopped_message(self) -> str:
         """Why the entities stopped alone did, one clause per entity ("" when none did)."""
@@ -388,7 +392,7 @@ class StreamRunner:
         error = query.exception()
         if error is None or entity in self._stopped:
             return
-        failure = self._on_failure(entity, str(error)) if self._on_failure else None
+        failure = self.failure_of(entity, str(error))
         if failure is not None and failure.entity_only and not failure.transient:
             self.stop_entity(entity, failure.message)
             return
