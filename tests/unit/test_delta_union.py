@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 
 import pytest
+from cdc_cli.status import held_note
 from cdc_ingestor.main import start as start_ingestor
 from cdc_merger.main import start as start_merger
 from cdc_publisher_es.main import start as start_publisher_es
@@ -20,7 +21,12 @@ from cdc_shared.layout import (
     PUBLISHER_KAFKA,
     SERVICES,
 )
-from cdc_shared.stream_checkpoint import SOURCES_FILE, entity_source, last_committed_batch
+from cdc_shared.stream_checkpoint import (
+    HELD_FILE,
+    SOURCES_FILE,
+    entity_source,
+    last_committed_batch,
+)
 from cdc_shared.streaming.delta_union import carried_positions, position_version
 from support.checkpoint_files import Files
 
@@ -102,3 +108,12 @@ def test_every_table_resumes_from_the_one_query_checkpoint_and_no_entity_alone(
     # Refused before anything is made (no session, no topic, no registry).
     with pytest.raises(ConfigError, match=rf"{service}\.one_query .* leave out --entity"):
         start(config, ["customers"])
+
+
+def test_cdc_status_says_a_held_table_is_held_rather_than_where_the_query_is() -> None:
+    held = {"position": 3, "batch_id": 9, "query_id": "q", "reason": "stopped: refused Write"}
+    files = Files({f"{CHECKPOINT}/{HELD_FILE}": json.dumps({"customers": held})})
+    assert held_note(files, CHECKPOINT, "orders") is None
+    assert held_note(files, CHECKPOINT, "customers") == (
+        "held back since batch 9 (taken up at the next start): stopped: refused Write"
+    )

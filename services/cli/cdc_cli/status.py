@@ -37,7 +37,7 @@ from cdc_shared.layout import (
     QUARANTINE_WRITERS,
     publisher_progress_group,
 )
-from cdc_shared.stream_checkpoint import entity_source
+from cdc_shared.stream_checkpoint import CheckpointFiles, entity_source, held_tables
 from confluent_kafka import KafkaException, TopicPartition
 
 from cdc_cli.checkpoints import (
@@ -128,6 +128,8 @@ def _delta_stream_lag(
     path = config.layout.bronze(entity) if table == "bronze" else config.layout.silver(entity)
     change_feed = table == "silver"
     checkpoint = config.checkpoint_path(service, entity)
+    if (held := held_note(reader, checkpoint, entity)) is not None:
+        return StreamLag(service, None, "versions", held)
     batch = last_committed_batch(reader, checkpoint)
     offset = None if batch is None else entity_source(batch, reader, checkpoint, entity)
     if batch is None or offset is None:
@@ -138,6 +140,16 @@ def _delta_stream_lag(
     lag = _data_versions_from(reader, path, position.next_version)
     note = f"batch {batch.batch_id}, next {table} version {position.next_version}"
     return StreamLag(service, lag, "versions", note)
+
+
+def held_note(reader: CheckpointFiles, checkpoint: str, entity: str) -> str | None:
+    """Why a one query holds ``entity`` back, and since which batch; None when it does not."""
+    entry = held_tables(reader, checkpoint).get(entity)
+    if entry is None:
+        return None
+    return f"held back since batch {entry['batch_id']} (taken up at the next start): " + str(
+        entry["reason"]
+    )
 
 
 def kafka_end_offsets(config: PipelineConfig, topic: str) -> dict[int, tuple[int, int]]:
@@ -164,7 +176,10 @@ def ingestor_lag(config: PipelineConfig, entity: EntityConfig, reader: StateRead
         watermarks = kafka_end_offsets(config, entity.source_topic)
     except KafkaException as exc:
         return StreamLag(service, None, "records", f"Kafka unavailable: {exc.args[0].str()}")
-    batch = last_committed_batch(reader, config.checkpoint_path(service, entity.name))
+    checkpoint = config.checkpoint_path(service, entity.name)
+    if (held := held_note(reader, checkpoint, entity.name)) is not None:
+        return StreamLag(service, None, "records", held)
+    batch = last_committed_batch(reader, checkpoint)
     waiting = sum(high - low for low, high in watermarks.values())
     if batch is None or not batch.sources:
         return StreamLag(service, None, "records", f"{NOT_STARTED} ({waiting} records in topic)")
