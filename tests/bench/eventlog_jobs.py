@@ -3,7 +3,7 @@
 Run a benchmark with Spark's event log on, uncompressed (``--conf
 spark.eventLog.enabled=true --conf spark.eventLog.dir=file:///tmp/evlog --conf
 spark.eventLog.compress=false`` through ``PYSPARK_SUBMIT_ARGS``), then, with the
-application's event files joined in order (``cat events_*``)::
+application's event files joined in order (``cat $(ls -v events_*)``)::
 
     .venv/bin/python tests/bench/eventlog_jobs.py events.json [--skip-s 600 --span-s 180]
 
