@@ -10,6 +10,7 @@ ingestor runs one such stream per entity, or all of them in one query
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import spark_kafka_options
@@ -27,7 +28,8 @@ from cdc_shared.tables import (
     ensure_table,
     idempotent_append,
 )
-from pyspark.sql import DataFrame, Observation, SparkSession
+from pyspark.sql import DataFrame, DataFrameReader, Observation, SparkSession
+from pyspark.sql.streaming.readwriter import DataStreamReader
 
 from cdc_ingestor.decode import (
     BRONZE_PROPERTIES,
@@ -49,6 +51,9 @@ from cdc_ingestor.outcomes import count_outcomes, outcome_metrics, outcomes
 from cdc_ingestor.schema_learning import SchemaTracker
 
 SERVICE = INGESTOR
+
+#: A batch or a stream reader (:func:`kafka_reader` sets up either).
+ReaderT = TypeVar("ReaderT", DataFrameReader, DataStreamReader)
 
 
 @dataclass(eq=False)
@@ -157,17 +162,27 @@ def kafka_source(
     With the records' headers: a replayed record's ``cdc.replay.of`` gives its sequence.
     """
     settings = config.ingestor
-    reader = (
-        spark.readStream.format("kafka")
+    reader = kafka_reader(spark.readStream, config, topics, starting_offsets)
+    if settings.max_offsets_per_trigger:
+        reader = reader.option("maxOffsetsPerTrigger", settings.max_offsets_per_trigger)
+    return reader.load()
+
+
+def kafka_reader(
+    reader: ReaderT, config: PipelineConfig, topics: str, starting_offsets: str
+) -> ReaderT:
+    """``reader`` (a stream's or a batch's) set to read ``topics`` as the ingestor does.
+
+    From ``starting_offsets``, failOnDataLoss on, with the records' headers.
+    """
+    return (
+        reader.format("kafka")
         .options(**spark_kafka_options(config.kafka))
         .option("subscribe", topics)
         .option("startingOffsets", starting_offsets)
         .option("failOnDataLoss", "true")
         .option("includeHeaders", "true")
     )
-    if settings.max_offsets_per_trigger:
-        reader = reader.option("maxOffsetsPerTrigger", settings.max_offsets_per_trigger)
-    return reader.load()
 
 
 def refuse_per_entity_after_one_query(config: PipelineConfig, files: CheckpointFiles) -> None:

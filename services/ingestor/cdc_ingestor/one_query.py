@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cdc_shared.avro import SchemaRegistry
-from cdc_shared.clients import make_admin, spark_kafka_options
+from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
@@ -49,7 +49,7 @@ from cdc_shared.streaming.held import HeldTables
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_ingestor.ingestion import EntityIngestion, kafka_source
+from cdc_ingestor.ingestion import EntityIngestion, kafka_reader, kafka_source
 
 log = logging.getLogger("cdc_ingestor")
 
@@ -127,8 +127,8 @@ class AllTopicsIngestion:
                         records, int(entry["batch_id"])
                     )
             except Exception as error:
-                failure = self.runner.failure_of(name, f"{type(error).__name__}: {error}")
-                if failure is None or failure.transient or not failure.entity_only:
+                failure = self.held.alone(name, error)
+                if failure is None:
                     raise
                 self.held.resuming.pop(name)
                 self.held.hold(
@@ -220,16 +220,9 @@ def held_records(
     end: dict[str, int],
 ) -> DataFrame:
     """``topic``'s records from ``start`` to ``end`` (offsets by partition), as a batch."""
-    return (
-        spark.read.format("kafka")
-        .options(**spark_kafka_options(config.kafka))
-        .option("subscribe", topic)
-        .option("startingOffsets", json.dumps({topic: start}))
-        .option("endingOffsets", json.dumps({topic: {p: int(o) for p, o in end.items()}}))
-        .option("failOnDataLoss", "true")
-        .option("includeHeaders", "true")
-        .load()
-    )
+    reader = kafka_reader(spark.read, config, topic, json.dumps({topic: start}))
+    ending = json.dumps({topic: {p: int(o) for p, o in end.items()}})
+    return reader.option("endingOffsets", ending).load()
 
 
 def open_all_topics(

@@ -74,8 +74,8 @@ class HeldTables:
             try:
                 write()
             except Exception as error:
-                failure = self.runner.failure_of(name, f"{type(error).__name__}: {error}")
-                if failure is None or failure.transient or not failure.entity_only:
+                failure = self.alone(name, error)
+                if failure is None:
                     raise
                 failed[name] = failure
 
@@ -84,6 +84,13 @@ class HeldTables:
         for name, failure in failed.items():
             self.hold(name, position(name), batch_id, query_id, failure.message)
         return [name for name in writes if name not in failed]
+
+    def alone(self, entity: str, error: Exception) -> Failure | None:
+        """How the service reads ``error`` of ``entity``, when it is that table's alone."""
+        failure = self.runner.failure_of(entity, f"{type(error).__name__}: {error}")
+        if failure is None or failure.transient or not failure.entity_only:
+            return None
+        return failure
 
     def hold(self, entity: str, position: Any, batch_id: int, query_id: str, reason: str) -> None:
         """Hold ``entity`` from ``position`` (saved before the batch commits); stop it alone."""
