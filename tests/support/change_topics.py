@@ -39,8 +39,14 @@ def _schemas_by_fingerprint(folder: Path) -> dict[bytes, Any]:
     return table
 
 
-def _decode(data: bytes, schemas: dict[bytes, Any]) -> dict[str, Any]:
+def _decode(data: bytes, schemas: dict[bytes, Any], schema_dir: Path) -> dict[str, Any]:
+    """Decode one message; a fingerprint not yet known reads the folder again.
+
+    The publisher writes a new schema's file before its first message with it, so a
+    schema that appeared while the topic was being read is there on the second look."""
     assert data[:2] == b"\xc3\x01", f"not Avro single-object encoding: {data[:10]!r}"
+    if data[2:10] not in schemas:
+        schemas.update(_schemas_by_fingerprint(schema_dir))
     schema = schemas[data[2:10]]
     record: dict[str, Any] = fastavro.schemaless_reader(io.BytesIO(data[10:]), schema, None)
     return record
@@ -85,8 +91,8 @@ def read_change_topic(
                     ChangeRecord(
                         int(message.partition() or 0),
                         int(message.offset() or 0),
-                        _decode(message.key() or b"", schemas),
-                        None if value is None else _decode(value, schemas),
+                        _decode(message.key() or b"", schemas, schema_dir),
+                        None if value is None else _decode(value, schemas, schema_dir),
                     )
                 )
             positions = consumer.position([TopicPartition(topic, p) for p in partitions])
