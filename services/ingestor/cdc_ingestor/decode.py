@@ -67,6 +67,8 @@ _REASONS: dict[tuple[bytes, bytes], str | None] = {}
 _AVRO_TYPES: dict[bytes, T.DataType] = {}
 #: (reader fingerprint, decimal handling, part) -> its checked JSON decoding.
 _JSON_PARTS: dict[tuple[bytes, str, str], JsonPart] = {}
+#: The framing headers a batch's records use: its values', then its keys'.
+BatchHeaders = tuple[set[bytes], set[bytes]]
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,21 @@ class DecodePlan:
             self,
             value_writers={**self.value_writers, **_by_header(value)},
             key_writers={**self.key_writers, **_by_header(key)},
+        )
+
+    def narrowed(self, headers: BatchHeaders) -> DecodePlan:
+        """A copy of the plan with only the writers whose headers a batch uses.
+
+        A record's outcome depends on its own header's writer alone, so the batch decodes
+        as with the whole plan; but the decoding expression, built and analysed on the
+        driver for every batch, then grows with the schemas the batch uses rather than with
+        every schema the registry lists (a file registry lists every table's).
+        """
+        values, keys = headers
+        return replace(
+            self,
+            value_writers={h: s for h, s in self.value_writers.items() if h in values},
+            key_writers={h: s for h, s in self.key_writers.items() if h in keys},
         )
 
     def incompatible(self, spark: SparkSession, part: Literal["value", "key"]) -> dict[bytes, str]:
@@ -341,19 +358,36 @@ ERROR_KINDS = (
 )
 
 
-def batch_headers(raw: DataFrame) -> tuple[set[bytes], set[bytes]]:
-    """The framing headers a batch of Kafka records uses: values', then keys'.
+def headers_by_topic(raw: DataFrame) -> dict[str, BatchHeaders]:
+    """The topics of a batch of Kafka records, each with the framing headers it uses.
 
-    One cheap pass over the raw bytes: which writer schemas the batch needs, before any
-    record is decoded.
+    One cheap pass over the raw bytes: which topics are present and which writer
+    schemas each needs, before any record is decoded.
     """
     rows = (
-        raw.select(header(F.col("value")).alias("value"), header(F.col("key")).alias("key"))
+        raw.select(
+            "topic", header(F.col("value")).alias("value"), header(F.col("key")).alias("key")
+        )
         .distinct()
         .collect()
     )
-    values = {bytes(r["value"]) for r in rows if r["value"] is not None}
-    keys = {bytes(r["key"]) for r in rows if r["key"] is not None}
+    found: dict[str, BatchHeaders] = {}
+    for row in rows:
+        values, keys = found.setdefault(row["topic"], (set(), set()))
+        if row["value"] is not None:
+            values.add(bytes(row["value"]))
+        if row["key"] is not None:
+            keys.add(bytes(row["key"]))
+    return found
+
+
+def batch_headers(raw: DataFrame) -> BatchHeaders:
+    """The framing headers a batch of Kafka records uses, whatever its topics."""
+    values: set[bytes] = set()
+    keys: set[bytes] = set()
+    for topic_values, topic_keys in headers_by_topic(raw).values():
+        values |= topic_values
+        keys |= topic_keys
     return values, keys
 
 

@@ -35,6 +35,7 @@ from cdc_ingestor.decode import (
     BRONZE_PROPERTIES,
     KAFKA_SCHEMA,
     REFUSED_INCOMPATIBLE,
+    BatchHeaders,
     bronze_rows,
     check_sequence_paths,
     decode,
@@ -91,11 +92,15 @@ class EntityIngestion(EntityStreamBase):
             self.config.ingestor.starting_offsets,
         )
 
-    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+    def process_batch(
+        self, batch: DataFrame, batch_id: int, headers: BatchHeaders | None = None
+    ) -> None:
         """Decode, then append bronze and quarantine idempotently (txnAppId + batch id).
 
         The decode plan is brought up to date with the registry first
-        (``SchemaTracker.update``). Then one decoding pass writes bronze while counting the
+        (``SchemaTracker.update``), and narrowed to the writer schemas the batch uses
+        when its framing ``headers`` are known (the one query finds them with its topics).
+        Then one decoding pass writes bronze while counting the
         outcomes and collecting the (rare) records to quarantine (observed metrics); when
         so configured, a record of an incompatible writer schema fails that write before
         its commit, and the batch is refused. A replayed batch, whose bronze write Delta
@@ -106,9 +111,9 @@ class EntityIngestion(EntityStreamBase):
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
         lap = Stopwatch()
-        self.schemas.update(batch)
+        plan = self.schemas.update(batch, headers)
         lap("plan")
-        decoded = decode(self.spark, batch, self.schemas.plan, self.entity.sequence_by)
+        decoded = decode(self.spark, batch, plan, self.entity.sequence_by)
         refuse = self.config.ingestor.on_incompatible_schema == "stop"
         written = refusing_incompatible(decoded) if refuse else decoded
         observation = Observation(f"ingest-{self.entity.name}-{batch_id}")

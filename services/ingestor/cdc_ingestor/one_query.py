@@ -49,6 +49,7 @@ from cdc_shared.streaming.held import HeldTables
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_ingestor.decode import headers_by_topic
 from cdc_ingestor.ingestion import EntityIngestion, kafka_reader, kafka_source
 
 log = logging.getLogger("cdc_ingestor")
@@ -159,13 +160,15 @@ class AllTopicsIngestion:
         """Each entity present in the batch written as its own stream would (idempotently).
 
         The batch is cached (in few partitions) so that Kafka is read once, whatever the
-        number of entities; the topics present are found on the cache. A table that fails
+        number of entities; the topics present, and the framing headers each uses (its
+        decode plan is narrowed to them), are found on the cache in one pass. A table that fails
         alone is held back from its first record in this batch
         (:mod:`cdc_shared.streaming.held`).
         """
         lap = Stopwatch()
         with cached_in_few_partitions(batch) as cached:
-            present = sorted(row[0] for row in cached.select("topic").distinct().collect())
+            headers = headers_by_topic(cached)
+            present = sorted(headers)
             lap("split")
             unknown = [topic for topic in present if topic not in self.by_topic]
             if unknown:  # cannot happen with a subscription by name: never drop records
@@ -177,6 +180,7 @@ class AllTopicsIngestion:
                     stream.process_batch,
                     cached.where(F.col("topic") == stream.entity.source_topic),
                     batch_id,
+                    headers[stream.entity.source_topic],
                 )
                 for stream in streams
                 if stream.entity.name not in self.held

@@ -22,7 +22,13 @@ from cdc_shared.layout import INGESTOR
 from cdc_shared.schemas import entity_schemas
 from pyspark.sql import DataFrame, SparkSession
 
-from cdc_ingestor.decode import DecodePlan, batch_headers, incompatibility, readable_reader
+from cdc_ingestor.decode import (
+    BatchHeaders,
+    DecodePlan,
+    batch_headers,
+    incompatibility,
+    readable_reader,
+)
 
 log = logging.getLogger("cdc_ingestor")
 
@@ -63,24 +69,28 @@ class SchemaTracker:
                 )
         return DecodePlan.from_schemas(schemas, self.registry, reader, self.entity)
 
-    def update(self, batch: DataFrame) -> None:
-        """Give the decode plan every writer schema the batch may need, before decoding it.
+    def update(self, batch: DataFrame, headers: BatchHeaders | None = None) -> DecodePlan:
+        """Give the decode plan every writer schema the batch may need; the plan to decode it.
 
         A registry that lists its schemas (files) is read again, and the plan gets all of
         them: a header outside the plan then resolves nowhere, no look at the batch needed.
         A registry that resolves ids it does not list (HTTP) is asked about the headers
-        the batch uses that the plan lacks: one cheap pass over the framing headers.
+        the batch uses that the plan lacks (``headers``, else one cheap pass over the
+        framing headers). With the batch's ``headers`` known, the plan returned holds only
+        the writers they name (:meth:`DecodePlan.narrowed`).
         """
         self.registry.refresh()
         listing = self.registry.listing()
         if listing is None:
             if self.plan.uses_avro:  # JSON records carry no header to look up
-                self._learn_writers(*batch_headers(batch))
-            return
-        planned = {s.fingerprint for s in self.plan.value_writers.values()}
-        new = [s for s in listing if s.fingerprint not in planned]
-        if new:
-            self._replan(listing, listing, [s.fingerprint.hex() for s in new])
+                headers = headers or batch_headers(batch)
+                self._learn_writers(*headers)
+        else:
+            planned = {s.fingerprint for s in self.plan.value_writers.values()}
+            new = [s for s in listing if s.fingerprint not in planned]
+            if new:
+                self._replan(listing, listing, [s.fingerprint.hex() for s in new])
+        return self.plan if headers is None else self.plan.narrowed(headers)
 
     def _learn_writers(self, values: set[bytes], keys: set[bytes]) -> None:
         """Ask the registry about headers the plan does not know, and add what it knows.
