@@ -100,14 +100,13 @@ class EntityIngestion(EntityStreamBase):
         The decode plan is brought up to date with the registry first
         (``SchemaTracker.update``), and narrowed to the writer schemas the batch uses
         when its framing ``headers`` are known (the one query finds them with its topics).
-        Then one decoding pass writes bronze while counting the
-        outcomes and collecting the (rare) records to quarantine (observed metrics); when
-        so configured, a record of an incompatible writer schema fails that write before
-        its commit, and the batch is refused. A replayed batch, whose bronze write Delta
-        skips without running it, is counted by a pass of its own. Each pass reads the
-        batch's offsets from Kafka again: caching the raw records instead cost ~650 MiB
-        more peak RSS at 500k-record batches for no throughput
-        (``tests/bench/bench_ingestor.py``).
+        Then one decoding pass writes bronze while counting the outcomes and collecting
+        the (rare) records to quarantine (observed metrics); when so configured, a record
+        of an incompatible writer schema fails that write before its commit, and the
+        batch is refused. A replayed batch, whose bronze write Delta skips without running
+        it, is counted by a pass of its own. Each pass reads the batch's offsets from
+        Kafka again: caching the raw records instead cost ~650 MiB more peak RSS at
+        500k-record batches for no throughput (``tests/bench/bench_ingestor.py``).
         """
         app = app_id(SERVICE, self.entity.name, self.identity.get())
         lap = Stopwatch()

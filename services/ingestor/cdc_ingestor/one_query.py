@@ -161,8 +161,8 @@ class AllTopicsIngestion:
 
         The batch is cached (in few partitions) so that Kafka is read once, whatever the
         number of entities; the topics present, and the framing headers each uses (its
-        decode plan is narrowed to them), are found on the cache in one pass. A table that fails
-        alone is held back from its first record in this batch
+        decode plan is narrowed to them), are found on the cache in one pass. A table
+        that fails alone is held back from its first record in this batch
         (:mod:`cdc_shared.streaming.held`).
         """
         lap = Stopwatch()

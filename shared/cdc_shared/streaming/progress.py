@@ -206,6 +206,10 @@ class _ProgressLogger:
                 **stats.counts,
                 **stats.extra,
                 "duration_ms": duration_ms,
+                # Spark's own phases of the batch (latestOffset, getBatch, queryPlanning,
+                # addBatch: the foreachBatch, walCommit, commitOffsets): what the batch
+                # cost outside the service's own code.
+                "spark_ms": dict(progress.durationMs or {}),
                 "input_rows_per_s": round(input_rows / max(duration_ms, 1) * 1000, 1),
                 "lag": lag,
             },
