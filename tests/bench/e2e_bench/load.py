@@ -82,8 +82,7 @@ def producer_main(
             yield message
 
     stream = watched(generator.messages())
-    rows = spec.keys // 2 if snapshot_rows is None else snapshot_rows
-    snapshot = sum(min(rows, spec.keys) for _ in config.entities)
+    snapshot = snapshot_rows_of_shard(spec.keys, snapshot_rows) * len(config.entities)
     while True:
         command = commands.get()
         if command[0] == "stop":
@@ -95,6 +94,12 @@ def producer_main(
         marks.clear()
 
 
+def snapshot_rows_of_shard(keys_of_shard: int, snapshot_rows: int | None) -> int:
+    """The rows of each table's snapshot that one producer writes (half its keys by default)."""
+    rows = keys_of_shard // 2 if snapshot_rows is None else snapshot_rows
+    return min(rows, keys_of_shard)
+
+
 class Load:
     """The producer processes, driven one step at a time."""
 
@@ -103,6 +108,10 @@ class Load:
     ) -> None:
         context = mp.get_context("spawn")
         self.shards = args.producers
+        #: Each table's snapshot rows, over all producers: one change event each.
+        self.snapshot_rows = self.shards * snapshot_rows_of_shard(
+            max(1, args.keys // self.shards), args.snapshot_rows
+        )
         total = sum(int(r * args.seconds_per_rate) for r in args.rates)
         events = total // self.shards + 10_000
         self.results = context.Queue()

@@ -194,8 +194,29 @@ class PipelineRun:
         print(f"{self.kind}: warm-up: the snapshot, unthrottled", flush=True)
         produced, _, marks = self.load.run(None, None)
         self._note(marks, -1)
-        drained, took = self._drain(self.args.drain_timeout * 2)
+        timeout = self.args.drain_timeout * 2
+        drained, took = self._drain(timeout)
+        if drained:
+            drained, more = self._snapshot_published(self.load.snapshot_rows, timeout - took)
+            took += more
         print(f"{self.kind}: warm-up {produced:,} messages, drained={drained} in {took:.0f} s")
+
+    def _snapshot_published(self, rows: int, timeout: float) -> tuple[bool, float]:
+        """Wait until every table's change topic holds ``rows`` events; (done, seconds).
+
+        The probes alone do not tell: a small snapshot holds no probe key of most tables,
+        and the load would then start while the merger still works through their first
+        batches.
+        """
+        begun = time.monotonic()
+        while time.monotonic() - begun < timeout:
+            if not all(s.alive for s in self.services):
+                raise RuntimeError("a service stopped; see its log")
+            counts = self.topic.events_by_entity
+            if all(counts[e.name] >= rows for e in self.config.entities):
+                return True, time.monotonic() - begun
+            wait_a_little(self.services, 1)
+        return False, time.monotonic() - begun
 
     def step(self, number: int, rate: float) -> StepResult:
         """Offer ``rate`` for the step's length, then wait for the pipeline to drain."""

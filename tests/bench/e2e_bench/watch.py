@@ -6,6 +6,7 @@ import json
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ class TopicWatcher(threading.Thread):
         self.last: dict[tuple[str, Key], tuple[Seq, str]] = {}
         self.commit_seq: dict[tuple[str, Key, int], Seq] = {}
         self.read = 0
+        self.events_by_entity: Counter[str] = Counter()  # every change event, probe or not
         self.done = threading.Event()
         self._schemas: dict[bytes, Any] = {}
         self._keys: dict[tuple[str, bytes], Key | None] = {}
@@ -74,6 +76,7 @@ class TopicWatcher(threading.Thread):
 
     def _note(self, message: Any, now: float) -> None:
         entity = self.entity_of[message.topic()]
+        self.events_by_entity[entity.name] += 1
         if self.headers:
             fields = {k: v for k, v in message.headers() or []}
             raw_key = fields["key"]
