@@ -7,6 +7,7 @@ import datetime as dt
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -177,16 +178,22 @@ class PipelineRun:
             if op != "d":
                 self.produced_at.setdefault((entity, key, seq), (at, step))
 
-    def _drain(self, timeout: float) -> tuple[bool, float]:
-        """Wait until every probe key's last change is in every output; (done, seconds)."""
+    def _wait(self, done: Callable[[], bool], timeout: float) -> tuple[bool, float]:
+        """Wait until ``done()`` while every service runs; (done, seconds)."""
         begun = time.monotonic()
         while time.monotonic() - begun < timeout:
             if not all(s.alive for s in self.services):
                 raise RuntimeError("a service stopped; see its log")
-            if not pending(self.config, self.expected, self.topic, self.index):
+            if done():
                 return True, time.monotonic() - begun
             wait_a_little(self.services, 1)
         return False, time.monotonic() - begun
+
+    def _drain(self, timeout: float) -> tuple[bool, float]:
+        """Wait until every probe key's last change is in every output; (done, seconds)."""
+        return self._wait(
+            lambda: not pending(self.config, self.expected, self.topic, self.index), timeout
+        )
 
     def warm_up(self) -> None:
         """The snapshot, unthrottled, until it is everywhere (not measured)."""
@@ -197,26 +204,16 @@ class PipelineRun:
         timeout = self.args.drain_timeout * 2
         drained, took = self._drain(timeout)
         if drained:
-            drained, more = self._snapshot_published(self.load.snapshot_rows, timeout - took)
+            # The probes alone do not tell: a small snapshot holds no probe key of most
+            # tables, and the load would start while the merger still works through their
+            # first batches. Each snapshot row is one event on its table's change topic.
+            rows, counts = self.load.snapshot_rows, self.topic.events_by_entity
+            drained, more = self._wait(
+                lambda: all(counts[e.name] >= rows for e in self.config.entities),
+                timeout - took,
+            )
             took += more
         print(f"{self.kind}: warm-up {produced:,} messages, drained={drained} in {took:.0f} s")
-
-    def _snapshot_published(self, rows: int, timeout: float) -> tuple[bool, float]:
-        """Wait until every table's change topic holds ``rows`` events; (done, seconds).
-
-        The probes alone do not tell: a small snapshot holds no probe key of most tables,
-        and the load would then start while the merger still works through their first
-        batches.
-        """
-        begun = time.monotonic()
-        while time.monotonic() - begun < timeout:
-            if not all(s.alive for s in self.services):
-                raise RuntimeError("a service stopped; see its log")
-            counts = self.topic.events_by_entity
-            if all(counts[e.name] >= rows for e in self.config.entities):
-                return True, time.monotonic() - begun
-            wait_a_little(self.services, 1)
-        return False, time.monotonic() - begun
 
     def step(self, number: int, rate: float) -> StepResult:
         """Offer ``rate`` for the step's length, then wait for the pipeline to drain."""
