@@ -120,6 +120,7 @@ class ServiceProcess:
     name: str
     config: Path
     log_path: Path
+    only: tuple[str, ...] = ()  # the application: the services it runs (empty: all four)
     process: subprocess.Popen[bytes] | None = None
     batches: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -131,7 +132,9 @@ class ServiceProcess:
     def command(self) -> list[str]:
         """``cdc-<name> --config <config>``, or ``cdc run --config <config>`` for the app."""
         if self.name == APPLICATION:
-            return [str(Path(sys.executable).with_name("cdc")), "run", "--config", str(self.config)]
+            chosen = [arg for service in self.only for arg in ("--service", service)]
+            cdc = str(Path(sys.executable).with_name("cdc"))
+            return [cdc, "run", "--config", str(self.config), *chosen]
         return [
             str(Path(sys.executable).with_name(f"cdc-{self.name}")),
             "--config",
@@ -243,9 +246,16 @@ def batches_by_service(processes: list[ServiceProcess]) -> dict[str, list[dict[s
     return grouped
 
 
-def launch(mode: RunMode, config: Path, logs: Path) -> list[ServiceProcess]:
-    """The processes of a run, not started: four services, or one application."""
-    names = [APPLICATION] if mode is RunMode.APPLICATION else list(SERVICES)
+def launch(
+    mode: RunMode, config: Path, logs: Path, only: tuple[str, ...] = ()
+) -> list[ServiceProcess]:
+    """The processes of a run, not started: four services, or one application.
+
+    ``only``: the services to run (``SERVICES`` names; empty: all four).
+    """
+    if mode is RunMode.APPLICATION:
+        return [ServiceProcess(APPLICATION, config, logs / f"{APPLICATION}.log", only)]
+    names = [name for name in SERVICES if not only or name in only]
     return [ServiceProcess(name, config, logs / f"{name}.log") for name in names]
 
 

@@ -94,6 +94,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every service of ours as one query for all its tables (one_query)",
     )
+    parser.add_argument(
+        "--history",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-history drops the example's SCD type 2 history (the baseline keeps none)",
+    )
+    parser.add_argument(
+        "--index",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--no-index runs ours without publisher-es (the baseline feeds no index)",
+    )
     parser.add_argument("--down", action="store_true", help="stop the servers at the end")
     parser.add_argument("--run-baseline", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

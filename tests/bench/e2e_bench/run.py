@@ -13,10 +13,11 @@ from pathlib import Path
 import yaml
 from cdc_devkit import infra
 from cdc_devkit.local_run import Progress, wait_until_healthy, write_pipeline_config
-from cdc_devkit.processes import RunMode, ServiceProcess, launch, wait_a_little
+from cdc_devkit.processes import SERVICES, RunMode, ServiceProcess, launch, wait_a_little
 from cdc_devkit.workload import WorkloadSpec, ensure_topics
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.layout import PUBLISHER_ES, display_name
 
 from .baseline import BaselineProcess
 from .load import Load
@@ -29,6 +30,8 @@ STAGES = ("silver", "topic", "index")
 #: The pipelines the bench can run: ours as four processes, ours as one application.
 CDC_MODES = {"cdc": RunMode.SERVICES, "cdc-app": RunMode.APPLICATION}
 PIPELINES = ("cdc", "cdc-app", "baseline")
+#: Our services without publisher-es (``--no-index``), like the baseline's queries.
+UNINDEXED = tuple(s for s in SERVICES if s != display_name(PUBLISHER_ES))
 
 
 def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0) -> None:
@@ -62,10 +65,12 @@ def _configure(
     entities: list[str] | None = None,
     tables: int | None = None,
     one_query: bool = False,
+    history: bool = True,
 ) -> Path:
     """The example pipeline file, metrics ports from ``port_base``, only ``entities``.
 
-    ``tables`` and ``one_query`` as ``write_pipeline_config`` takes them.
+    ``tables`` and ``one_query`` as ``write_pipeline_config`` takes them; ``history``
+    False: no entity keeps SCD type 2 history.
     """
     path = write_pipeline_config(workdir, served, prefix=prefix, tables=tables, one_query=one_query)
     document = yaml.safe_load(path.read_text())
@@ -74,6 +79,9 @@ def _configure(
         missing = set(entities) - {e["name"] for e in document["entities"]}
         if missing:
             raise SystemExit(f"--entities: no such entity in the example pipeline: {missing}")
+    if not history:
+        for entity in document["entities"]:
+            entity.pop("history", None)
     sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
     for offset, section in enumerate(sections):
         document[section]["metrics_port"] = port_base + offset
@@ -107,18 +115,18 @@ class PipelineRun:
             args.entities,
             tables,
             args.one_query and self.is_cdc,
+            args.history,
         )
         self.config = load_config(self.config_path)
-        self.result = PipelineResult(
-            self.kind, list(STAGES) if self.is_cdc else ["silver", "topic"]
-        )
+        indexed = self.is_cdc and args.index
+        self.result = PipelineResult(self.kind, list(STAGES) if indexed else ["silver", "topic"])
         numbers = probe_numbers(
             args.keys, args.probe_share, WorkloadSpec().hot_keys, args.producers
         )
         self.probes = probe_keys(self.config, numbers)
         logs = self.workdir / "logs"
         self.services: list[ServiceProcess] = (
-            launch(CDC_MODES[kind], self.config_path, logs)
+            launch(CDC_MODES[kind], self.config_path, logs, () if indexed else UNINDEXED)
             if self.is_cdc
             else [BaselineProcess("baseline", self.config_path, logs / "baseline.log")]
         )
@@ -128,7 +136,7 @@ class PipelineRun:
             self.services, lambda line: print(f"  {self.kind}: {line}", flush=True)
         )
         self.topic = TopicWatcher(self.config, self.probes, headers=not self.is_cdc)
-        self.index = IndexWatcher(self.config, self.probes) if self.is_cdc else None
+        self.index = IndexWatcher(self.config, self.probes) if indexed else None
         self.load: Load | None = None
         self.expected: dict[tuple[str, Key], tuple[Seq, str]] = {}
         self.produced_at: dict[Mark, tuple[float, int]] = {}  # first time, step (-1: warm-up)
