@@ -15,7 +15,7 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import Progress, wait_until_healthy, write_pipeline_config
 from cdc_devkit.processes import SERVICES, RunMode, ServiceProcess, launch, wait_a_little
 from cdc_devkit.workload import WorkloadSpec, ensure_topics
-from cdc_shared.clients import make_consumer
+from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.layout import PUBLISHER_ES, display_name
 
@@ -258,6 +258,10 @@ class PipelineRun:
             if code not in (0, None):
                 self.result.notes.append(f"{service.name} exited {code}")
         self.meter.done.set()
+        if self.is_cdc:  # a node holds 1,000 shards: runs of 100 tables soon fill it
+            with make_elasticsearch(self.config.elasticsearch) as es:
+                indexes = [f"{e.es_index_name}-*" for e in self.config.entities]
+                es.indices.delete(index=",".join(indexes), ignore_unavailable=True)
 
     def measure(self) -> PipelineResult:
         """Lag series from the logs, peak RSS, and the delays (``measure_delays``)."""
