@@ -1,10 +1,20 @@
-"""Memory accounting of the service processes (``cdc_devkit.processes``)."""
+"""The service processes (``cdc_devkit.processes``): what they run, their memory."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from cdc_devkit.processes import ProcessSample, group_rss_bytes, owns_its_memory, process_snapshot
+from cdc_cli.application import select_services
+from cdc_devkit.processes import (
+    SERVICES,
+    ProcessSample,
+    RunMode,
+    group_rss_bytes,
+    launch,
+    owns_its_memory,
+    process_snapshot,
+)
 
 MIB = 2**20
 
@@ -53,3 +63,15 @@ def test_the_current_process_group_is_measured() -> None:
 
     assert me.resident_bytes > 0
     assert group_rss_bytes(me.group, snapshot) >= me.resident_bytes
+
+
+def test_a_run_of_some_services_launches_only_those() -> None:
+    chosen = (SERVICES[0], SERVICES[2])
+    (application,) = launch(RunMode.APPLICATION, Path("p.yaml"), Path("logs"), chosen)
+    services = launch(RunMode.SERVICES, Path("p.yaml"), Path("logs"), chosen)
+
+    arguments = application.command[application.command.index("--config") + 2 :]
+    assert arguments == ["--service", chosen[0], "--service", chosen[1]]
+    assert select_services(arguments[1::2]) == list(chosen)  # names `cdc run` takes
+    assert [s.name for s in services] == list(chosen)
+    assert "--service" not in launch(RunMode.APPLICATION, Path("p.yaml"), Path("l"))[0].command
