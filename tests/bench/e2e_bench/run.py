@@ -15,6 +15,7 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import Progress, wait_until_healthy, write_pipeline_config
 from cdc_devkit.processes import SERVICES, RunMode, ServiceProcess, launch, wait_a_little
 from cdc_devkit.workload import WorkloadSpec, ensure_topics
+from cdc_shared import layout
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.layout import PUBLISHER_ES, display_name
@@ -82,8 +83,7 @@ def _configure(
     if not history:
         for entity in document["entities"]:
             entity.pop("history", None)
-    sections = ("ingestor", "merger", "publisher_kafka", "publisher_es", "application")
-    for offset, section in enumerate(sections):
+    for offset, section in enumerate((*layout.SERVICES, "application")):
         document[section]["metrics_port"] = port_base + offset
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
