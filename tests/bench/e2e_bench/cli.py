@@ -25,6 +25,13 @@ from .report import markdown, svg
 from .run import PIPELINES, run_pipeline
 
 
+def _switch(parser: argparse.ArgumentParser, name: str, help_text: str) -> None:
+    """``--NAME``, on unless ``--no-NAME`` is given."""
+    parser.add_argument(
+        f"--{name}", action=argparse.BooleanOptionalAction, default=True, help=help_text
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
@@ -44,12 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="which to run, one after another (default cdc,cdc-app,baseline); KIND@N runs "
         "KIND on N tables instead of --tables (e.g. cdc-app@2,cdc-app@100)",
     )
-    parser.add_argument(
-        "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="--no-baseline leaves the baseline out of --pipelines",
-    )
+    _switch(parser, "baseline", "--no-baseline leaves the baseline out of --pipelines")
     parser.add_argument(
         "--producers",
         type=int,
@@ -94,17 +96,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every service of ours as one query for all its tables (one_query)",
     )
-    parser.add_argument(
-        "--history",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="--no-history drops the example's SCD type 2 history (the baseline keeps none)",
+    _switch(
+        parser,
+        "history",
+        "--no-history drops the example's SCD type 2 history (the baseline keeps none)",
     )
-    parser.add_argument(
-        "--index",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="--no-index runs ours without publisher-es (the baseline feeds no index)",
+    _switch(
+        parser, "index", "--no-index runs ours without publisher-es (the baseline feeds no index)"
     )
     parser.add_argument("--down", action="store_true", help="stop the servers at the end")
     parser.add_argument("--run-baseline", help=argparse.SUPPRESS)

@@ -42,7 +42,7 @@ def producer_main(
     config = load_config(config_path)
     spec = WorkloadSpec(
         events=events,
-        keys=max(1, keys // shards),
+        keys=keys_of_shard(keys, shards),
         seed=seed + shard,
         poison_share=0.0,
         redelivery_share=0.0,
@@ -94,6 +94,11 @@ def producer_main(
         marks.clear()
 
 
+def keys_of_shard(keys: int, shards: int) -> int:
+    """The keys of each table that one of ``shards`` producers writes."""
+    return max(1, keys // shards)
+
+
 def snapshot_rows_of_shard(keys_of_shard: int, snapshot_rows: int | None) -> int:
     """The rows of each table's snapshot that one producer writes (half its keys by default)."""
     rows = keys_of_shard // 2 if snapshot_rows is None else snapshot_rows
@@ -110,7 +115,7 @@ class Load:
         self.shards = args.producers
         #: Each table's snapshot rows, over all producers: one change event each.
         self.snapshot_rows = self.shards * snapshot_rows_of_shard(
-            max(1, args.keys // self.shards), args.snapshot_rows
+            keys_of_shard(args.keys, self.shards), args.snapshot_rows
         )
         total = sum(int(r * args.seconds_per_rate) for r in args.rates)
         events = total // self.shards + 10_000

@@ -18,7 +18,6 @@ from cdc_devkit.workload import WorkloadSpec, ensure_topics
 from cdc_shared import layout
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.layout import PUBLISHER_ES, display_name
 
 from .baseline import BaselineProcess
 from .load import Load
@@ -32,7 +31,7 @@ STAGES = ("silver", "topic", "index")
 CDC_MODES = {"cdc": RunMode.SERVICES, "cdc-app": RunMode.APPLICATION}
 PIPELINES = ("cdc", "cdc-app", "baseline")
 #: Our services without publisher-es (``--no-index``), like the baseline's queries.
-UNINDEXED = tuple(s for s in SERVICES if s != display_name(PUBLISHER_ES))
+UNINDEXED = tuple(s for s in SERVICES if s != layout.display_name(layout.PUBLISHER_ES))
 
 
 def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0) -> None:
@@ -258,7 +257,7 @@ class PipelineRun:
             if code not in (0, None):
                 self.result.notes.append(f"{service.name} exited {code}")
         self.meter.done.set()
-        if self.is_cdc:  # a node holds 1,000 shards: runs of 100 tables soon fill it
+        if self.index is not None:  # a node holds 1,000 shards: 100-table runs fill it
             with make_elasticsearch(self.config.elasticsearch) as es:
                 indexes = [f"{e.es_index_name}-*" for e in self.config.entities]
                 es.indices.delete(index=",".join(indexes), ignore_unavailable=True)
