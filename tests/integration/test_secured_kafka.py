@@ -19,6 +19,8 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,10 @@ from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.layout import ALL_ENTITIES as ALL
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.service import run_to_exit_code
+from cdc_shared.stream_checkpoint import HadoopFiles, held_tables
 from cdc_shared.streaming import StreamRunner
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
@@ -240,8 +244,10 @@ def publish_across_a_revoked_write(
     """Bronze of ``secured_pipeline`` merged, then publisher-kafka with DescribeConfigs
     (read at start), then Write (in a transaction) on one change topic revoked: each time
     that entity's stream stops with one line naming the missing permission, nothing of its
-    transaction is visible, and the other entity's topic equals silver's feed; granted
-    again and restarted, every change is published exactly once."""
+    transaction is visible, and the other entity's topic equals silver's feed. Then the
+    same as one query: the entity refused at start is held from the query's first batch,
+    refused in a transaction from that batch's start. Granted again and restarted, every
+    change is published exactly once."""
     merge_once(secured_pipeline, spark)
     caplog.clear()
     admin = secured_broker.kafka_config(ADMIN)
@@ -257,28 +263,7 @@ def publish_across_a_revoked_write(
     }
     secured_pipeline.path.write_text(yaml.safe_dump(document))
     monkeypatch.setenv(PASSWORD_ENV, secured_broker.password(PUBLISHER))
-    config = secured_pipeline.config
-    topics = {e.name: e.change_topic_name for e in config.entities}
-    progress_topic = config.publisher_kafka.progress_topic
-    ensure_topics(admin, [*topics.values(), progress_topic], partitions=1)  # no Create grant
-    read_write = (AclOperation.WRITE, AclOperation.DESCRIBE, AclOperation.READ)
-    for topic in topics.values():
-        secured_broker.allow(
-            PUBLISHER, ResourceType.TOPIC, topic, (*read_write, AclOperation.DESCRIBE_CONFIGS)
-        )
-    secured_broker.allow(PUBLISHER, ResourceType.TOPIC, progress_topic, read_write)
-    prefixed = ResourcePatternType.PREFIXED
-    group = publisher_progress_group(f"pytest-{run}.")
-    secured_broker.allow(
-        PUBLISHER,
-        ResourceType.TRANSACTIONAL_ID,
-        group,
-        (AclOperation.WRITE, AclOperation.DESCRIBE),
-        prefixed,
-    )
-    secured_broker.allow(
-        PUBLISHER, ResourceType.GROUP, group, (AclOperation.READ, AclOperation.DESCRIBE), prefixed
-    )
+    topics = grant_publisher_rows(secured_broker, secured_pipeline)
     revoked = topics["customers"]
 
     def stopped_alone(operation: str) -> None:
@@ -298,10 +283,9 @@ def publish_across_a_revoked_write(
     # Refused while the streams start (the topic's size limit is read before any
     # transaction): that entity alone stops, the other starts and publishes.
     describe_configs = (AclOperation.DESCRIBE_CONFIGS,)
-    secured_broker.revoke(PUBLISHER, ResourceType.TOPIC, revoked, describe_configs)
-    assert run_publisher(secured_pipeline, spark) == 1
+    with refused(secured_broker, revoked, describe_configs):
+        assert run_publisher(secured_pipeline, spark) == 1
     stopped_alone("DescribeConfigs")
-    secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, describe_configs)
 
     # Refused in the middle of a transaction.
     caplog.clear()
@@ -311,8 +295,15 @@ def publish_across_a_revoked_write(
     assert "loses nothing" in caplog.text
 
     # The same as one query for both tables (publisher_kafka.one_query): customers is held
-    # back from its batch's start (cdc_shared.streaming.held) and orders goes on.
+    # back (cdc_shared.streaming.held) and orders goes on. Refused while the streams
+    # start: held from the query's first batch.
     as_one_query(secured_pipeline, document, caplog)
+    with refused(secured_broker, revoked, describe_configs):
+        assert run_publisher(secured_pipeline, spark) == 1
+    stopped_alone("DescribeConfigs")
+    assert held_in_one_query(spark, secured_pipeline) == {"customers": "DescribeConfigs"}
+    # Refused in the middle of a transaction: held from its batch's start.
+    caplog.clear()
     assert run_publisher(secured_pipeline, spark) == 1
     stopped_alone("Write")
 
@@ -322,6 +313,58 @@ def publish_across_a_revoked_write(
     published = assert_change_topics_exactly_once(spark, secured_pipeline, admin)
     assert all(n > 0 for n in published.values())
     assert secured_broker.password(PUBLISHER) not in caplog.text
+
+
+def grant_publisher_rows(broker: SecuredBroker, pipeline: Pipeline) -> dict[str, str]:
+    """publisher-kafka's rows of deploy/kafka-acls on ``pipeline``'s change topics (made
+    by the admin: no Create grant), progress topic, transactional ids and groups; the
+    change topics by entity."""
+    config = pipeline.config
+    topics = {e.name: e.change_topic_name for e in config.entities}
+    progress_topic = config.publisher_kafka.progress_topic
+    ensure_topics(broker.kafka_config(ADMIN), [*topics.values(), progress_topic], partitions=1)
+    read_write = (AclOperation.WRITE, AclOperation.DESCRIBE, AclOperation.READ)
+    for topic in topics.values():
+        broker.allow(
+            PUBLISHER, ResourceType.TOPIC, topic, (*read_write, AclOperation.DESCRIBE_CONFIGS)
+        )
+    broker.allow(PUBLISHER, ResourceType.TOPIC, progress_topic, read_write)
+    prefixed = ResourcePatternType.PREFIXED
+    group = publisher_progress_group(f"pytest-{pipeline.run}.")
+    broker.allow(
+        PUBLISHER,
+        ResourceType.TRANSACTIONAL_ID,
+        group,
+        (AclOperation.WRITE, AclOperation.DESCRIBE),
+        prefixed,
+    )
+    broker.allow(
+        PUBLISHER, ResourceType.GROUP, group, (AclOperation.READ, AclOperation.DESCRIBE), prefixed
+    )
+    return topics
+
+
+@contextmanager
+def refused(
+    broker: SecuredBroker, topic: str, operations: tuple[AclOperation, ...]
+) -> Iterator[None]:
+    """publisher-kafka refused ``operations`` on ``topic`` inside the block."""
+    broker.revoke(PUBLISHER, ResourceType.TOPIC, topic, operations)
+    try:
+        yield
+    finally:
+        broker.allow(PUBLISHER, ResourceType.TOPIC, topic, operations)
+
+
+def held_in_one_query(spark: SparkSession, pipeline: Pipeline) -> dict[str, str]:
+    """The tables publisher-kafka's one query holds back, each with the permission refused
+    (the held file is saved with the query's first batch)."""
+    checkpoint = pipeline.config.layout.checkpoint(PUBLISHER_SERVICE, ALL)
+    held = held_tables(HadoopFiles(spark), checkpoint)
+    return {
+        entity: next(p for p in ("DescribeConfigs", "Write") if p in entry["reason"])
+        for entity, entry in held.items()
+    }
 
 
 def as_one_query(

@@ -95,9 +95,10 @@ class AllTopicsIngestion:
     def prepare(self, wait_s: float) -> None:
         """Every entity's bronze (and the quarantine) unless made already; the first alone.
 
-        Then the tables an earlier run held back are taken up again (:meth:`take_up_held`).
+        An entity that cannot start alone is held (``HeldTables.refuse_at_start``). Then
+        the tables an earlier run held back are taken up again (:meth:`take_up_held`).
         """
-        self.members.prepare(wait_s)
+        self.held.refuse_at_start(self.members.prepare(wait_s), len(self.by_topic))
         self.take_up_held()
 
     def take_up_held(self) -> None:
@@ -115,8 +116,8 @@ class AllTopicsIngestion:
         ends = resume_at.sources[0] if resume_at is not None and resume_at.sources else None
         for name, entry in list(self.held.resuming.items()):
             stream = next((s for s in self.by_topic.values() if s.entity.name == name), None)
-            if stream is None:
-                continue  # no longer configured: kept held for when it is again
+            if stream is None or name in self.held:
+                continue  # no longer configured, or could not start: kept held
             topic = stream.entity.source_topic
             end = (ends or {}).get(topic, {})
             start = {p: int(entry["position"].get(p, EARLIEST)) for p in end}

@@ -117,8 +117,11 @@ class DeltaTablesQuery(Generic[Member]):
         self.members.add(entity, wait_s)
 
     def prepare(self, wait_s: float) -> None:
-        """What every entity writes, unless made already; the first alone."""
-        self.members.prepare(wait_s)
+        """What every entity writes, unless made already; the first alone.
+
+        An entity that cannot start alone is held (``HeldTables.refuse_at_start``).
+        """
+        self.held.refuse_at_start(self.members.prepare(wait_s), len(self.streams))
 
     def source(self) -> DataFrame:
         """Every entity's Delta stream, as one union (see the module docstring)."""

@@ -23,7 +23,8 @@ class EntityStoppedError(StreamFailedError):
     Raised by a stream's ``prepare`` (e.g. the broker's ACLs refuse a permission of that
     entity's own topic or group): ``start_service`` starts the other entities, and the
     service reports this one stopped, as it does for a stream that stops while running
-    (``Failure.entity_only``). The message says why, without the entity's name.
+    (``Failure.entity_only``); a one query holds the entity back instead
+    (``HeldTables.refuse_at_start``). The message says why, without the entity's name.
     """
 
 

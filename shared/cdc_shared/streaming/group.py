@@ -3,7 +3,9 @@
 A service run as one query for all its tables (``<service>.one_query``) still writes
 each table through that table's own stream; this holds those streams, gives each the one
 query's identity (their idempotent writes name the one query), and prepares them a few
-at a time.
+at a time. A stream that cannot start for its table alone (``EntityStoppedError``, e.g.
+an ACL refusing that table's change topic) does not stop the others' start: its table is
+handed back to the caller, which holds it (:mod:`cdc_shared.streaming.held`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Generic, Protocol, TypeVar
 
 from cdc_shared.config import EntityConfig
 from cdc_shared.spark import TABLES_AT_ONCE, side_by_side, side_by_side_in_groups
+from cdc_shared.streaming.failures import EntityStoppedError
 from cdc_shared.streaming.runner import QueryIdentity
 
 
@@ -54,10 +57,23 @@ class MemberStreams(Generic[Member]):
             self._prepared.add(self._key(entity))
         self.by_key[self._key(entity)] = stream
 
-    def prepare(self, wait_s: float) -> None:
-        """Every stream not prepared yet, the first alone (it makes the shared quarantine)."""
+    def prepare(self, wait_s: float) -> dict[str, str]:
+        """Every stream not prepared yet, the first alone (it makes the shared quarantine).
+
+        The entities whose stream cannot start alone (``EntityStoppedError``), each with
+        why; the others are prepared all the same. Any other error is raised.
+        """
         waiting = [s for key, s in self.by_key.items() if key not in self._prepared]
-        prepares = [functools.partial(stream.prepare, wait_s) for stream in waiting]
+        refused: dict[str, str] = {}
+
+        def prepare(stream: Member) -> None:
+            try:
+                stream.prepare(wait_s)
+            except EntityStoppedError as stopped:
+                refused[stream.entity.name] = str(stopped)
+
+        prepares = [functools.partial(prepare, stream) for stream in waiting]
         side_by_side(prepares[:1])
         side_by_side_in_groups(prepares[1:], TABLES_AT_ONCE)
         self._prepared.update(self._key(s.entity) for s in waiting)
+        return refused
