@@ -33,8 +33,14 @@ from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_merger.guards import TombstoneIndex, TruncateFloor, key_values, sequence_literal
-from cdc_merger.history import HistoryTable, history_events, history_schema, write_history
+from cdc_merger.guards import NewestSequence, TombstoneIndex, key_values, sequence_literal
+from cdc_merger.history import (
+    HistoryTable,
+    SideReads,
+    history_events,
+    history_schema,
+    write_history,
+)
 from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 
 log = logging.getLogger("cdc_merger")
@@ -350,18 +356,20 @@ class ApplyResult:
 class MergeState:
     """What a long-lived merger keeps from batch to batch for one entity.
 
-    The in-memory guards (the truncate floor and the tombstone index) and silver's
-    schema: the merger is silver's only writer, so the schema changes only when a batch
-    brings a column silver lacks (the MERGE then adds it), and is read again then.
+    The in-memory guards (the truncate floor and the tombstone index), the newest
+    tombstone (for the history), and silver's schema: the merger is silver's only
+    writer, so the schema changes only when a batch brings a column silver lacks (the
+    MERGE then adds it), and is read again then.
     """
 
     def __init__(self, spark: SparkSession, layout: SilverLayout) -> None:
         self._spark = spark
         self._silver_path = layout.silver_path
-        self.truncates = TruncateFloor(spark, layout.truncate_path)
+        self.truncates = NewestSequence(spark, layout.truncate_path)
         self.tombstones = TombstoneIndex.over(
             spark, layout.tombstone_path, layout.silver_path, layout.key
         )
+        self.newest_delete = NewestSequence(spark, layout.tombstone_path)
         self._schema: T.StructType | None = None
 
     def silver_schema(self, events: DataFrame) -> T.StructType:
@@ -467,7 +475,7 @@ def apply_batch(
         )
     if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
         writes["history"] = lambda: _history(
-            spark, layout, rows, summary, placeholder, null_updates
+            spark, layout, rows, summary, placeholder, null_updates, state
         )
     step_ms = _side_by_side_timed(writes)
     lap("write")
@@ -548,6 +556,29 @@ def _silver_step(
     state.tombstones.record(offered.deletes, offered.upserts)
 
 
+def _history_reads(layout: SilverLayout, state: MergeState, summary: dict[str, Any]) -> SideReads:
+    """Which side tables the batch's history step reads (``write_history``).
+
+    A tombstone or truncate older than every event of the batch (its truncates included)
+    cannot change the versions the rebuild gives (``SideReads``), so a table holding
+    none newer is not read; a late or replayed batch reads it. Then the newest tombstone
+    is raised to the batch's deletes (silver's step records them, beside this step).
+    """
+    oldest = summary["oldest"]
+
+    def holds_newer(table: NewestSequence) -> bool:
+        newest = table.get()
+        return newest is not None and oldest is not None and list(oldest) <= newest
+
+    tombstones, truncates = holds_newer(state.newest_delete), holds_newer(state.truncates)
+    if summary["newest_delete"] is not None:
+        state.newest_delete.raise_to([int(v) for v in summary["newest_delete"]])
+    return SideReads(
+        tombstone_path=layout.tombstone_path if tombstones else None,
+        truncate_path=layout.truncate_path if truncates else None,
+    )
+
+
 def _history(
     spark: SparkSession,
     layout: SilverLayout,
@@ -555,6 +586,7 @@ def _history(
     summary: dict[str, Any],
     placeholder: Placeholder | None,
     null_updates: Collection[str],
+    state: MergeState,
 ) -> None:
     """The batch's events and truncates into the entity's history (beside silver's MERGE).
 
@@ -581,13 +613,13 @@ def _history(
     if events is None and not summary["truncates"]:
         return
     closing = sorted(([int(v) for v in sequence], at) for sequence, at in summary["truncates"])
+    reads = _history_reads(layout, state, summary)
     write_history(
         spark,
         history,
         layout.key,
         events,
-        layout.tombstone_path,
-        layout.truncate_path,
+        reads,
         closing,
         list(unsent),
     )
@@ -607,6 +639,10 @@ def _batch_metrics() -> list[Column]:
         F.count(F.when(applicable, 1)).alias("applicable"),
         F.count(F.when(applicable & (op == DELETE), 1)).alias("deletes"),
         F.max(F.when((op == TRUNCATE) & error.isNull(), F.col("sequence"))).alias("truncate"),
+        F.min(F.when(applicable | ((op == TRUNCATE) & error.isNull()), F.col("sequence"))).alias(
+            "oldest"
+        ),
+        F.max(F.when(applicable & (op == DELETE), F.col("sequence"))).alias("newest_delete"),
         F.collect_set(
             F.when(
                 (op == TRUNCATE) & error.isNull(),

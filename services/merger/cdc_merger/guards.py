@@ -3,10 +3,15 @@
 Two guards, each loaded once from its side table and then kept current by the merger
 (the tables' only writer), so a batch consults them without reading a table:
 
-- ``TruncateFloor``: the newest truncate; events not newer than it are dropped.
+- the truncate floor (a ``NewestSequence`` of the truncates): events not newer than the
+  newest truncate are dropped.
 - ``TombstoneIndex``: the newest delete per key that silver's rows no longer show; an
   upsert not newer than its key's tombstone is dropped, so a late event cannot
   resurrect a deleted row.
+
+An entity's history also keeps the newest tombstone of all (a ``NewestSequence``): a
+batch whose events are all newer than every tombstone and truncate needs neither table
+read to rebuild its keys' versions (``cdc_merger.history.write_history``).
 
 Sequences are lists of longs compared element by element; in memory each is packed into
 one Python int that orders the same way (``pack_sequence``).
@@ -51,17 +56,22 @@ def sequence_literal(sequence: list[int]) -> Column:
     return F.array(*[F.lit(v).cast("long") for v in sequence])
 
 
-class TruncateFloor:
-    """The newest truncate applied to one entity: events not newer than it are dropped."""
+class NewestSequence:
+    """The newest ``_cdc_seq`` of one of an entity's side tables (truncates, tombstones).
 
-    def __init__(self, spark: SparkSession, truncate_path: str) -> None:
+    Read from the table on first use (one small job), then raised by the merger as it
+    writes the table. Raised before the write commits, it may run ahead of the table,
+    never behind: its readers only skip work when a batch is newer than it.
+    """
+
+    def __init__(self, spark: SparkSession, path: str) -> None:
         self._spark = spark
-        self._path = truncate_path
+        self._path = path
         self._sequence: list[int] | None = None
         self._loaded = False
 
     def get(self) -> list[int] | None:
-        """The newest truncate's sequence, or None when the entity was never truncated."""
+        """The newest sequence, or None when the table holds none."""
         if not self._loaded:
             row = self._spark.read.format("delta").load(self._path).agg(F.max(SEQUENCE)).first()
             newest = None if row is None else row[0]
@@ -70,7 +80,7 @@ class TruncateFloor:
         return self._sequence
 
     def raise_to(self, sequence: list[int]) -> None:
-        """Remember a truncate just recorded (the floor never goes down)."""
+        """Remember a sequence written to the table (the newest never goes down)."""
         current = self.get()
         if current is None or sequence > current:
             self._sequence = list(sequence)

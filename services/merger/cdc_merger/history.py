@@ -65,6 +65,22 @@ UNSENT = "_cdc_unsent"  # a batch event's columns the source did not send (histo
 
 
 @dataclass(frozen=True)
+class SideReads:
+    """The side tables a batch's rebuild reads (``write_history``); None: not read.
+
+    A tombstone or truncate older than every event of a batch cannot change the
+    versions the rebuild gives: the history's rows already hold each delete that ended
+    a version (its end), and one that ended none (a delete after a delete, or before
+    any version) only would for an event older than it. So the merger leaves a table
+    unread when it holds nothing newer than the batch's oldest event (its
+    ``NewestSequence``); a late or replayed batch reads it.
+    """
+
+    tombstone_path: str | None
+    truncate_path: str | None
+
+
+@dataclass(frozen=True)
 class HistoryTable:
     """Where an entity's history lives and which columns it tracks."""
 
@@ -120,8 +136,7 @@ def write_history(
     table: HistoryTable,
     key: list[str],
     events: DataFrame | None,
-    tombstone_path: str,
-    truncate_path: str,
+    reads: SideReads,
     truncates: list[tuple[list[int], object]],
     fillable: Sequence[str] = (),
 ) -> None:
@@ -129,12 +144,14 @@ def write_history(
 
     ``events`` are the batch's ``history_events`` (None when it has none); ``truncates``
     the batch's truncates (sequence and source time): the keys with a version open at
-    one are rebuilt too, so each such version closes there. ``fillable``: the columns an
-    event may leave unsent (its ``UNSENT``), filled from the key's previous event.
+    one are rebuilt too, so each such version closes there. ``reads``: the tombstones
+    and remembered truncates to read, when they may hold what the batch needs.
+    ``fillable``: the columns an event may leave unsent (its ``UNSENT``), filled from the
+    key's previous event.
 
     Each input is read once: the batch's events, the history rows of the keys it touches
-    and their tombstones are local checkpoints (three small jobs), the rebuild is one
-    shuffle by key, and its result, for the keys it changed, replaces their rows.
+    and (when read) their tombstones are local checkpoints (small jobs), the rebuild is
+    one shuffle by key, and its result, for the keys it changed, replaces their rows.
     """
     current = DeltaTable.forPath(spark, table.path).toDF()
     schema = current.schema
@@ -155,16 +172,25 @@ def write_history(
     # One partition: the distinct keys of ~a batch need no shuffle.
     touched = reduce(DataFrame.unionByName, touching).coalesce(1).distinct()
     touched = touched.localCheckpoint(eager=True)
-    known, tombstones = _computed_side_by_side(
-        current.join(F.broadcast(touched), on=key, how="left_semi"),
-        spark.read.format("delta")
-        .load(tombstone_path)
-        .join(F.broadcast(touched), on=key, how="left_semi")
-        .select(*key, SEQUENCE),
-    )
+    reading = [current.join(F.broadcast(touched), on=key, how="left_semi")]
+    if reads.tombstone_path is not None:
+        tombstones = spark.read.format("delta").load(reads.tombstone_path)
+        reading.append(
+            tombstones.join(F.broadcast(touched), on=key, how="left_semi").select(*key, SEQUENCE)
+        )
+    known, *earlier = _computed_side_by_side(*reading)
 
     versions = rebuilt_versions(
-        spark, table, key, batch, known, touched, tombstones, truncate_path, truncates, fillable
+        spark,
+        table,
+        key,
+        batch,
+        known,
+        touched,
+        earlier[0] if earlier else None,
+        reads.truncate_path,
+        truncates,
+        fillable,
     )
     rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
     changed = changed_versions(key, known, rebuilt)
@@ -199,8 +225,8 @@ def rebuilt_versions(
     batch: DataFrame | None,
     known: DataFrame,
     touched: DataFrame,
-    tombstones: DataFrame,
-    truncate_path: str,
+    tombstones: DataFrame | None,
+    truncate_path: str | None,
     truncates: list[tuple[list[int], object]],
     fillable: Sequence[str] = (),
 ) -> DataFrame:
@@ -211,7 +237,8 @@ def rebuilt_versions(
     ``known`` are the rows the history holds of them, read back as events: each folded
     event an upsert with the version's tracked values and the event's own untracked ones,
     the version's end a delete. With them: the ``batch``'s events and ``truncates``, the
-    keys' ``tombstones`` and every truncate remembered.
+    keys' ``tombstones`` and every truncate remembered (at ``truncate_path``), each
+    unless None (``SideReads``).
 
     When two of these share a (key, sequence), the first by priority is kept: the batch's
     upserts, the history's, the history's ends, the batch's deletes and truncates, then
@@ -263,11 +290,13 @@ def rebuilt_versions(
     if truncates:
         closing = frame_from_rows(spark, [(s, at) for s, at in truncates], _TRUNCATES)
         parts.append(deletes(closing.crossJoin(touched), 3))
-    remembered = spark.read.format("delta").load(truncate_path).select(SEQUENCE)
-    unknown_time = F.lit(None).cast(T.TimestampType()).alias(SOURCE_TS)
-    parts.append(
-        deletes(tombstones.unionByName(remembered.crossJoin(touched)).select("*", unknown_time), 4)
-    )
+    earlier = [] if tombstones is None else [tombstones]
+    if truncate_path is not None:
+        remembered = spark.read.format("delta").load(truncate_path).select(SEQUENCE)
+        earlier.append(remembered.crossJoin(touched))
+    if earlier:
+        unknown_time = F.lit(None).cast(T.TimestampType()).alias(SOURCE_TS)
+        parts.append(deletes(reduce(DataFrame.unionByName, earlier).select("*", unknown_time), 4))
     every = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), parts)
     return _versions(every, key, columns, untracked, fillable)
 
