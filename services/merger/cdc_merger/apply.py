@@ -36,7 +36,7 @@ from pyspark.sql import types as T
 from cdc_merger.guards import NewestSequence, TombstoneIndex, key_values, sequence_literal
 from cdc_merger.history import (
     HistoryTable,
-    SideReads,
+    Reach,
     history_events,
     history_schema,
     write_history,
@@ -556,24 +556,24 @@ def _silver_step(
     state.tombstones.record(offered.deletes, offered.upserts)
 
 
-def _history_reads(layout: SilverLayout, state: MergeState, summary: dict[str, Any]) -> SideReads:
-    """Which side tables the batch's history step reads (``write_history``).
+def _history_reach(layout: SilverLayout, state: MergeState, summary: dict[str, Any]) -> Reach:
+    """How far into the history the batch reaches (``Reach``).
 
-    A tombstone or truncate older than every event of the batch (its truncates included)
-    cannot change the versions the rebuild gives (``SideReads``), so a table holding
-    none newer is not read; a late or replayed batch reads it. Then the newest tombstone
-    is raised to the batch's deletes (silver's step records them, beside this step).
+    Its oldest event, and the side tables holding something newer than it. Then the
+    newest tombstone is raised to the batch's deletes (silver's step records them,
+    beside this step).
     """
-    oldest = summary["oldest"]
+    since = [int(v) for v in summary["oldest"]]
 
     def holds_newer(table: NewestSequence) -> bool:
         newest = table.get()
-        return newest is not None and oldest is not None and list(oldest) <= newest
+        return newest is not None and since <= newest
 
     tombstones, truncates = holds_newer(state.newest_delete), holds_newer(state.truncates)
     if summary["newest_delete"] is not None:
         state.newest_delete.raise_to([int(v) for v in summary["newest_delete"]])
-    return SideReads(
+    return Reach(
+        since=since,
         tombstone_path=layout.tombstone_path if tombstones else None,
         truncate_path=layout.truncate_path if truncates else None,
     )
@@ -613,13 +613,13 @@ def _history(
     if events is None and not summary["truncates"]:
         return
     closing = sorted(([int(v) for v in sequence], at) for sequence, at in summary["truncates"])
-    reads = _history_reads(layout, state, summary)
+    reach = _history_reach(layout, state, summary)
     write_history(
         spark,
         history,
         layout.key,
         events,
-        reads,
+        reach,
         closing,
         list(unsent),
     )

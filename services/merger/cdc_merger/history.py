@@ -7,10 +7,11 @@ untracked columns only updates the version in place (its ``_cdc_seq`` is then th
 event folded into it).
 
 Per batch, for the keys it touches, the history is rebuilt from events: the keys'
-existing versions read back as events (each folded event an upsert with its own values,
-the end a delete), the batch's events, the keys' tombstones and every truncate as
-deletes. Deduplicated by (key, sequence) and ordered by sequence, they give the versions
-again; the keys whose versions changed have their rows replaced in one commit. Rebuilding
+existing versions the batch can change (open, or ended at or after its oldest event:
+``Reach``) read back as events (each folded event an upsert with its own values, the
+end a delete), the batch's events, the keys' tombstones and every truncate as deletes.
+Deduplicated by (key, sequence) and ordered by sequence, they give those versions again;
+the keys whose versions changed have them replaced in one commit. Rebuilding
 what the history already holds gives the same rows, so a replayed batch writes nothing,
 and an event older than the newest version lands between the right two versions whatever
 order the batches came in. A late event older than a delete becomes a version closed by
@@ -61,21 +62,30 @@ DELETE = "d"  # the op of a delete (a truncate is one for every key)
 _PRIORITY = "_cdc_priority"  # which of the events of one (key, sequence) is kept
 _DROP = "_cdc_drop"
 _HELD = "_cdc_held"  # an event that began a version the history held
+_LIFE = "_cdc_life"  # how many deletes of the key came up to an event (fills stay inside)
 UNSENT = "_cdc_unsent"  # a batch event's columns the source did not send (history_events)
 
 
 @dataclass(frozen=True)
-class SideReads:
-    """The side tables a batch's rebuild reads (``write_history``); None: not read.
+class Reach:
+    """How far into what the history holds a batch can reach (``write_history``).
 
-    A tombstone or truncate older than every event of a batch cannot change the
-    versions the rebuild gives: the history's rows already hold each delete that ended
-    a version (its end), and one that ended none (a delete after a delete, or before
-    any version) only would for an event older than it. So the merger leaves a table
-    unread when it holds nothing newer than the batch's oldest event (its
-    ``NewestSequence``); a late or replayed batch reads it.
+    ``since``: the batch's oldest event (its truncates included). A version that ended
+    before it cannot change: the events that made it are all older than the batch's, and
+    the next version's first event, or the delete that ended it, is the same. Only the
+    versions still open or ending at ``since`` or later are read, rebuilt and replaced,
+    so a batch costs what it touches, not each key's whole past.
+
+    ``tombstone_path``, ``truncate_path``: the side tables to read; None for one holding
+    nothing newer than ``since``. A tombstone or truncate older than every event of the
+    batch cannot change a version either: each one that ended a version is that
+    version's end already, and one that ended none (a delete after a delete, or before
+    any version) only would for an event older than it. The merger knows each table's
+    newest sequence (``NewestSequence``), so an in-order batch reads neither; a late or
+    replayed one reads them.
     """
 
+    since: list[int]
     tombstone_path: str | None
     truncate_path: str | None
 
@@ -136,7 +146,7 @@ def write_history(
     table: HistoryTable,
     key: list[str],
     events: DataFrame | None,
-    reads: SideReads,
+    reach: Reach,
     truncates: list[tuple[list[int], object]],
     fillable: Sequence[str] = (),
 ) -> None:
@@ -144,14 +154,15 @@ def write_history(
 
     ``events`` are the batch's ``history_events`` (None when it has none); ``truncates``
     the batch's truncates (sequence and source time): the keys with a version open at
-    one are rebuilt too, so each such version closes there. ``reads``: the tombstones
-    and remembered truncates to read, when they may hold what the batch needs.
+    one are rebuilt too, so each such version closes there. ``reach``: how far back the
+    batch reaches (its versions since its oldest event; the side tables to read).
     ``fillable``: the columns an event may leave unsent (its ``UNSENT``), filled from the
     key's previous event.
 
-    Each input is read once: the batch's events, the history rows of the keys it touches
-    and (when read) their tombstones are local checkpoints (small jobs), the rebuild is
-    one shuffle by key, and its result, for the keys it changed, replaces their rows.
+    Each input is read once: the batch's events, the versions of the keys it touches it
+    can reach and (when read) their tombstones are local checkpoints (small jobs), the
+    rebuild is one shuffle by key, and its result, for the keys it changed, replaces
+    those versions.
     """
     current = DeltaTable.forPath(spark, table.path).toDF()
     schema = current.schema
@@ -172,9 +183,10 @@ def write_history(
     # One partition: the distinct keys of ~a batch need no shuffle.
     touched = reduce(DataFrame.unionByName, touching).coalesce(1).distinct()
     touched = touched.localCheckpoint(eager=True)
-    reading = [current.join(F.broadcast(touched), on=key, how="left_semi")]
-    if reads.tombstone_path is not None:
-        tombstones = spark.read.format("delta").load(reads.tombstone_path)
+    reachable = current.where(_reached(reach.since))
+    reading = [reachable.join(F.broadcast(touched), on=key, how="left_semi")]
+    if reach.tombstone_path is not None:
+        tombstones = spark.read.format("delta").load(reach.tombstone_path)
         reading.append(
             tombstones.join(F.broadcast(touched), on=key, how="left_semi").select(*key, SEQUENCE)
         )
@@ -188,13 +200,21 @@ def write_history(
         known,
         touched,
         earlier[0] if earlier else None,
-        reads.truncate_path,
+        reach.truncate_path,
         truncates,
         fillable,
     )
     rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
     changed = changed_versions(key, known, rebuilt)
-    _replace_versions(table.path, key, changed, order=known.columns)
+    _replace_versions(table.path, key, reach.since, changed, order=known.columns)
+
+
+def _reached(since: list[int]) -> Column:
+    """The versions a batch whose oldest event is at ``since`` can change (``Reach``).
+
+    ``_replace_condition`` says the same in SQL, for the write.
+    """
+    return F.col(END).isNull() | (F.col(END) >= sequence_literal(since))
 
 
 def _computed_side_by_side(*frames: DataFrame) -> list[DataFrame]:
@@ -238,7 +258,7 @@ def rebuilt_versions(
     event an upsert with the version's tracked values and the event's own untracked ones,
     the version's end a delete. With them: the ``batch``'s events and ``truncates``, the
     keys' ``tombstones`` and every truncate remembered (at ``truncate_path``), each
-    unless None (``SideReads``).
+    unless None (``Reach``).
 
     When two of these share a (key, sequence), the first by priority is kept: the batch's
     upserts, the history's, the history's ends, the batch's deletes and truncates, then
@@ -345,7 +365,7 @@ def _versions(
     )
     order = Window.partitionBy(*key).orderBy(SEQUENCE)
     running = order.rowsBetween(Window.unboundedPreceding, 0)
-    unique = _with_prior_values(unique, order, [c for c in fillable if c in columns])
+    unique = _with_prior_values(unique, key, order, [c for c in fillable if c in columns])
     tracked_names = [c for c in columns if c not in key and c not in untracked]
     types = {f.name: f.dataType for f in unique.schema.fields}
     tracked = (
@@ -410,16 +430,26 @@ def _comparable(name: str, data_type: T.DataType) -> Column:
     return column
 
 
-def _with_prior_values(events: DataFrame, order: WindowSpec, columns: list[str]) -> DataFrame:
+def _with_prior_values(
+    events: DataFrame, key: list[str], order: WindowSpec, columns: list[str]
+) -> DataFrame:
     """Each column an event did not send (``UNSENT``) filled from the key's previous event.
 
-    The previous upsert, in sequence order, that sent the column (deletes carry no row);
-    a null when there is none, as silver stores it. Events read back from the history
-    have no ``UNSENT``: their values were filled when they were first written.
+    The previous upsert, in sequence order, that sent the column since the key's last
+    delete; a null when there is none, as silver stores it (a deleted row holds nothing
+    to keep). So a batch needs no version that a delete ended before its oldest event
+    (``Reach``). Events read back from the history have no ``UNSENT``: their values were
+    filled when they were first written.
     """
     if UNSENT not in events.columns:
         return events
-    before = order.rowsBetween(Window.unboundedPreceding, -1)
+    deletes_so_far = F.sum((F.col(OP) == DELETE).cast("int")).over(
+        order.rowsBetween(Window.unboundedPreceding, 0)
+    )
+    events = events.withColumn(_LIFE, deletes_so_far)
+    before = (
+        Window.partitionBy(*key, _LIFE).orderBy(SEQUENCE).rowsBetween(Window.unboundedPreceding, -1)
+    )
     sent_upsert = F.col(OP) != DELETE
     filled = {}
     for name in columns:
@@ -429,7 +459,7 @@ def _with_prior_values(events: DataFrame, order: WindowSpec, columns: list[str])
             ignorenulls=True,
         ).over(before)
         filled[name] = F.when(unsent, prior["v"]).otherwise(F.col(f"`{name}`"))
-    return events.withColumns(filled)
+    return events.withColumns(filled).drop(_LIFE)
 
 
 def changed_versions(key: list[str], known: DataFrame, versions: DataFrame) -> DataFrame:
@@ -460,14 +490,17 @@ def changed_versions(key: list[str], known: DataFrame, versions: DataFrame) -> D
 
 
 @on_conflict_retry
-def _replace_versions(path: str, key: list[str], versions: DataFrame, order: list[str]) -> None:
-    """Replace every row of the keys in ``versions`` by ``versions``, in one commit.
+def _replace_versions(
+    path: str, key: list[str], since: list[int], versions: DataFrame, order: list[str]
+) -> None:
+    """Replace the rows a batch reached (``Reach``) of the keys in ``versions``, in one commit.
 
-    Delta's ``replaceUsing`` on the key: a delete that reads only the key columns of the
-    history's files and marks the keys' rows in deletion vectors, then an append, in one
-    overwrite; the history's large files are read once and none is rewritten (a MERGE
-    read them twice, whole). Nothing to write, no commit. ``order``: the history's
-    columns as read (a new column goes last).
+    Delta's ``replaceOn``: the rows of those keys open or ending at ``since`` or later,
+    deleted (Delta reads the key and end columns of the history's files and marks them
+    in deletion vectors), then ``versions`` appended, in one overwrite; the history's
+    large files are read once and none is rewritten (a MERGE read them twice, whole).
+    Nothing to write, no commit. ``order``: the history's columns as read (a new column
+    goes last).
     """
     counted, rows = Observation(), [F.count(F.lit(1)).alias("rows")]
     # Computed once: the delete and the append both read it.
@@ -477,9 +510,18 @@ def _replace_versions(path: str, key: list[str], versions: DataFrame, order: lis
     columns = [c for c in order if c in versions.columns]
     (
         changed.select(*columns, *[c for c in versions.columns if c not in columns])
+        .alias("s")
         .write.format("delta")
         .mode("overwrite")
-        .option("replaceUsing", ", ".join(key))
+        .option("targetAlias", "t")
+        .option("replaceOn", _replace_condition(key, since))
         .option("mergeSchema", "true")
         .save(path)
     )
+
+
+def _replace_condition(key: list[str], since: list[int]) -> str:
+    """The rows ``replaceOn`` deletes: the key's (``s``), reached by the batch (``Reach``)."""
+    same_key = " AND ".join(f"t.`{k}` = s.`{k}`" for k in key)
+    at = ", ".join(f"CAST({int(v)} AS BIGINT)" for v in since)
+    return f"{same_key} AND (t.`{END}` IS NULL OR t.`{END}` >= array({at}))"
