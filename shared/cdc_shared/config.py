@@ -593,8 +593,9 @@ class ApplicationConfig(_Section):
         return self.pool_weights.get(service, 1)
 
 
-#: Characters a key column's name cannot hold when history is on: Delta's ``replaceUsing``
-#: (the history's write) splits its column list at commas and each name at dots.
+#: Characters a key column's name cannot hold when history is on: the history's write
+#: names the key in a SQL condition (Delta's ``replaceOn``), and its plans were built and
+#: tested for plain names only.
 HISTORY_KEY_FORBIDDEN = (",", ".", "`")
 
 
@@ -731,7 +732,7 @@ class EntityConfig(_Section):
             raise ValueError(
                 f"history is on and key columns {unplain} have one of "
                 f"{' '.join(HISTORY_KEY_FORBIDDEN)} in their names: the history replaces a "
-                "key's versions by Delta's replaceUsing, which takes plain column names"
+                "key's versions by a Delta replaceOn condition, written for plain column names"
             )
         return self
 

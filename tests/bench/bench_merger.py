@@ -737,7 +737,7 @@ def check_history_run(spark: SparkSession, off: Variant, on: Variant, batches: i
     assert not Path(off.silver_path).with_name("history").exists(), "history off wrote history"
     assert "history" not in off.tables
     history = DeltaTable.forPath(spark, on.tables["history"])
-    replacing = F.col("operationParameters").getItem("replaceUsingCols").isNotNull()
+    replacing = F.col("operationParameters").getItem("replaceOnCond").isNotNull()
     writes = history.history().where((F.col("operation") == "WRITE") & replacing).count()
     assert writes == batches, f"history on: {writes} writes into history for {batches} batches"
     current = history.toDF().where(F.col(END).isNull()).count()

@@ -263,7 +263,8 @@ def test_history_is_off_by_default_and_tracks_named_columns() -> None:
 
 
 def test_history_refuses_key_names_its_write_cannot_take() -> None:
-    """The history's write (Delta's replaceUsing) splits names at commas and dots."""
+    """The history's write names the key in a SQL condition (Delta's replaceOn), written
+    and tested for plain names."""
     for name in ("order.id", "a,b", "we`ird"):
         with pytest.raises(ValueError, match=r"history is on and key columns \['"):
             EntityConfig(name="o", source_topic="t", key=[name], history={"enabled": True})

@@ -13,7 +13,7 @@ the checksum of the version the batch committed, no Spark job); a change is one 
 The table feature stays in silver's protocol either way, so readers see no change.
 
 A history keeps deletion vectors at every size: its replacing write (a Delta
-``replaceUsing`` overwrite, ``history._replace_versions``) fails when it has to rewrite
+``replaceOn`` overwrite, ``history._replace_versions``) fails when it has to rewrite
 files instead (Delta 4.4: ``DELTA_FILE_TO_OVERWRITE_NOT_FOUND``, the DELETE with an
 ``EXISTS`` condition cannot name the files it touched).
 """
