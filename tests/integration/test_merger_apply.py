@@ -743,6 +743,16 @@ def test_unavailable_values_keep_the_value_silver_or_the_batch_holds(documents: 
     documents.apply(documents.event("u", {"id": 2}, [16], customer("c2") | UNSENT))
     assert history_large_columns(documents) == expected
 
+    # After a delete the key holds nothing to keep: an update that does not send its
+    # values (with no insert between, e.g. an event lost upstream) stores null, in
+    # silver and in the history's current version alike.
+    documents.apply(documents.event("d", {"id": 4}, [17]))
+    documents.apply(documents.event("u", {"id": 4}, [18], customer("c4-back") | UNSENT))
+    assert large_columns(documents)[4] == dict.fromkeys(UNSENT, None) | {"name": "c4-back"}
+    expected[4] = [expected[4][0], version(14, 17, "c4-renamed", 4)]
+    expected[4].append(version(18, None, "c4-back", None))
+    assert history_large_columns(documents) == expected
+
 
 def test_unavailable_values_stored_as_sent_when_the_placeholder_is_off(
     documents: Silver,
