@@ -183,7 +183,7 @@ def write_history(
     # One partition: the distinct keys of ~a batch need no shuffle.
     touched = reduce(DataFrame.unionByName, touching).coalesce(1).distinct()
     touched = touched.localCheckpoint(eager=True)
-    reachable = current.where(_reached(reach.since))
+    reachable = current.where(F.expr(_reached(reach.since)))
     reading = [reachable.join(F.broadcast(touched), on=key, how="left_semi")]
     if reach.tombstone_path is not None:
         tombstones = spark.read.format("delta").load(reach.tombstone_path)
@@ -209,12 +209,15 @@ def write_history(
     _replace_versions(table.path, key, reach.since, changed, order=known.columns)
 
 
-def _reached(since: list[int]) -> Column:
+def _reached(since: list[int], table: str | None = None) -> str:
     """The versions a batch whose oldest event is at ``since`` can change (``Reach``).
 
-    ``_replace_condition`` says the same in SQL, for the write.
+    As SQL: the read filters on it, and the write's ``replaceOn`` condition names it
+    (``table``: the alias the history's columns go by there).
     """
-    return F.col(END).isNull() | (F.col(END) >= sequence_literal(since))
+    end = f"`{END}`" if table is None else f"{table}.`{END}`"
+    at = ", ".join(f"CAST({int(v)} AS BIGINT)" for v in since)
+    return f"({end} IS NULL OR {end} >= array({at}))"
 
 
 def _computed_side_by_side(*frames: DataFrame) -> list[DataFrame]:
@@ -523,5 +526,4 @@ def _replace_versions(
 def _replace_condition(key: list[str], since: list[int]) -> str:
     """The rows ``replaceOn`` deletes: the key's (``s``), reached by the batch (``Reach``)."""
     same_key = " AND ".join(f"t.`{k}` = s.`{k}`" for k in key)
-    at = ", ".join(f"CAST({int(v)} AS BIGINT)" for v in since)
-    return f"{same_key} AND (t.`{END}` IS NULL OR t.`{END}` >= array({at}))"
+    return f"{same_key} AND {_reached(since, 't')}"

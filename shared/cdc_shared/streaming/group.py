@@ -66,13 +66,13 @@ class MemberStreams(Generic[Member]):
         waiting = [s for key, s in self.by_key.items() if key not in self._prepared]
         refused: dict[str, str] = {}
 
-        def prepare(stream: Member) -> None:
+        def prepare_one(stream: Member) -> None:
             try:
                 stream.prepare(wait_s)
             except EntityStoppedError as stopped:
                 refused[stream.entity.name] = str(stopped)
 
-        prepares = [functools.partial(prepare, stream) for stream in waiting]
+        prepares = [functools.partial(prepare_one, stream) for stream in waiting]
         side_by_side(prepares[:1])
         side_by_side_in_groups(prepares[1:], TABLES_AT_ONCE)
         self._prepared.update(self._key(s.entity) for s in waiting)
