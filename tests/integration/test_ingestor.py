@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 from collections import Counter
@@ -9,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from cdc_devkit.workload import (
     produce,
 )
 from cdc_ingestor import ingestion as ingestor_main
 from cdc_ingestor.main import start
-from cdc_shared.config import KafkaConfig
+from cdc_shared.config import ConfigError, KafkaConfig
 from cdc_shared.streaming import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -144,6 +146,35 @@ def test_new_checkpoint_gets_a_new_app_id_and_writes(
         .count()
     )
     assert app_ids == 2
+
+
+def test_one_query_without_a_table_it_read_goes_on_from_where_it_stood(
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    make_pipeline: PipelineFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table taken out of the pipeline while the ingestor runs as one query: its start is
+    refused, saying where the other tables stand (Spark's Kafka source would report the
+    dropped topic's records lost); a new checkpoint started there, as the error says,
+    ingests the rest exactly once."""
+    pipeline = make_pipeline(ingestor={"one_query": True, "metrics_port": 0})
+    produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0)))
+    ingest_once(pipeline, spark)
+    document = yaml.safe_load(pipeline.path.read_text())
+    document["entities"] = [e for e in document["entities"] if e["name"] != "customers"]
+    pipeline.path.write_text(yaml.safe_dump(document))
+    report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0)))
+    customers = pipeline.topic("customers")
+    with pytest.raises(ConfigError, match=rf"reads topic\(s\) \['{customers}'\]") as refused:
+        ingest_once(pipeline, spark)
+    checkpoint = pipeline.config.layout.checkpoint("ingestor", "_all")
+    assert f"move {checkpoint} aside" in str(refused.value)
+    (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
+    shutil.move(checkpoint, f"{checkpoint}.aside")
+    monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
+    ingest_once(pipeline, spark)
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # orders: none twice
 
 
 def test_schema_evolution_midway_without_restart(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from cdc_ingestor.failures import kafka_failures
@@ -10,6 +11,7 @@ from cdc_ingestor.ingestion import refuse_per_entity_after_one_query
 from cdc_ingestor.one_query import (
     EARLIEST,
     LATEST,
+    refuse_dropped_topics,
     refuse_unfinished_per_entity_batches,
     starting_offsets,
 )
@@ -104,6 +106,30 @@ def test_a_per_entity_batch_planned_but_not_committed_must_finish_first() -> Non
     files.files.update(_batch(group, 0, {"db.orders": {"0": 9}}, committed=True))
     files.files.update(_batch(orders, 1, {"db.orders": {"0": 9}}, committed=False))
     refuse_unfinished_per_entity_batches(config, files)  # the one query has its own start
+
+
+def test_a_topic_no_table_reads_any_more_is_refused_with_where_to_start() -> None:
+    config = _config()
+    group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    read = {"db.customers": {"0": 7, "1": 8}, "db.orders": {"0": 3}}
+    files = Files(_batch(group, 4, read, committed=True))
+    refuse_dropped_topics(config, ["db.customers", "db.orders"], files, _partitions)
+    refuse_dropped_topics(config, ["db.customers", "db.orders", "db.new"], files, _partitions)
+    # customers taken out, a new table added: the others from where the query committed.
+    with pytest.raises(ConfigError) as refused:
+        refuse_dropped_topics(config, ["db.orders", "db.new"], files, _partitions)
+    message = str(refused.value)
+    assert "reads topic(s) ['db.customers'] that no table of the pipeline reads" in message
+    assert f"move {group} aside" in message
+    offsets = json.loads(re.findall(r"ingestor\.starting_offsets to '([^']*)'", message)[0])
+    assert offsets == {
+        "db.orders": {"0": 3},
+        "db.new": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
+    }
+    # A batch planned but not committed may be in bronze: it must finish first.
+    files.files.update(_batch(group, 5, read, committed=False))
+    with pytest.raises(ConfigError, match="finish its batch 5, planned but not committed"):
+        refuse_dropped_topics(config, ["db.orders"], files, _partitions)
 
 
 def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:

@@ -14,7 +14,9 @@ where the per-entity streams committed (their checkpoints' last committed offset
 nothing. A per-entity stream with a batch planned but not committed must finish it
 first (:func:`refuse_unfinished_per_entity_batches`), and going back to one query per
 entity is refused (:func:`cdc_ingestor.ingestion.refuse_per_entity_after_one_query`):
-both would write records to bronze twice.
+both would write records to bronze twice. A table taken out of the pipeline is refused
+too, with where a new checkpoint starts without it (:func:`refuse_dropped_topics`): Spark
+cannot drop a topic from the query's checkpoint.
 
 A table whose batch fails for it alone is held back from its first record in that batch
 (:mod:`cdc_shared.streaming.held`) while the others go on; the next start writes its
@@ -238,7 +240,9 @@ def open_all_topics(
     registry: SchemaRegistry,
 ) -> AllTopicsIngestion:
     """The ingestor's one stream over ``entities`` (an ``OpenGroup``)."""
-    refuse_unfinished_per_entity_batches(config, HadoopFiles(spark))
+    files = HadoopFiles(spark)
+    refuse_unfinished_per_entity_batches(config, files)
+    refuse_dropped_topics(config, [entity.source_topic for entity in entities], files)
     return AllTopicsIngestion(spark, config, entities, runner, registry)
 
 
@@ -313,3 +317,55 @@ def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, lis
         for topic in topics
         if topic in metadata and metadata[topic].error is None
     }
+
+
+def refuse_dropped_topics(
+    config: PipelineConfig,
+    topics: list[str],
+    files: CheckpointFiles,
+    partitions: PartitionLister | None = None,
+) -> None:
+    """ConfigError when the one query's checkpoint reads a topic no table reads any more.
+
+    A table taken out of the pipeline file, or no longer selected by an entity set,
+    leaves its topic in the checkpoint's offsets; Spark's Kafka source cannot drop it
+    (it reports the topic's partitions lost, failOnDataLoss, as if the broker had
+    deleted records). The error says how to go on without the table: a new checkpoint
+    starting exactly where this one committed, for the topics still read (new ones from
+    their start), so nothing is read twice or skipped.
+    """
+    checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    planned = planned_batches(files, checkpoint)
+    if not planned:
+        return
+    text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/offsets/{planned[-1]}")
+    read = (parse_offsets(text)[0] if text else None) or {}
+    dropped = sorted(set(read) - set(topics))
+    if not dropped:
+        return
+    problem = (
+        f"the ingestor's one query ({checkpoint}) reads topic(s) {dropped} that no table "
+        "of the pipeline reads any more (taken out of the file, or no longer selected by "
+        "an entity set); Spark's Kafka source cannot drop a topic from its checkpoint (it "
+        "would report the topic's records lost). Put the table back, or go on without it "
+        "on a new checkpoint: "
+    )
+    committed = last_committed_batch(files, checkpoint)
+    if committed is None or committed.batch_id != planned[-1]:
+        raise ConfigError(
+            problem + f"first let the query finish its batch {planned[-1]}, planned but not "
+            "committed (it may be in bronze already): put the table back and run "
+            "`cdc-ingestor --once`; then take the table out again."
+        )
+    ends = committed.sources[0] or {}
+    start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
+    new = [t for t in topics if t not in ends]
+    for topic, numbers in (partitions or topic_partitions)(config, new).items():
+        start[topic] = {str(p): EARLIEST for p in numbers}
+    raise ConfigError(
+        problem + f"move {checkpoint} aside and set ingestor.starting_offsets to "
+        f"'{json.dumps(start, sort_keys=True)}' (where the query committed its batch "
+        f"{committed.batch_id}; a new table's topic from its start), then start the "
+        "ingestor. Per-table checkpoints (_checkpoints/ingestor/<table>) left from before "
+        "the one query would take precedence: delete them first."
+    )
