@@ -148,33 +148,45 @@ def test_new_checkpoint_gets_a_new_app_id_and_writes(
     assert app_ids == 2
 
 
-def test_one_query_without_a_table_it_read_goes_on_from_where_it_stood(
+def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A table taken out of the pipeline while the ingestor runs as one query: its start is
-    refused, saying where the other tables stand (Spark's Kafka source would report the
-    dropped topic's records lost); a new checkpoint started there, as the error says,
-    ingests the rest exactly once."""
+    """A table taken out of the pipeline, later put back, while the ingestor runs as one
+    query: each start is refused, saying where each table stands (Spark's Kafka source
+    would report the dropped topic's records lost, and read the table put back from its
+    start); a new checkpoint started there, as the error says, ingests exactly once."""
     pipeline = make_pipeline(ingestor={"one_query": True, "metrics_port": 0})
-    produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0)))
+    report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0.02)))
     ingest_once(pipeline, spark)
     document = yaml.safe_load(pipeline.path.read_text())
-    document["entities"] = [e for e in document["entities"] if e["name"] != "customers"]
-    pipeline.path.write_text(yaml.safe_dump(document))
-    report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0)))
-    customers = pipeline.topic("customers")
-    with pytest.raises(ConfigError, match=rf"reads topic\(s\) \['{customers}'\]") as refused:
-        ingest_once(pipeline, spark)
+    entities = document["entities"]
     checkpoint = pipeline.config.layout.checkpoint("ingestor", "_all")
-    assert f"move {checkpoint} aside" in str(refused.value)
-    (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
-    shutil.move(checkpoint, f"{checkpoint}.aside")
-    monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
-    ingest_once(pipeline, spark)
+
+    def refused_then_carried_over(problem: str, aside: str) -> None:
+        with pytest.raises(ConfigError, match=problem) as refused:
+            ingest_once(pipeline, spark)
+        assert f"move {checkpoint} aside" in str(refused.value)
+        (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
+        shutil.move(checkpoint, f"{checkpoint}.{aside}")
+        monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
+        ingest_once(pipeline, spark)
+
+    customers = re.escape(pipeline.topic("customers"))
+    document["entities"] = [e for e in entities if e["name"] != "customers"]  # taken out
+    pipeline.path.write_text(yaml.safe_dump(document))
+    report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))  # orders
+    refused_then_carried_over(rf"reads topic\(s\) \['{customers}'\] that no table", "out")
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # orders: none twice
+
+    document["entities"] = entities  # put back
+    pipeline.path.write_text(yaml.safe_dump(document))
+    report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))
+    refused_then_carried_over(rf"would read topic\(s\) \['{customers}'\] from their", "back")
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # both: none twice
+    assert_quarantine_exactly_once(spark, pipeline, report)
 
 
 def test_schema_evolution_midway_without_restart(

@@ -11,7 +11,7 @@ from cdc_ingestor.ingestion import refuse_per_entity_after_one_query
 from cdc_ingestor.one_query import (
     EARLIEST,
     LATEST,
-    refuse_dropped_topics,
+    refuse_topics_the_checkpoint_cannot_carry,
     refuse_unfinished_per_entity_batches,
     starting_offsets,
 )
@@ -108,28 +108,63 @@ def test_a_per_entity_batch_planned_but_not_committed_must_finish_first() -> Non
     refuse_unfinished_per_entity_batches(config, files)  # the one query has its own start
 
 
+def _entities(*topics: str) -> list[EntityConfig]:
+    return [EntityConfig(name=t.split(".")[1], source_topic=t, key=["id"]) for t in topics]
+
+
+def _nothing_ingested(_entity: EntityConfig) -> dict[str, int] | None:
+    return None
+
+
 def test_a_topic_no_table_reads_any_more_is_refused_with_where_to_start() -> None:
     config = _config()
     group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     read = {"db.customers": {"0": 7, "1": 8}, "db.orders": {"0": 3}}
     files = Files(_batch(group, 4, read, committed=True))
-    refuse_dropped_topics(config, ["db.customers", "db.orders"], files, _partitions)
-    refuse_dropped_topics(config, ["db.customers", "db.orders", "db.new"], files, _partitions)
+    carry = refuse_topics_the_checkpoint_cannot_carry
+    carry(config, _entities("db.customers", "db.orders"), files, _nothing_ingested, _partitions)
+    every = _entities("db.customers", "db.orders", "db.new")  # a new table: Spark reads it
+    carry(config, every, files, _nothing_ingested, _partitions)
     # customers taken out, a new table added: the others from where the query committed.
     with pytest.raises(ConfigError) as refused:
-        refuse_dropped_topics(config, ["db.orders", "db.new"], files, _partitions)
+        carry(config, _entities("db.orders", "db.new"), files, _nothing_ingested, _partitions)
     message = str(refused.value)
     assert "reads topic(s) ['db.customers'] that no table of the pipeline reads" in message
     assert f"move {group} aside" in message
-    offsets = json.loads(re.findall(r"ingestor\.starting_offsets to '([^']*)'", message)[0])
-    assert offsets == {
+    assert _offsets(message) == {
         "db.orders": {"0": 3},
         "db.new": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
     }
     # A batch planned but not committed may be in bronze: it must finish first.
     files.files.update(_batch(group, 5, read, committed=False))
-    with pytest.raises(ConfigError, match="finish its batch 5, planned but not committed"):
-        refuse_dropped_topics(config, ["db.orders"], files, _partitions)
+    with pytest.raises(ConfigError, match="batch 5 is planned but not committed"):
+        carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
+
+
+def test_a_table_put_back_is_refused_with_where_its_records_end() -> None:
+    config = _config()
+    group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    files = Files(_batch(group, 2, {"db.orders": {"0": 3}}, committed=True))
+
+    def ingested(entity: EntityConfig) -> dict[str, int] | None:
+        return {"0": 40, "2": 12} if entity.name == "customers" else None
+
+    with pytest.raises(ConfigError) as refused:
+        refuse_topics_the_checkpoint_cannot_carry(
+            config, _entities("db.customers", "db.orders"), files, ingested, _partitions
+        )
+    message = str(refused.value)
+    assert "would read topic(s) ['db.customers'] from their start, though bronze" in message
+    # customers where its records end (a partition without any: from its start).
+    assert _offsets(message) == {
+        "db.customers": {"0": 40, "1": EARLIEST, "2": 12},
+        "db.orders": {"0": 3},
+    }
+
+
+def _offsets(message: str) -> object:
+    (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", message)
+    return json.loads(offsets)
 
 
 def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:

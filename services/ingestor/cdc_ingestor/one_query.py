@@ -14,9 +14,10 @@ where the per-entity streams committed (their checkpoints' last committed offset
 nothing. A per-entity stream with a batch planned but not committed must finish it
 first (:func:`refuse_unfinished_per_entity_batches`), and going back to one query per
 entity is refused (:func:`cdc_ingestor.ingestion.refuse_per_entity_after_one_query`):
-both would write records to bronze twice. A table taken out of the pipeline is refused
-too, with where a new checkpoint starts without it (:func:`refuse_dropped_topics`): Spark
-cannot drop a topic from the query's checkpoint.
+both would write records to bronze twice. A table taken out of the pipeline
+or put back is refused too, with where a new checkpoint starts
+(:func:`refuse_topics_the_checkpoint_cannot_carry`): Spark cannot drop a topic from the
+query's checkpoint, and would read a table put back from its start.
 
 A table whose batch fails for it alone is held back from its first record in that batch
 (:mod:`cdc_shared.streaming.held`) while the others go on; the next start writes its
@@ -48,6 +49,7 @@ from cdc_shared.stream_checkpoint import (
 from cdc_shared.streaming import QueryIdentity, StreamRunner
 from cdc_shared.streaming.group import MemberStreams
 from cdc_shared.streaming.held import HeldTables
+from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -242,7 +244,7 @@ def open_all_topics(
     """The ingestor's one stream over ``entities`` (an ``OpenGroup``)."""
     files = HadoopFiles(spark)
     refuse_unfinished_per_entity_batches(config, files)
-    refuse_dropped_topics(config, [entity.source_topic for entity in entities], files)
+    refuse_topics_the_checkpoint_cannot_carry(config, entities, files, ingested_ends(spark, config))
     return AllTopicsIngestion(spark, config, entities, runner, registry)
 
 
@@ -319,53 +321,103 @@ def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, lis
     }
 
 
-def refuse_dropped_topics(
+#: Where an entity's topic was ingested to: the next offset by partition, from its bronze
+#: and quarantine rows (None: it holds no record of the topic).
+IngestedEnds = Callable[[EntityConfig], dict[str, int] | None]
+
+
+def refuse_topics_the_checkpoint_cannot_carry(
     config: PipelineConfig,
-    topics: list[str],
+    entities: list[EntityConfig],
     files: CheckpointFiles,
+    ingested: IngestedEnds,
     partitions: PartitionLister | None = None,
 ) -> None:
-    """ConfigError when the one query's checkpoint reads a topic no table reads any more.
+    """ConfigError when the one query's checkpoint cannot go on with ``entities``' topics.
 
-    A table taken out of the pipeline file, or no longer selected by an entity set,
-    leaves its topic in the checkpoint's offsets; Spark's Kafka source cannot drop it
-    (it reports the topic's partitions lost, failOnDataLoss, as if the broker had
-    deleted records). The error says how to go on without the table: a new checkpoint
-    starting exactly where this one committed, for the topics still read (new ones from
-    their start), so nothing is read twice or skipped.
+    Spark's Kafka source cannot drop a topic from a checkpoint: a table taken out of the
+    pipeline (or no longer selected by an entity set) would have its topic's partitions
+    reported lost (failOnDataLoss), as if the broker had deleted records. And it reads a
+    topic added to a checkpoint from its start: right for a new table, but a table put
+    back, whose records bronze holds already, would have them written twice. The error
+    says how to go on: a new checkpoint starting where this one committed, a table put
+    back where its records end (``ingested``), a new table from its start; nothing read
+    twice or skipped.
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     planned = planned_batches(files, checkpoint)
     if not planned:
-        return
+        return  # a new checkpoint: ``starting_offsets`` chooses each topic's start
     text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/offsets/{planned[-1]}")
     read = (parse_offsets(text)[0] if text else None) or {}
+    topics = [entity.source_topic for entity in entities]
     dropped = sorted(set(read) - set(topics))
-    if not dropped:
+    back = {
+        entity.source_topic: ingested_to
+        for entity in entities
+        if entity.source_topic not in read and (ingested_to := ingested(entity))
+    }
+    if not dropped and not back:
         return
-    problem = (
-        f"the ingestor's one query ({checkpoint}) reads topic(s) {dropped} that no table "
-        "of the pipeline reads any more (taken out of the file, or no longer selected by "
-        "an entity set); Spark's Kafka source cannot drop a topic from its checkpoint (it "
-        "would report the topic's records lost). Put the table back, or go on without it "
-        "on a new checkpoint: "
-    )
+    problems = []
+    if dropped:
+        problems.append(
+            f"reads topic(s) {dropped} that no table of the pipeline reads any more (taken "
+            "out of the file, or no longer selected by an entity set): Spark's Kafka "
+            "source cannot drop a topic from its checkpoint (it would report the topic's "
+            "records lost)"
+        )
+    if back:
+        problems.append(
+            f"would read topic(s) {sorted(back)} from their start, though bronze holds "
+            "their records already (tables put back): Spark's Kafka source reads a topic "
+            "added to its checkpoint from its start, and bronze would hold them twice"
+        )
+    problem = f"the ingestor's one query ({checkpoint}) " + "; and it ".join(problems)
     committed = last_committed_batch(files, checkpoint)
     if committed is None or committed.batch_id != planned[-1]:
         raise ConfigError(
-            problem + f"first let the query finish its batch {planned[-1]}, planned but not "
-            "committed (it may be in bronze already): put the table back and run "
-            "`cdc-ingestor --once`; then take the table out again."
+            f"{problem}. Its batch {planned[-1]} is planned but not committed (it may be "
+            "in bronze already): run `cdc-ingestor --once` with the pipeline as it was, "
+            "then start it as it is now."
         )
-    ends = committed.sources[0] or {}
+    ends: dict[str, dict[str, int]] = committed.sources[0] or {}
     start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
     new = [t for t in topics if t not in ends]
     for topic, numbers in (partitions or topic_partitions)(config, new).items():
-        start[topic] = {str(p): EARLIEST for p in numbers}
+        start[topic] = {str(p): back.get(topic, {}).get(str(p), EARLIEST) for p in numbers}
     raise ConfigError(
-        problem + f"move {checkpoint} aside and set ingestor.starting_offsets to "
-        f"'{json.dumps(start, sort_keys=True)}' (where the query committed its batch "
-        f"{committed.batch_id}; a new table's topic from its start), then start the "
+        f"{problem}. To go on, start the one query on a new checkpoint: move {checkpoint} "
+        f"aside and set ingestor.starting_offsets to '{json.dumps(start, sort_keys=True)}' "
+        f"(where the query committed its batch {committed.batch_id}; a table put back where "
+        "its records in bronze end; a new table's topic from its start), then start the "
         "ingestor. Per-table checkpoints (_checkpoints/ingestor/<table>) left from before "
         "the one query would take precedence: delete them first."
     )
+
+
+def ingested_ends(spark: SparkSession, config: PipelineConfig) -> IngestedEnds:
+    """``IngestedEnds`` from bronze and the ingestor's quarantine, read with ``spark``.
+
+    The last offset of each partition in the entity's bronze or quarantine rows, plus
+    one (a poisoned record is in the quarantine, not in bronze).
+    """
+
+    def ends(entity: EntityConfig) -> dict[str, int] | None:
+        coordinates = ["kafka_partition", "kafka_offset"]
+        rows: list[DataFrame] = []
+        bronze = config.layout.bronze(entity.name)
+        if DeltaTable.isDeltaTable(spark, bronze):
+            rows.append(spark.read.format("delta").load(bronze).select(*coordinates))
+        quarantine = config.layout.quarantine(INGESTOR)
+        if DeltaTable.isDeltaTable(spark, quarantine):
+            quarantined = spark.read.format("delta").load(quarantine)
+            of_topic = quarantined.where(F.col("kafka_topic") == entity.source_topic)
+            rows.append(of_topic.select(*coordinates))
+        if not rows:
+            return None
+        last = functools.reduce(DataFrame.unionByName, rows).groupBy("kafka_partition")
+        ends = last.agg(F.max("kafka_offset")).where(F.col("kafka_partition").isNotNull())
+        return {str(partition): int(offset) + 1 for partition, offset in ends.collect()} or None
+
+    return ends
