@@ -404,20 +404,18 @@ def ingested_ends(spark: SparkSession, config: PipelineConfig) -> IngestedEnds:
     """
 
     def ends(entity: EntityConfig) -> dict[str, int] | None:
-        coordinates = ["kafka_partition", "kafka_offset"]
-        rows: list[DataFrame] = []
         bronze = config.layout.bronze(entity.name)
-        if DeltaTable.isDeltaTable(spark, bronze):
-            rows.append(spark.read.format("delta").load(bronze).select(*coordinates))
+        if not DeltaTable.isDeltaTable(spark, bronze):
+            return None  # never ingested (a new table): no Spark job
+        coordinates = ["kafka_partition", "kafka_offset"]
+        rows = [spark.read.format("delta").load(bronze).select(*coordinates)]
         quarantine = config.layout.quarantine(INGESTOR)
         if DeltaTable.isDeltaTable(spark, quarantine):
             quarantined = spark.read.format("delta").load(quarantine)
             of_topic = quarantined.where(F.col("kafka_topic") == entity.source_topic)
             rows.append(of_topic.select(*coordinates))
-        if not rows:
-            return None
         last = functools.reduce(DataFrame.unionByName, rows).groupBy("kafka_partition")
-        ends = last.agg(F.max("kafka_offset")).where(F.col("kafka_partition").isNotNull())
-        return {str(partition): int(offset) + 1 for partition, offset in ends.collect()} or None
+        maxima = last.agg(F.max("kafka_offset")).where(F.col("kafka_partition").isNotNull())
+        return {str(partition): int(offset) + 1 for partition, offset in maxima.collect()} or None
 
     return ends
