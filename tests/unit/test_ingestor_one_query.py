@@ -17,6 +17,7 @@ from cdc_ingestor.one_query import (
 )
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
+from cdc_shared.stream_checkpoint import HELD_FILE
 from support.checkpoint_files import Files
 
 ROOT = "/data"
@@ -135,6 +136,12 @@ def test_a_topic_no_table_reads_any_more_is_refused_with_where_to_start() -> Non
         "db.orders": {"0": 3},
         "db.new": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
     }
+    # A table the query holds back: from where it was held (its records since unwritten).
+    held = {"orders": {"position": {"0": 1}, "batch_id": 3, "query_id": "q", "reason": "r"}}
+    files.files[f"{group}/{HELD_FILE}"] = json.dumps(held)
+    with pytest.raises(ConfigError) as refused:
+        carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
+    assert _offsets(str(refused.value)) == {"db.orders": {"0": 1}}
     # A batch planned but not committed may be in bronze: it must finish first.
     files.files.update(_batch(group, 5, read, committed=False))
     with pytest.raises(ConfigError, match="batch 5 is planned but not committed"):

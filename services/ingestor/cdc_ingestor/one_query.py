@@ -42,6 +42,7 @@ from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
+    held_tables,
     last_committed_batch,
     parse_offsets,
     planned_batches,
@@ -340,9 +341,9 @@ def refuse_topics_the_checkpoint_cannot_carry(
     reported lost (failOnDataLoss), as if the broker had deleted records. And it reads a
     topic added to a checkpoint from its start: right for a new table, but a table put
     back, whose records bronze holds already, would have them written twice. The error
-    says how to go on: a new checkpoint starting where this one committed, a table put
-    back where its records end (``ingested``), a new table from its start; nothing read
-    twice or skipped.
+    says how to go on: a new checkpoint starting where this one committed (a table it
+    holds back where it was held), a table put back where its records end (``ingested``),
+    a new table from its start; nothing read twice or skipped.
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     planned = planned_batches(files, checkpoint)
@@ -382,6 +383,10 @@ def refuse_topics_the_checkpoint_cannot_carry(
             "then start it as it is now."
         )
     ends: dict[str, dict[str, int]] = committed.sources[0] or {}
+    for name, entry in held_tables(files, checkpoint).items():  # read, left unwritten
+        held = next((e.source_topic for e in entities if e.name == name), None)
+        if held in ends:
+            ends[held] = {**ends[held], **entry["position"]}
     start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
     new = [t for t in topics if t not in ends]
     for topic, numbers in (partitions or topic_partitions)(config, new).items():
@@ -389,8 +394,9 @@ def refuse_topics_the_checkpoint_cannot_carry(
     raise ConfigError(
         f"{problem}. To go on, start the one query on a new checkpoint: move {checkpoint} "
         f"aside and set ingestor.starting_offsets to '{json.dumps(start, sort_keys=True)}' "
-        f"(where the query committed its batch {committed.batch_id}; a table put back where "
-        "its records in bronze end; a new table's topic from its start), then start the "
+        f"(where the query committed its batch {committed.batch_id}, a table it holds back "
+        "where it was held; a table put back where its records in bronze end; a new "
+        "table's topic from its start), then start the "
         "ingestor. Per-table checkpoints (_checkpoints/ingestor/<table>) left from before "
         "the one query would take precedence: delete them first."
     )
