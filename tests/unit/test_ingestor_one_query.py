@@ -191,6 +191,7 @@ def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:
     failure = read(ALL_ENTITIES, refused)
     assert failure is not None
     assert "db.customers" in failure.message and "db.orders" not in failure.message
+    assert "take it out of the pipeline file" in failure.message  # how the others go on
     per_entity = kafka_failures(_config(one_query=False))(  # a table's own stream
         "orders", lost
     )

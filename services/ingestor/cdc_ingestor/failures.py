@@ -77,8 +77,16 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
             # The driver only describes the topic (offsets); the executors read it.
             operation = "Describe" if "KafkaOffsetReader" in error else "Read"
             topic = _topic_named(config, entity, error)
+            every_table = (
+                ". The one query reads every table's topic, so all of them stopped: to go "
+                "on without this table meanwhile, take it out of the pipeline file and start "
+                "again (the start says where to begin; docs/configuration.md, One ingestion "
+                "query for all tables)"
+                if entity == ALL_ENTITIES
+                else ""
+            )
             return Failure(
-                kafka_missing_permission(config.kafka, operation, "topic", topic),
+                kafka_missing_permission(config.kafka, operation, "topic", topic) + every_table,
                 entity_only=True,  # the other entities' topics have their own ACLs
             )
         if KAFKA_UNAVAILABLE.search(error):
