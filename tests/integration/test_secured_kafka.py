@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import shutil
 import threading
 import time
 import uuid
@@ -34,7 +36,7 @@ from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
 from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.config import ConfigError, KafkaConfig, PipelineConfig, PublisherKafkaConfig
 from cdc_shared.layout import ALL_ENTITIES as ALL
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.service import run_to_exit_code
@@ -182,6 +184,58 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     run_then_operate_through_the_cli(
         spark, secured_broker, secured_pipeline, report, monkeypatch, caplog, capfd
     )
+
+
+def test_one_query_goes_on_without_a_table_whose_topic_read_is_revoked(
+    spark: SparkSession,
+    secured_broker: SecuredBroker,
+    secured_pipeline: Pipeline,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The ingestor as one query, Read on one source topic revoked: one Kafka read serves
+    every table, so all stop, and the stop says how the others go on. With that table
+    taken out of the pipeline file, the start says where a new checkpoint begins; from
+    there the other table goes on. Granted again and put back, the table resumes where
+    its records end: bronze holds every record of both topics exactly once."""
+    caplog.set_level(logging.INFO)
+    admin = secured_broker.kafka_config(ADMIN)
+    document = yaml.safe_load(secured_pipeline.path.read_text())
+    document["ingestor"]["one_query"] = True
+    secured_pipeline.path.write_text(yaml.safe_dump(document))
+    messages = generate(secured_pipeline, events=200, keys=20, poison_share=0)
+    report = produce(admin, iter(messages[:100]))
+    assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+    revoked = secured_pipeline.topic("customers")
+    secured_broker.revoke(INGESTOR, ResourceType.TOPIC, revoked, (AclOperation.READ,))
+    report.add(produce(admin, iter(messages[100:])))
+    caplog.clear()
+    assert run_ingestor(secured_pipeline) == 1
+    assert f"refused Read on topic {revoked!r} to User:{INGESTOR}" in caplog.text
+    assert "take it out of the pipeline file" in caplog.text
+
+    checkpoint = secured_pipeline.config.layout.checkpoint(SERVICE, ALL)
+
+    def carried_over_to_a_new_checkpoint(aside: str) -> None:
+        with pytest.raises(ConfigError) as refused:
+            start(secured_pipeline.config, once=True).run()
+        (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
+        shutil.move(checkpoint, f"{checkpoint}.{aside}")
+        monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
+        assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+
+    entities = document["entities"]
+    document["entities"] = [e for e in entities if e["name"] != "customers"]
+    secured_pipeline.path.write_text(yaml.safe_dump(document))
+    carried_over_to_a_new_checkpoint("without-customers")
+    assert_bronze_exactly_once(spark, secured_pipeline, admin, report)  # orders
+    assert landed(spark, secured_pipeline, "customers") < len(topic_offsets(admin, revoked))
+
+    secured_broker.allow(INGESTOR, ResourceType.TOPIC, revoked, SOURCE_TOPIC_GRANTS)
+    document["entities"] = entities
+    secured_pipeline.path.write_text(yaml.safe_dump(document))
+    carried_over_to_a_new_checkpoint("customers-back")
+    assert_bronze_exactly_once(spark, secured_pipeline, admin, report)  # both
 
 
 def stopped_streams(runner: StreamRunner) -> set[str]:

@@ -142,10 +142,24 @@ def test_a_topic_no_table_reads_any_more_is_refused_with_where_to_start() -> Non
     with pytest.raises(ConfigError) as refused:
         carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
     assert _offsets(str(refused.value)) == {"db.orders": {"0": 1}}
-    # A batch planned but not committed may be in bronze: it must finish first.
-    files.files.update(_batch(group, 5, read, committed=False))
-    with pytest.raises(ConfigError, match="batch 5 is planned but not committed"):
+    # The batch after the last committed one failed (e.g. a topic refused): a table that
+    # wrote it starts where its records end, the others where the query committed.
+    del files.files[f"{group}/{HELD_FILE}"]
+    files.files.update(_batch(group, 5, {**read, "db.orders": {"0": 9}}, committed=False))
+
+    def wrote_batch_5(entity: EntityConfig) -> dict[str, int] | None:
+        return {"0": 6} if entity.name == "orders" else {"0": 2}
+
+    with pytest.raises(ConfigError) as refused:
+        carry(config, _entities("db.orders"), files, wrote_batch_5, _partitions)
+    assert _offsets(str(refused.value)) == {"db.orders": {"0": 6}}
+    with pytest.raises(ConfigError) as refused:
         carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
+    assert _offsets(str(refused.value)) == {"db.orders": {"0": 3}}
+    # Its first batch uncommitted: nothing to start from but that batch.
+    first = Files(_batch(group, 0, read, committed=False))
+    with pytest.raises(ConfigError, match="first batch is planned but not committed"):
+        carry(config, _entities("db.orders"), first, _nothing_ingested, _partitions)
 
 
 def test_a_table_put_back_is_refused_with_where_its_records_end() -> None:

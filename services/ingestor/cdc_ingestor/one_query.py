@@ -41,6 +41,7 @@ from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
+    CommittedBatch,
     HadoopFiles,
     held_tables,
     last_committed_batch,
@@ -342,8 +343,9 @@ def refuse_topics_the_checkpoint_cannot_carry(
     topic added to a checkpoint from its start: right for a new table, but a table put
     back, whose records bronze holds already, would have them written twice. The error
     says how to go on: a new checkpoint starting where this one committed (a table it
-    holds back where it was held), a table put back where its records end (``ingested``),
-    a new table from its start; nothing read twice or skipped.
+    holds back where it was held; one that wrote the batch that failed after it, where
+    its records end), a table put back where its records end (``ingested``), a new table
+    from its start; nothing read twice or skipped.
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     planned = planned_batches(files, checkpoint)
@@ -376,30 +378,64 @@ def refuse_topics_the_checkpoint_cannot_carry(
         )
     problem = f"the ingestor's one query ({checkpoint}) " + "; and it ".join(problems)
     committed = last_committed_batch(files, checkpoint)
-    if committed is None or committed.batch_id != planned[-1]:
+    if committed is None:
         raise ConfigError(
-            f"{problem}. Its batch {planned[-1]} is planned but not committed (it may be "
-            "in bronze already): run `cdc-ingestor --once` with the pipeline as it was, "
-            "then start it as it is now."
+            f"{problem}. Its first batch is planned but not committed (it may be in bronze "
+            "already): run `cdc-ingestor --once` with the pipeline as it was, then start it "
+            "as it is now."
         )
-    ends: dict[str, dict[str, int]] = committed.sources[0] or {}
-    for name, entry in held_tables(files, checkpoint).items():  # read, left unwritten
-        held = next((e.source_topic for e in entities if e.name == name), None)
-        if held in ends:
-            ends[held] = {**ends[held], **entry["position"]}
-    start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
-    new = [t for t in topics if t not in ends]
-    for topic, numbers in (partitions or topic_partitions)(config, new).items():
-        start[topic] = {str(p): back.get(topic, {}).get(str(p), EARLIEST) for p in numbers}
+    failed_after = planned[-1] != committed.batch_id
+    start = carried_over_start(
+        config, entities, files, committed, failed_after, ingested, back, partitions
+    )
     raise ConfigError(
         f"{problem}. To go on, start the one query on a new checkpoint: move {checkpoint} "
         f"aside and set ingestor.starting_offsets to '{json.dumps(start, sort_keys=True)}' "
         f"(where the query committed its batch {committed.batch_id}, a table it holds back "
         "where it was held; a table put back where its records in bronze end; a new "
-        "table's topic from its start), then start the "
-        "ingestor. Per-table checkpoints (_checkpoints/ingestor/<table>) left from before "
-        "the one query would take precedence: delete them first."
+        "table's topic from its start), then start the ingestor. Per-table checkpoints "
+        "(_checkpoints/ingestor/<table>) left from before the one query would take "
+        "precedence: delete them first."
     )
+
+
+def carried_over_start(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    files: CheckpointFiles,
+    committed: CommittedBatch,
+    failed_after: bool,
+    ingested: IngestedEnds,
+    put_back: dict[str, dict[str, int]],
+    partitions: PartitionLister | None = None,
+) -> dict[str, dict[str, int]]:
+    """Where a new checkpoint of the one query starts ``entities``' topics (by partition).
+
+    Carried over from the old one: where it ``committed``, a table it holds back where it
+    was held, and, when a batch it planned after that failed (``failed_after``), a table
+    that may have written it where its records end (``ingested``) when that is further.
+    A topic the old one did not read: where its records end when bronze holds some (a
+    table ``put_back``), else from its start (a new table).
+    """
+    checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    ends: dict[str, dict[str, int]] = committed.sources[0] or {}
+    if failed_after:
+        for entity in entities:
+            if entity.source_topic in ends and (written := ingested(entity)):
+                at = ends[entity.source_topic]
+                ends[entity.source_topic] = {
+                    p: max(int(o), written.get(p, 0)) for p, o in {**written, **at}.items()
+                }
+    for name, entry in held_tables(files, checkpoint).items():  # read, left unwritten
+        held = next((e.source_topic for e in entities if e.name == name), None)
+        if held in ends:
+            ends[held] = {**ends[held], **entry["position"]}
+    topics = [entity.source_topic for entity in entities]
+    start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
+    new = [t for t in topics if t not in ends]
+    for topic, numbers in (partitions or topic_partitions)(config, new).items():
+        start[topic] = {str(p): put_back.get(topic, {}).get(str(p), EARLIEST) for p in numbers}
+    return start
 
 
 def ingested_ends(spark: SparkSession, config: PipelineConfig) -> IngestedEnds:
