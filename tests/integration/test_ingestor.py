@@ -28,6 +28,7 @@ from support.ingestion import (
     generate_across_schema_change,
     ingest_once,
     quarantine,
+    start_anew_as_refused,
 )
 from support.pipelines import Pipeline, PipelineFactory
 from support.waiting import wait_for
@@ -163,15 +164,11 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     ingest_once(pipeline, spark)
     document = yaml.safe_load(pipeline.path.read_text())
     entities = document["entities"]
-    checkpoint = pipeline.config.layout.checkpoint("ingestor", "_all")
 
     def refused_then_carried_over(problem: str, aside: str) -> None:
         with pytest.raises(ConfigError, match=problem) as refused:
             ingest_once(pipeline, spark)
-        assert f"move {checkpoint} aside" in str(refused.value)
-        (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
-        shutil.move(checkpoint, f"{checkpoint}.{aside}")
-        monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
+        start_anew_as_refused(pipeline, refused.value, aside, monkeypatch)
         ingest_once(pipeline, spark)
 
     customers = re.escape(pipeline.topic("customers"))

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -45,7 +43,13 @@ from cdc_shared.streaming import StreamRunner
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession
-from support.ingestion import assert_bronze_exactly_once, bronze, generate, topic_offsets
+from support.ingestion import (
+    assert_bronze_exactly_once,
+    bronze,
+    generate,
+    start_anew_as_refused,
+    topic_offsets,
+)
 from support.ops import cdc, cdc_json
 from support.pipelines import Pipeline, PipelineFactory
 from support.publishing import assert_change_topics_exactly_once, change_records
@@ -214,14 +218,10 @@ def test_one_query_goes_on_without_a_table_whose_topic_read_is_revoked(
     assert f"refused Read on topic {revoked!r} to User:{INGESTOR}" in caplog.text
     assert "take it out of the pipeline file" in caplog.text
 
-    checkpoint = secured_pipeline.config.layout.checkpoint(SERVICE, ALL)
-
     def carried_over_to_a_new_checkpoint(aside: str) -> None:
         with pytest.raises(ConfigError) as refused:
             start(secured_pipeline.config, once=True).run()
-        (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", str(refused.value))
-        shutil.move(checkpoint, f"{checkpoint}.{aside}")
-        monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", offsets)
+        start_anew_as_refused(secured_pipeline, refused.value, aside, monkeypatch)
         assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
 
     entities = document["entities"]

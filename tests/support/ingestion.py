@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients import make_consumer
-from cdc_shared.config import KafkaConfig
+from cdc_shared.config import ConfigError, KafkaConfig
+from cdc_shared.layout import ALL_ENTITIES
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
@@ -114,3 +118,22 @@ def assert_bronze_exactly_once(
         assert len(landed) == len(set(landed)), "duplicate offsets in bronze"
         assert set(landed) | poisoned == topic_offsets(kafka, entity.source_topic)
         assert not set(landed) & poisoned
+
+
+def starting_offsets_in(refusal: str) -> dict[str, dict[str, int]]:
+    """The ``ingestor.starting_offsets`` JSON a refused one-query start gives
+    (``cdc_ingestor.one_query.refuse_topics_the_checkpoint_cannot_carry``)."""
+    (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", refusal)
+    return dict(json.loads(offsets))
+
+
+def start_anew_as_refused(
+    pipeline: Pipeline, refusal: ConfigError, aside: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a refused one-query start asks of the operator: its checkpoint moved aside (to
+    ``<checkpoint>.<aside>``), ``ingestor.starting_offsets`` set to the JSON it gives."""
+    checkpoint = pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES)
+    assert f"move {checkpoint} aside" in str(refusal)
+    offsets = starting_offsets_in(str(refusal))
+    shutil.move(checkpoint, f"{checkpoint}.{aside}")
+    monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", json.dumps(offsets))

@@ -343,9 +343,11 @@ def refuse_topics_the_checkpoint_cannot_carry(
     topic added to a checkpoint from its start: right for a new table, but a table put
     back, whose records bronze holds already, would have them written twice. The error
     says how to go on: a new checkpoint starting where this one committed (a table it
-    holds back where it was held; one that wrote the batch that failed after it, where
-    its records end), a table put back where its records end (``ingested``), a new table
-    from its start; nothing read twice or skipped.
+    holds back where it was held), a table put back where its records end (``ingested``),
+    a new table from its start; nothing read twice or skipped. A batch planned after the
+    last committed one failed before any table wrote it when a topic was refused (the
+    batch is read whole before any write); if a table did write it, the error asks to
+    finish it first, with the pipeline as it was.
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     planned = planned_batches(files, checkpoint)
@@ -384,10 +386,20 @@ def refuse_topics_the_checkpoint_cannot_carry(
             "already): run `cdc-ingestor --once` with the pipeline as it was, then start it "
             "as it is now."
         )
-    failed_after = planned[-1] != committed.batch_id
-    start = carried_over_start(
-        config, entities, files, committed, failed_after, ingested, back, partitions
-    )
+    if planned[-1] != committed.batch_id:  # the next batch failed: written by none, or some?
+        written = sorted(
+            entity.name
+            for entity in entities
+            if _beyond(ingested(entity), (committed.sources[0] or {}).get(entity.source_topic))
+        )
+        if written:
+            raise ConfigError(
+                f"{problem}. Its batch {planned[-1]}, planned after the last committed one, "
+                f"is in bronze for table(s) {written} already, perhaps not in the quarantine: "
+                "run `cdc-ingestor --once` with the pipeline as it was to finish it, then "
+                "start it as it is now."
+            )
+    start = carried_over_start(config, entities, files, committed, back, partitions)
     raise ConfigError(
         f"{problem}. To go on, start the one query on a new checkpoint: move {checkpoint} "
         f"aside and set ingestor.starting_offsets to '{json.dumps(start, sort_keys=True)}' "
@@ -399,33 +411,27 @@ def refuse_topics_the_checkpoint_cannot_carry(
     )
 
 
+def _beyond(ingested: dict[str, int] | None, committed: dict[str, int] | None) -> bool:
+    """Whether records were ingested past the ``committed`` offsets (by partition)."""
+    return any(int(end) > int((committed or {}).get(p, 0)) for p, end in (ingested or {}).items())
+
+
 def carried_over_start(
     config: PipelineConfig,
     entities: list[EntityConfig],
     files: CheckpointFiles,
     committed: CommittedBatch,
-    failed_after: bool,
-    ingested: IngestedEnds,
     put_back: dict[str, dict[str, int]],
     partitions: PartitionLister | None = None,
 ) -> dict[str, dict[str, int]]:
     """Where a new checkpoint of the one query starts ``entities``' topics (by partition).
 
     Carried over from the old one: where it ``committed``, a table it holds back where it
-    was held, and, when a batch it planned after that failed (``failed_after``), a table
-    that may have written it where its records end (``ingested``) when that is further.
-    A topic the old one did not read: where its records end when bronze holds some (a
-    table ``put_back``), else from its start (a new table).
+    was held. A topic the old one did not read: where its records end when bronze holds
+    some (a table ``put_back``), else from its start (a new table).
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     ends: dict[str, dict[str, int]] = committed.sources[0] or {}
-    if failed_after:
-        for entity in entities:
-            if entity.source_topic in ends and (written := ingested(entity)):
-                at = ends[entity.source_topic]
-                ends[entity.source_topic] = {
-                    p: max(int(o), written.get(p, 0)) for p, o in {**written, **at}.items()
-                }
     for name, entry in held_tables(files, checkpoint).items():  # read, left unwritten
         held = next((e.source_topic for e in entities if e.name == name), None)
         if held in ends:
