@@ -78,6 +78,21 @@ def write_text(spark: SparkSession, path: str, text: str) -> None:
         stream.close()
 
 
+def move(spark: SparkSession, source: str, target: str) -> None:
+    """Move the file or folder ``source`` to ``target`` (a rename; on object storage a copy)."""
+    fs, path = hadoop_path(spark, source)
+    _, moved = hadoop_path(spark, target)
+    if not fs.rename(path, moved):
+        raise OSError(f"could not move {source} to {target}")
+
+
+def delete_if_exists(spark: SparkSession, path: str) -> None:
+    """Delete the file ``path`` if it is there."""
+    fs, file = hadoop_path(spark, path)
+    if fs.exists(file):
+        fs.delete(file, False)
+
+
 def delta_table_bytes(spark: SparkSession, path: str) -> int:
     """Bytes of the files of the Delta table at ``path``, at the version this JVM last loaded.
 

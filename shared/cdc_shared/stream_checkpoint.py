@@ -12,6 +12,7 @@ so local paths and object storage alike).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -80,6 +81,35 @@ def last_committed_batch(files: CheckpointFiles, checkpoint: str) -> CommittedBa
             f"offsets/{batch_id}: the checkpoint is damaged; restore it or rebuild the stream"
         )
     return CommittedBatch(batch_id, parse_offsets(text))
+
+
+def move_aside(spark: SparkSession, checkpoint: str) -> str:
+    """Move ``checkpoint`` aside (to ``<checkpoint>.<UTC time>``); where it went.
+
+    A query that must start on a new checkpoint keeps its old one there (delete it at
+    will). A name taken already (two moves in one second) gets a count after it.
+    """
+    from cdc_shared.jvm_bridge import move
+
+    files = HadoopFiles(spark)
+    aside = f"{checkpoint.rstrip('/')}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    target, taken = aside, 0
+    while files.list_names(target) is not None:
+        taken += 1
+        target = f"{aside}-{taken}"
+    move(spark, checkpoint, target)
+    return target
+
+
+def kafka_initial_offsets(files: CheckpointFiles, checkpoint: str) -> dict[str, Any] | None:
+    """Where the Kafka source of the query at ``checkpoint`` started (``sources/0/0``).
+
+    Spark's Kafka source writes its first offsets, resolved, there before it plans its
+    first batch: a zero byte, a version line, then the offsets' JSON. None when absent.
+    """
+    text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/sources/0/0")
+    lines = [line for line in (text or "").replace("\x00", "").splitlines() if line.strip()]
+    return dict(json.loads(lines[-1])) if len(lines) > 1 else None
 
 
 def planned_batches(files: CheckpointFiles, checkpoint: str) -> list[int]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -40,7 +39,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro, to_avro
 
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.jvm_bridge import avro_schema_of_spark_type, hadoop_path, write_text
+from cdc_shared.jvm_bridge import avro_schema_of_spark_type, write_text
 from cdc_shared.layout import ALL_ENTITIES, StorageLayout
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
@@ -49,6 +48,7 @@ from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
     last_committed_batch,
+    move_aside,
     planned_batches,
     recorded_sources,
 )
@@ -248,8 +248,7 @@ def starting_versions(
             **carried_positions(files, checkpoint, recorded["entities"]),
             **held.positions(),
         }
-        aside = f"{checkpoint.rstrip('/')}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
-        _rename(query.spark, checkpoint, aside)
+        aside = move_aside(query.spark, checkpoint)
         log.warning(
             "a one query reads other tables than its checkpoint, or takes up tables it "
             "held back: it starts on a new checkpoint, each table carried over from the "
@@ -300,10 +299,3 @@ def carried_positions(
         recorded = recorded_sources(files, checkpoint) or {}
         return dict(recorded.get("starting_versions", {}))
     return {name: position_version(batch.sources[i]) for i, name in enumerate(entities)}
-
-
-def _rename(spark: SparkSession, source: str, target: str) -> None:
-    fs, path = hadoop_path(spark, source)
-    _, moved = hadoop_path(spark, target)
-    if not fs.rename(path, moved):
-        raise OSError(f"could not move the checkpoint {source} aside to {target}")
