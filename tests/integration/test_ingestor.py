@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import threading
 from collections import Counter
@@ -15,8 +14,10 @@ from cdc_devkit.workload import (
     produce,
 )
 from cdc_ingestor import ingestion as ingestor_main
+from cdc_ingestor import one_query
 from cdc_ingestor.main import start
-from cdc_shared.config import ConfigError, KafkaConfig
+from cdc_shared.config import KafkaConfig
+from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.streaming import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -24,11 +25,11 @@ from support.ingestion import (
     assert_bronze_exactly_once,
     assert_quarantine_exactly_once,
     bronze,
+    checkpoints_aside,
     generate,
     generate_across_schema_change,
     ingest_once,
     quarantine,
-    start_anew_as_refused,
 )
 from support.pipelines import Pipeline, PipelineFactory
 from support.waiting import wait_for
@@ -149,6 +150,10 @@ def test_new_checkpoint_gets_a_new_app_id_and_writes(
     assert app_ids == 2
 
 
+class Killed(BaseException):
+    """The process dying at a chosen point (not an Exception: nothing handles it)."""
+
+
 def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     spark: SparkSession,
     kafka_config: KafkaConfig,
@@ -156,34 +161,43 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A table taken out of the pipeline, later put back, while the ingestor runs as one
-    query: each start is refused, saying where each table stands (Spark's Kafka source
-    would report the dropped topic's records lost, and read the table put back from its
-    start); a new checkpoint started there, as the error says, ingests exactly once."""
+    query. Spark's Kafka source would report the dropped topic's records lost, and read
+    the table put back from its start; each start moves the checkpoint aside instead and
+    starts a new one where the old stood: bronze holds every record once. The second time
+    the process dies just after the move (before the new query plans a batch): the next
+    start begins where the first would have."""
     pipeline = make_pipeline(ingestor={"one_query": True, "metrics_port": 0})
     report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0.02)))
     ingest_once(pipeline, spark)
     document = yaml.safe_load(pipeline.path.read_text())
     entities = document["entities"]
 
-    def refused_then_carried_over(problem: str, aside: str) -> None:
-        with pytest.raises(ConfigError, match=problem) as refused:
-            ingest_once(pipeline, spark)
-        start_anew_as_refused(pipeline, refused.value, aside, monkeypatch)
-        ingest_once(pipeline, spark)
-
-    customers = re.escape(pipeline.topic("customers"))
     document["entities"] = [e for e in entities if e["name"] != "customers"]  # taken out
     pipeline.path.write_text(yaml.safe_dump(document))
     report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))  # orders
-    refused_then_carried_over(rf"reads topic\(s\) \['{customers}'\] that no table", "out")
+    ingest_once(pipeline, spark)
+    assert len(checkpoints_aside(pipeline)) == 1
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # orders: none twice
 
     document["entities"] = entities  # put back
     pipeline.path.write_text(yaml.safe_dump(document))
     report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))
-    refused_then_carried_over(rf"would read topic\(s\) \['{customers}'\] from their", "back")
+    moved = one_query.move_aside
+
+    def move_then_die(spark: SparkSession, checkpoint: str) -> str:
+        moved(spark, checkpoint)
+        raise Killed("killed after the move")
+
+    monkeypatch.setattr(one_query, "move_aside", move_then_die)
+    with pytest.raises(Killed):
+        ingest_once(pipeline, spark)
+    monkeypatch.undo()
+    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
+    assert not (checkpoint / "offsets").exists() and len(checkpoints_aside(pipeline)) == 2
+    ingest_once(pipeline, spark)
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # both: none twice
     assert_quarantine_exactly_once(spark, pipeline, report)
+    assert not Path(one_query.start_file(str(checkpoint))).exists()  # used, then dropped
 
 
 def test_schema_evolution_midway_without_restart(

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients import make_consumer
-from cdc_shared.config import ConfigError, KafkaConfig
+from cdc_shared.config import KafkaConfig
 from cdc_shared.layout import ALL_ENTITIES
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
@@ -108,10 +105,17 @@ def assert_quarantine_exactly_once(
 
 
 def assert_bronze_exactly_once(
-    spark: SparkSession, pipeline: Pipeline, kafka: KafkaConfig, report: ProduceReport
+    spark: SparkSession,
+    pipeline: Pipeline,
+    kafka: KafkaConfig,
+    report: ProduceReport,
+    entities: list[str] | None = None,
 ) -> None:
-    """Bronze + quarantine hold each Kafka record once: no duplicate, no gap."""
+    """Bronze + quarantine hold each Kafka record once: no duplicate, no gap (for every
+    entity of the pipeline, or the ones named)."""
     for entity in pipeline.config.entities:
+        if entities is not None and entity.name not in entities:
+            continue
         rows = bronze(spark, pipeline, entity.name).select("kafka_partition", "kafka_offset")
         landed = [(r.kafka_partition, r.kafka_offset) for r in rows.collect()]
         poisoned = {(p, o) for t, p, o, _ in report.poison if t == entity.source_topic}
@@ -120,20 +124,8 @@ def assert_bronze_exactly_once(
         assert not set(landed) & poisoned
 
 
-def starting_offsets_in(refusal: str) -> dict[str, dict[str, int]]:
-    """The ``ingestor.starting_offsets`` JSON a refused one-query start gives
-    (``cdc_ingestor.one_query.refuse_topics_the_checkpoint_cannot_carry``)."""
-    (offsets,) = re.findall(r"ingestor\.starting_offsets to '([^']*)'", refusal)
-    return dict(json.loads(offsets))
-
-
-def start_anew_as_refused(
-    pipeline: Pipeline, refusal: ConfigError, aside: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What a refused one-query start asks of the operator: its checkpoint moved aside (to
-    ``<checkpoint>.<aside>``), ``ingestor.starting_offsets`` set to the JSON it gives."""
-    checkpoint = pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES)
-    assert f"move {checkpoint} aside" in str(refusal)
-    offsets = starting_offsets_in(str(refusal))
-    shutil.move(checkpoint, f"{checkpoint}.{aside}")
-    monkeypatch.setenv("CDC_INGESTOR__STARTING_OFFSETS", json.dumps(offsets))
+def checkpoints_aside(pipeline: Pipeline) -> list[Path]:
+    """The one query's old checkpoints, moved aside when it started on a new one
+    (``_checkpoints/ingestor/_all.<time>``)."""
+    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
+    return sorted(p for p in checkpoint.parent.glob(f"{checkpoint.name}.*") if p.is_dir())

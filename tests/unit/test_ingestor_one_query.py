@@ -10,15 +10,16 @@ from cdc_ingestor.ingestion import refuse_per_entity_after_one_query
 from cdc_ingestor.one_query import (
     EARLIEST,
     LATEST,
-    refuse_topics_the_checkpoint_cannot_carry,
+    IngestedEnds,
+    new_checkpoint_start,
     refuse_unfinished_per_entity_batches,
+    start_file,
     starting_offsets,
 )
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.stream_checkpoint import HELD_FILE
 from support.checkpoint_files import Files
-from support.ingestion import starting_offsets_in
 
 ROOT = "/data"
 
@@ -117,52 +118,51 @@ def _nothing_ingested(_entity: EntityConfig) -> dict[str, int] | None:
     return None
 
 
-def test_a_topic_no_table_reads_any_more_is_refused_with_where_to_start() -> None:
+def test_a_topic_no_longer_read_starts_a_new_checkpoint_where_the_old_stood() -> None:
     config = _config()
     group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     read = {"db.customers": {"0": 7, "1": 8}, "db.orders": {"0": 3}}
     files = Files(_batch(group, 4, read, committed=True))
-    carry = refuse_topics_the_checkpoint_cannot_carry
-    carry(config, _entities("db.customers", "db.orders"), files, _nothing_ingested, _partitions)
-    every = _entities("db.customers", "db.orders", "db.new")  # a new table: Spark reads it
-    carry(config, every, files, _nothing_ingested, _partitions)
-    # customers taken out, a new table added: the others from where the query committed.
-    with pytest.raises(ConfigError) as refused:
-        carry(config, _entities("db.orders", "db.new"), files, _nothing_ingested, _partitions)
-    message = str(refused.value)
-    assert "reads topic(s) ['db.customers'] that no table of the pipeline reads" in message
-    assert f"move {group} aside" in message
-    assert starting_offsets_in(message) == {
-        "db.orders": {"0": 3},
+
+    def carry(*topics: str, ingested: IngestedEnds = _nothing_ingested) -> object:
+        return new_checkpoint_start(config, _entities(*topics), files, ingested, _partitions)
+
+    assert carry("db.customers", "db.orders") is None  # the checkpoint goes on
+    assert carry("db.customers", "db.orders", "db.new") is None  # Spark reads a new topic
+    # customers taken out, a new table added: the others from where the query committed
+    # (every partition named: Spark requires it), the new one from its start.
+    assert carry("db.orders", "db.new") == {
+        "db.orders": {"0": 3, "1": EARLIEST, "2": EARLIEST},
         "db.new": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
     }
     # A table the query holds back: from where it was held (its records since unwritten).
     held = {"orders": {"position": {"0": 1}, "batch_id": 3, "query_id": "q", "reason": "r"}}
     files.files[f"{group}/{HELD_FILE}"] = json.dumps(held)
-    with pytest.raises(ConfigError) as refused:
-        carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
-    assert starting_offsets_in(str(refused.value)) == {"db.orders": {"0": 1}}
+    assert carry("db.orders") == {"db.orders": {"0": 1, "1": EARLIEST, "2": EARLIEST}}
     # The batch after the last committed one failed. Read whole before any write, it was
     # written by none when a topic was refused: the others from where the query committed.
     del files.files[f"{group}/{HELD_FILE}"]
     files.files.update(_batch(group, 5, {**read, "db.orders": {"0": 9}}, committed=False))
-    with pytest.raises(ConfigError) as refused:
-        carry(config, _entities("db.orders"), files, _nothing_ingested, _partitions)
-    assert starting_offsets_in(str(refused.value)) == {"db.orders": {"0": 3}}
+    assert carry("db.orders") == {"db.orders": {"0": 3, "1": EARLIEST, "2": EARLIEST}}
 
     def wrote_batch_5(entity: EntityConfig) -> dict[str, int] | None:
         return {"0": 6} if entity.name == "orders" else {"0": 2}
 
     # Written by a table (it failed later): its quarantine may lack it, so finish it first.
     with pytest.raises(ConfigError, match=r"is in bronze for table\(s\) \['orders'\] already"):
-        carry(config, _entities("db.orders"), files, wrote_batch_5, _partitions)
-    # Its first batch uncommitted: nothing to start from but that batch.
+        carry("db.orders", ingested=wrote_batch_5)
+    # Its first batch uncommitted: from where Spark's Kafka source started.
     first = Files(_batch(group, 0, read, committed=False))
-    with pytest.raises(ConfigError, match="first batch is planned but not committed"):
-        carry(config, _entities("db.orders"), first, _nothing_ingested, _partitions)
+    with pytest.raises(ConfigError, match="does not say where it started"):
+        new_checkpoint_start(config, _entities("db.orders"), first, _nothing_ingested, _partitions)
+    first.files[f"{group}/sources/0/0"] = '\x00v1\n{"db.customers":{"0":2},"db.orders":{"0":1}}'
+    start = new_checkpoint_start(
+        config, _entities("db.orders"), first, _nothing_ingested, _partitions
+    )
+    assert start == {"db.orders": {"0": 1, "1": EARLIEST, "2": EARLIEST}}
 
 
-def test_a_table_put_back_is_refused_with_where_its_records_end() -> None:
+def test_a_table_put_back_starts_where_its_records_end_or_where_it_was_held() -> None:
     config = _config()
     group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     files = Files(_batch(group, 2, {"db.orders": {"0": 3}}, committed=True))
@@ -170,17 +170,38 @@ def test_a_table_put_back_is_refused_with_where_its_records_end() -> None:
     def ingested(entity: EntityConfig) -> dict[str, int] | None:
         return {"0": 40, "2": 12} if entity.name == "customers" else None
 
-    with pytest.raises(ConfigError) as refused:
-        refuse_topics_the_checkpoint_cannot_carry(
-            config, _entities("db.customers", "db.orders"), files, ingested, _partitions
-        )
-    message = str(refused.value)
-    assert "would read topic(s) ['db.customers'] from their start, though bronze" in message
+    both = _entities("db.customers", "db.orders")
     # customers where its records end (a partition without any: from its start).
-    assert starting_offsets_in(message) == {
+    assert new_checkpoint_start(config, both, files, ingested, _partitions) == {
         "db.customers": {"0": 40, "1": EARLIEST, "2": 12},
-        "db.orders": {"0": 3},
+        "db.orders": {"0": 3, "1": EARLIEST, "2": EARLIEST},
     }
+    # Held while its topic was not read (the broker refused it): where it was held.
+    held = {"customers": {"position": {"0": 41, "1": 0, "2": 12}, "batch_id": 1, "query_id": "q"}}
+    files.files[f"{group}/{HELD_FILE}"] = json.dumps({**held, "orders": {"position": {"0": 2}}})
+    assert new_checkpoint_start(config, both, files, ingested, _partitions) == {
+        "db.customers": {"0": 41, "1": 0, "2": 12},
+        "db.orders": {"0": 2, "1": EARLIEST, "2": EARLIEST},
+    }
+
+
+def test_a_new_checkpoint_carried_over_starts_where_its_start_file_says() -> None:
+    config = _config(starting="latest")
+    group = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    customers = config.layout.checkpoint(INGESTOR, "customers")
+    files = Files(_batch(customers, 3, {"db.customers": {"0": 10}}, committed=True))
+    files.files[start_file(group)] = json.dumps({"db.customers": {"0": 4, "1": 5}})
+    start = json.loads(starting_offsets(config, ["db.customers", "db.orders"], files, _partitions))
+    # It outranks the per-entity checkpoints and the setting; what it does not name, from
+    # the start.
+    assert start == {
+        "db.customers": {"0": 4, "1": 5, "2": EARLIEST},
+        "db.orders": {"0": EARLIEST, "1": EARLIEST, "2": EARLIEST},
+    }
+    files.files.update(_batch(group, 0, {"db.customers": {"0": 6}}, committed=False))
+    # Once the new checkpoint planned a batch, Spark keeps its start: the file is not read.
+    after = json.loads(starting_offsets(config, ["db.customers"], files, _partitions))
+    assert after == {"db.customers": {"0": 10, "1": EARLIEST, "2": EARLIEST}}
 
 
 def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:
@@ -200,7 +221,7 @@ def test_a_failure_of_the_one_query_names_the_topic_it_is_about() -> None:
     failure = read(ALL_ENTITIES, refused)
     assert failure is not None
     assert "db.customers" in failure.message and "db.orders" not in failure.message
-    assert "take it out of the pipeline file" in failure.message  # how the others go on
+    assert failure.entity_only and failure.table == "customers"  # held, the others go on
     per_entity = kafka_failures(_config(one_query=False))(  # a table's own stream
         "orders", lost
     )

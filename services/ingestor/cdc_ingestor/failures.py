@@ -33,7 +33,8 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
     """Read a failed ingestion: Kafka unreachable -> restart; offsets lost -> a clear stop.
 
     An ACL that refuses the ingestor its source topic stops that entity only, naming the
-    missing permission; wrong credentials stop the service. A schema registry that stayed
+    missing permission (the one query holds that table back and goes on without it);
+    wrong credentials stop the service. A schema registry that stayed
     unavailable past its retry budget stops the entity with the registry's one line
     (nothing of the batch was written or quarantined).
     """
@@ -77,17 +78,10 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
             # The driver only describes the topic (offsets); the executors read it.
             operation = "Describe" if "KafkaOffsetReader" in error else "Read"
             topic = _topic_named(config, entity, error)
-            every_table = (
-                ". The one query reads every table's topic, so all of them stopped: to go "
-                "on without this table meanwhile, take it out of the pipeline file and start "
-                "again (the start says where to begin; docs/configuration.md, One ingestion "
-                "query for all tables)"
-                if entity == ALL_ENTITIES
-                else ""
-            )
             return Failure(
-                kafka_missing_permission(config.kafka, operation, "topic", topic) + every_table,
+                kafka_missing_permission(config.kafka, operation, "topic", topic),
                 entity_only=True,  # the other entities' topics have their own ACLs
+                table=_table_of(config, topic) if entity == ALL_ENTITIES else None,
             )
         if KAFKA_UNAVAILABLE.search(error):
             return Failure(
@@ -98,6 +92,11 @@ def kafka_failures(config: PipelineConfig) -> OnFailure:
         return None
 
     return read
+
+
+def _table_of(config: PipelineConfig, topic: str) -> str | None:
+    """The entity reading ``topic`` (None: no single one, e.g. several topics named)."""
+    return next((e.name for e in config.entities if e.source_topic == topic), None)
 
 
 def _topic_named(config: PipelineConfig, stream: str, error: str) -> str:

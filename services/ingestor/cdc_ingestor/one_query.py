@@ -14,15 +14,24 @@ where the per-entity streams committed (their checkpoints' last committed offset
 nothing. A per-entity stream with a batch planned but not committed must finish it
 first (:func:`refuse_unfinished_per_entity_batches`), and going back to one query per
 entity is refused (:func:`cdc_ingestor.ingestion.refuse_per_entity_after_one_query`):
-both would write records to bronze twice. A table taken out of the pipeline
-or put back is refused too, with where a new checkpoint starts
-(:func:`refuse_topics_the_checkpoint_cannot_carry`): Spark cannot drop a topic from the
-query's checkpoint, and would read a table put back from its start.
+both would write records to bronze twice.
+
+Spark's Kafka source cannot drop a topic from its checkpoint (it would report the
+topic's records lost), and reads a topic added to it from its start. So when the topics
+change in a way the checkpoint cannot carry (a table taken out of the pipeline, a table
+put back, a table whose topic the broker refuses to read), the query starts on a new
+checkpoint, every topic where the old one stood (:func:`new_checkpoint_start`); the old
+one is kept aside. The new start is written beside the checkpoint first
+(:func:`start_file`), so a crash before the new query plans its first batch repeats and
+skips nothing.
 
 A table whose batch fails for it alone is held back from its first record in that batch
 (:mod:`cdc_shared.streaming.held`) while the others go on; the next start writes its
 records from there to where the query resumes before the query starts
-(:meth:`AllTopicsIngestion.take_up_held`).
+(:meth:`AllTopicsIngestion.take_up_held`). A table whose topic the broker refuses to
+read fails the query's read of every topic: it is held back where the query stood, and
+the query goes on without its topic (:meth:`AllTopicsIngestion.hold_unreadable`); the
+next start reads it again from there.
 """
 
 from __future__ import annotations
@@ -36,15 +45,17 @@ from dataclasses import dataclass, field
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.jvm_bridge import delete_if_exists, delta_table_bytes, write_text
 from cdc_shared.layout import ALL_ENTITIES, INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
-    CommittedBatch,
     HadoopFiles,
     held_tables,
+    kafka_initial_offsets,
     last_committed_batch,
+    move_aside,
     parse_offsets,
     planned_batches,
 )
@@ -75,13 +86,17 @@ class AllTopicsIngestion:
     runner: StreamRunner
     registry: SchemaRegistry
     identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
+    #: The tables whose topic the broker refused to read in this run (why): not subscribed.
+    unreadable: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.members = MemberStreams(self._open, lambda entity: entity.source_topic, self.identity)
         self.checkpoint = self.config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
         self.held = HeldTables(self.spark, self.checkpoint, self.runner)
+        self._start_file_in_use = True  # until the query's first batch is planned
         for entity in self.entities:
             self.add(entity)
+        self.runner.hold_tables_with(self.hold_unreadable)
 
     def _open(self, entity: EntityConfig) -> EntityIngestion:
         return EntityIngestion(self.spark, self.config, entity, self.runner, self.registry)
@@ -158,10 +173,72 @@ class AllTopicsIngestion:
         return stream
 
     def source(self) -> DataFrame:
-        """One Kafka source over every entity's topic (see :func:`starting_offsets`)."""
-        topics = sorted(self.by_topic)
-        start = starting_offsets(self.config, topics, HadoopFiles(self.spark))
+        """One Kafka source over every entity's topic the broker lets it read.
+
+        On a new checkpoint first when the old one cannot carry these topics
+        (:meth:`carry_over`); a new checkpoint starts where :func:`starting_offsets` says.
+        """
+        files = HadoopFiles(self.spark)
+        read = [s.entity for s in self.by_topic.values() if s.entity.name not in self.unreadable]
+        self.carry_over(read, files)
+        topics = sorted(entity.source_topic for entity in read)
+        start = starting_offsets(self.config, topics, files)
         return kafka_source(self.spark, self.config, ",".join(topics), start)
+
+    def carry_over(self, read: list[EntityConfig], files: CheckpointFiles) -> None:
+        """Move the checkpoint aside when it cannot go on reading the topics of ``read``.
+
+        Where the new one starts each topic (:func:`new_checkpoint_start`) is written
+        first (:func:`start_file`): a crash after the move starts there too, and one
+        before it moves the checkpoint again from the same place. The tables held back
+        stay held in the new checkpoint; the positions of those an earlier run held are
+        in its start.
+        """
+        start = new_checkpoint_start(
+            self.config, read, files, ingested_ends(self.spark, self.config)
+        )
+        if start is None:
+            return
+        write_text(self.spark, start_file(self.checkpoint), json.dumps(start, sort_keys=True))
+        aside = move_aside(self.spark, self.checkpoint)
+        self.held.resuming.clear()
+        if self.held.held:
+            self.held.save()
+        self._start_file_in_use = True
+        log.warning(
+            "the ingestor's one query cannot go on with its checkpoint's topics: it starts "
+            "on a new checkpoint where the old one stood (kept aside)",
+            extra={
+                "checkpoint": self.checkpoint,
+                "moved_to": aside,
+                "starting_offsets": start,
+                "not_read": sorted(self.unreadable),
+            },
+        )
+
+    def hold_unreadable(self, entity: str, reason: str) -> bool:
+        """Hold ``entity``, whose topic the broker refuses to read; False if it cannot be.
+
+        Spark's Kafka source reads every topic in one job, so one refused topic fails the
+        query's every batch. The table is held back where the query stood (the end of
+        its last committed batch, or where it started), stopped alone (``/health``, the
+        exit code), and the query, rebuilt, goes on without its topic
+        (:meth:`source`). Not for the last table read, nor for a query that has not
+        planned a batch.
+        """
+        reading = [s.entity for s in self.by_topic.values() if s.entity.name not in self.unreadable]
+        refused = next((e for e in reading if e.name == entity), None)
+        files = HadoopFiles(self.spark)
+        reached = reached_offsets(files, self.checkpoint)
+        if refused is None or len(reading) < 2 or reached is None:
+            return False
+        _, ends = reached
+        earlier = self.held.positions().get(entity)
+        position = earlier if earlier is not None else ends.get(refused.source_topic, {})
+        batch_id = max(planned_batches(files, self.checkpoint), default=0)  # the one failing
+        self.unreadable[entity] = reason
+        self.held.hold(entity, position, batch_id, self.identity.get(), reason)
+        return True
 
     def process_batch(self, batch: DataFrame, batch_id: int) -> None:
         """Each entity present in the batch written as its own stream would (idempotently).
@@ -173,6 +250,9 @@ class AllTopicsIngestion:
         (:mod:`cdc_shared.streaming.held`).
         """
         lap = Stopwatch()
+        if self._start_file_in_use:  # a batch is planned: Spark keeps where it started
+            delete_if_exists(self.spark, start_file(self.checkpoint))
+            self._start_file_in_use = False
         with cached_in_few_partitions(batch) as cached:
             headers = headers_by_topic(cached)
             present = sorted(headers)
@@ -244,9 +324,7 @@ def open_all_topics(
     registry: SchemaRegistry,
 ) -> AllTopicsIngestion:
     """The ingestor's one stream over ``entities`` (an ``OpenGroup``)."""
-    files = HadoopFiles(spark)
-    refuse_unfinished_per_entity_batches(config, files)
-    refuse_topics_the_checkpoint_cannot_carry(config, entities, files, ingested_ends(spark, config))
+    refuse_unfinished_per_entity_batches(config, HadoopFiles(spark))
     return AllTopicsIngestion(spark, config, entities, runner, registry)
 
 
@@ -257,8 +335,11 @@ def refuse_unfinished_per_entity_batches(config: PipelineConfig, files: Checkpoi
     stream's last committed batch: a batch such a stream planned but did not commit may
     have been written to bronze already, under that stream's own ``txnAppId``.
     """
-    if planned_batches(files, config.layout.checkpoint(INGESTOR, ALL_ENTITIES)):
+    checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    if planned_batches(files, checkpoint):
         return  # the one query resumes from its own checkpoint
+    if files.read_text_if_exists(start_file(checkpoint)) is not None:
+        return  # a new checkpoint of the one query, carried over from its old one
     for entity in config.entities:
         checkpoint = config.layout.checkpoint(INGESTOR, entity.name)
         planned = planned_batches(files, checkpoint)
@@ -284,11 +365,18 @@ def starting_offsets(
 ) -> str:
     """Where the one query starts when its checkpoint is new (Spark's ``startingOffsets``).
 
-    Each topic whose entity's own stream committed a batch starts at that batch's end
-    offsets (its partitions not in them from their start, as Spark reads a new
-    partition); the others where ``ingestor.starting_offsets`` says. Without any
-    per-entity checkpoint, that setting as it is.
+    A checkpoint carried over from an old one starts where its :func:`start_file` says.
+    Otherwise each topic whose entity's own stream committed a batch starts at that
+    batch's end offsets; the others where ``ingestor.starting_offsets`` says. Without
+    any per-entity checkpoint, that setting as it is. A partition not named starts at
+    its start, as Spark reads a new partition.
     """
+    checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
+    carried_text = files.read_text_if_exists(start_file(checkpoint))
+    if carried_text is not None and not planned_batches(files, checkpoint):
+        carried_over: dict[str, dict[str, int]] = json.loads(carried_text)
+        listed = (partitions or topic_partitions)(config, topics)
+        return json.dumps(_every_partition(carried_over, listed), sort_keys=True)
     setting = config.ingestor.starting_offsets
     carried: dict[str, dict[str, int]] = {}
     for entity in config.entities:
@@ -328,87 +416,117 @@ def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, lis
 IngestedEnds = Callable[[EntityConfig], dict[str, int] | None]
 
 
-def refuse_topics_the_checkpoint_cannot_carry(
+def start_file(checkpoint: str) -> str:
+    """Where a new checkpoint of the one query starts each topic, beside it.
+
+    ``<checkpoint>.start.json``: written before the old checkpoint is moved aside, read
+    while the new one has planned no batch, deleted once it has.
+    """
+    return f"{checkpoint.rstrip('/')}.start.json"
+
+
+def reached_offsets(
+    files: CheckpointFiles, checkpoint: str
+) -> tuple[int, dict[str, dict[str, int]]] | None:
+    """Where the query at ``checkpoint`` stood: its last committed batch and its ends.
+
+    Before any batch committed, where it started (batch -1: Spark's first offsets of
+    its Kafka source). None when neither is known.
+    """
+    committed = last_committed_batch(files, checkpoint)
+    if committed is not None:
+        return committed.batch_id, dict(committed.sources[0] or {})
+    initial = kafka_initial_offsets(files, checkpoint)
+    return None if initial is None else (-1, initial)
+
+
+def new_checkpoint_start(
     config: PipelineConfig,
     entities: list[EntityConfig],
     files: CheckpointFiles,
     ingested: IngestedEnds,
     partitions: PartitionLister | None = None,
-) -> None:
-    """ConfigError when the one query's checkpoint cannot go on with ``entities``' topics.
+) -> dict[str, dict[str, int]] | None:
+    """Where a new checkpoint must start ``entities``' topics; None: the old one goes on.
 
     Spark's Kafka source cannot drop a topic from a checkpoint: a table taken out of the
-    pipeline (or no longer selected by an entity set) would have its topic's partitions
-    reported lost (failOnDataLoss), as if the broker had deleted records. And it reads a
-    topic added to a checkpoint from its start: right for a new table, but a table put
-    back, whose records bronze holds already, would have them written twice. The error
-    says how to go on: a new checkpoint starting where this one committed (a table it
-    holds back where it was held), a table put back where its records end (``ingested``),
-    a new table from its start; nothing read twice or skipped. A batch planned after the
-    last committed one failed before any table wrote it when a topic was refused (the
-    batch is read whole before any write); if a table did write it, the error asks to
-    finish it first, with the pipeline as it was.
+    pipeline (or no longer selected by an entity set, or whose topic the broker refuses
+    to read) would have its topic's partitions reported lost (failOnDataLoss), as if the
+    broker had deleted records. And it reads a topic added to a checkpoint from its
+    start: right for a new table, but a table put back, whose records bronze holds
+    already, would have them written twice. So then a new checkpoint starts each topic
+    where the old one stood (its last committed batch's end, or where it started), a
+    table it holds back where it was held, a table put back where it was held or where
+    its records end (``ingested``), a new table from its start: nothing read twice or
+    skipped. A batch planned after that was read whole before any table wrote it when a
+    topic was refused; ConfigError if a table did write it (its quarantine may lack it:
+    finish it first, with the pipeline as it was), or if the checkpoint does not say
+    where it stood.
     """
     checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
     planned = planned_batches(files, checkpoint)
     if not planned:
-        return  # a new checkpoint: ``starting_offsets`` chooses each topic's start
+        return None  # a new checkpoint: ``starting_offsets`` chooses each topic's start
     text = files.read_text_if_exists(f"{checkpoint.rstrip('/')}/offsets/{planned[-1]}")
-    read = (parse_offsets(text)[0] if text else None) or {}
+    read: dict[str, dict[str, int]] = (parse_offsets(text)[0] if text else None) or {}
+    held = {name: entry["position"] for name, entry in held_tables(files, checkpoint).items()}
     topics = [entity.source_topic for entity in entities]
     dropped = sorted(set(read) - set(topics))
     back = {
-        entity.source_topic: ingested_to
+        entity.source_topic: stood
         for entity in entities
-        if entity.source_topic not in read and (ingested_to := ingested(entity))
+        if entity.source_topic not in read and (stood := held.get(entity.name) or ingested(entity))
     }
     if not dropped and not back:
-        return
-    problems = []
-    if dropped:
-        problems.append(
-            f"reads topic(s) {dropped} that no table of the pipeline reads any more (taken "
-            "out of the file, or no longer selected by an entity set): Spark's Kafka "
-            "source cannot drop a topic from its checkpoint (it would report the topic's "
-            "records lost)"
-        )
-    if back:
-        problems.append(
-            f"would read topic(s) {sorted(back)} from their start, though bronze holds "
-            "their records already (tables put back): Spark's Kafka source reads a topic "
-            "added to its checkpoint from its start, and bronze would hold them twice"
-        )
-    problem = f"the ingestor's one query ({checkpoint}) " + "; and it ".join(problems)
-    committed = last_committed_batch(files, checkpoint)
-    if committed is None:
+        return None
+    problem = f"the ingestor's one query ({checkpoint}) " + "; and it ".join(
+        ([f"reads topic(s) {dropped} that it no longer reads"] if dropped else [])
+        + ([f"would read topic(s) {sorted(back)} from their start"] if back else [])
+    )
+    reached = reached_offsets(files, checkpoint)
+    if reached is None:
         raise ConfigError(
-            f"{problem}. Its first batch is planned but not committed (it may be in bronze "
-            "already): run `cdc-ingestor --once` with the pipeline as it was, then start it "
-            "as it is now."
+            f"{problem}, and its first batch is planned but it does not say where it "
+            "started: run `cdc-ingestor --once` with the pipeline as it was, then start "
+            "it as it is now."
         )
-    if planned[-1] != committed.batch_id:  # the next batch failed: written by none, or some?
+    stood_at, ends = reached
+    if planned[-1] != stood_at:  # the next batch failed: written by none, or by some?
+        planned_for = [t for t in topics if _beyond(read.get(t), ends.get(t))]
         written = sorted(
             entity.name
             for entity in entities
-            if _beyond(ingested(entity), (committed.sources[0] or {}).get(entity.source_topic))
+            if entity.source_topic in planned_for
+            and _beyond(ingested(entity), ends.get(entity.source_topic))
         )
         if written:
             raise ConfigError(
-                f"{problem}. Its batch {planned[-1]}, planned after the last committed one, "
-                f"is in bronze for table(s) {written} already, perhaps not in the quarantine: "
+                f"{problem}. Its batch {planned[-1]}, planned after the one it stood at, is "
+                f"in bronze for table(s) {written} already, perhaps not in the quarantine: "
                 "run `cdc-ingestor --once` with the pipeline as it was to finish it, then "
                 "start it as it is now."
             )
-    start = carried_over_start(config, entities, files, committed, back, partitions)
-    raise ConfigError(
-        f"{problem}. To go on, start the one query on a new checkpoint: move {checkpoint} "
-        f"aside and set ingestor.starting_offsets to '{json.dumps(start, sort_keys=True)}' "
-        f"(where the query committed its batch {committed.batch_id}, a table it holds back "
-        "where it was held; a table put back where its records in bronze end; a new "
-        "table's topic from its start), then start the ingestor. Per-table checkpoints "
-        "(_checkpoints/ingestor/<table>) left from before the one query would take "
-        "precedence: delete them first."
-    )
+    start = {t: {**ends[t], **held.get(_name(entities, t), {})} for t in topics if t in ends}
+    start.update({t: back.get(t, {}) for t in topics if t not in ends})
+    listed = (partitions or topic_partitions)(config, topics)
+    return _every_partition(start, listed)
+
+
+def _name(entities: list[EntityConfig], topic: str) -> str:
+    return next(entity.name for entity in entities if entity.source_topic == topic)
+
+
+def _every_partition(
+    start: dict[str, dict[str, int]], listed: dict[str, list[int]]
+) -> dict[str, dict[str, int]]:
+    """``start`` for every partition ``listed`` (by topic); one it does not name: its start.
+
+    Spark's ``startingOffsets`` must name every partition of a topic it names.
+    """
+    return {
+        topic: {str(p): int(start.get(topic, {}).get(str(p), EARLIEST)) for p in numbers}
+        for topic, numbers in listed.items()
+    }
 
 
 def _beyond(ingested: dict[str, int] | None, committed: dict[str, int] | None) -> bool:
@@ -416,54 +534,41 @@ def _beyond(ingested: dict[str, int] | None, committed: dict[str, int] | None) -
     return any(int(end) > int((committed or {}).get(p, 0)) for p, end in (ingested or {}).items())
 
 
-def carried_over_start(
-    config: PipelineConfig,
-    entities: list[EntityConfig],
-    files: CheckpointFiles,
-    committed: CommittedBatch,
-    put_back: dict[str, dict[str, int]],
-    partitions: PartitionLister | None = None,
-) -> dict[str, dict[str, int]]:
-    """Where a new checkpoint of the one query starts ``entities``' topics (by partition).
-
-    Carried over from the old one: where it ``committed``, a table it holds back where it
-    was held. A topic the old one did not read: where its records end when bronze holds
-    some (a table ``put_back``), else from its start (a new table).
-    """
-    checkpoint = config.layout.checkpoint(INGESTOR, ALL_ENTITIES)
-    ends: dict[str, dict[str, int]] = committed.sources[0] or {}
-    for name, entry in held_tables(files, checkpoint).items():  # read, left unwritten
-        held = next((e.source_topic for e in entities if e.name == name), None)
-        if held in ends:
-            ends[held] = {**ends[held], **entry["position"]}
-    topics = [entity.source_topic for entity in entities]
-    start = {t: {p: int(o) for p, o in ends[t].items()} for t in topics if t in ends}
-    new = [t for t in topics if t not in ends]
-    for topic, numbers in (partitions or topic_partitions)(config, new).items():
-        start[topic] = {str(p): put_back.get(topic, {}).get(str(p), EARLIEST) for p in numbers}
-    return start
-
-
 def ingested_ends(spark: SparkSession, config: PipelineConfig) -> IngestedEnds:
     """``IngestedEnds`` from bronze and the ingestor's quarantine, read with ``spark``.
 
     The last offset of each partition in the entity's bronze or quarantine rows, plus
-    one (a poisoned record is in the quarantine, not in bronze).
+    one (a poisoned record is in the quarantine, not in bronze). A bronze without data
+    (a new table's) is not read; the quarantine is read once, for every topic.
     """
+    quarantined: list[dict[str, dict[str, int]]] = []  # by topic, once read
+
+    def quarantine_ends() -> dict[str, dict[str, int]]:
+        if not quarantined:
+            quarantine = config.layout.quarantine(INGESTOR)
+            by_topic: dict[str, dict[str, int]] = {}
+            if DeltaTable.isDeltaTable(spark, quarantine):
+                rows = spark.read.format("delta").load(quarantine)
+                for topic, partition, end in _next_offsets(rows, "kafka_topic").collect():
+                    by_topic.setdefault(topic, {})[str(partition)] = int(end)
+            quarantined.append(by_topic)
+        return quarantined[0]
 
     def ends(entity: EntityConfig) -> dict[str, int] | None:
         bronze = config.layout.bronze(entity.name)
         if not DeltaTable.isDeltaTable(spark, bronze):
             return None  # never ingested (a new table): no Spark job
-        coordinates = ["kafka_partition", "kafka_offset"]
-        rows = [spark.read.format("delta").load(bronze).select(*coordinates)]
-        quarantine = config.layout.quarantine(INGESTOR)
-        if DeltaTable.isDeltaTable(spark, quarantine):
-            quarantined = spark.read.format("delta").load(quarantine)
-            of_topic = quarantined.where(F.col("kafka_topic") == entity.source_topic)
-            rows.append(of_topic.select(*coordinates))
-        last = functools.reduce(DataFrame.unionByName, rows).groupBy("kafka_partition")
-        maxima = last.agg(F.max("kafka_offset")).where(F.col("kafka_partition").isNotNull())
-        return {str(partition): int(offset) + 1 for partition, offset in maxima.collect()} or None
+        found = dict(quarantine_ends().get(entity.source_topic, {}))
+        if delta_table_bytes(spark, bronze):
+            rows = spark.read.format("delta").load(bronze)
+            for partition, end in _next_offsets(rows).collect():
+                found[str(partition)] = max(int(end), found.get(str(partition), 0))
+        return found or None
 
     return ends
+
+
+def _next_offsets(rows: DataFrame, *by: str) -> DataFrame:
+    """Per partition (and ``by``), the offset after the last of ``rows``' Kafka records."""
+    grouped = rows.where(F.col("kafka_partition").isNotNull()).groupBy(*by, "kafka_partition")
+    return grouped.agg(F.max("kafka_offset") + 1)

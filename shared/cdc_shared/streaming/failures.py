@@ -36,13 +36,17 @@ class Failure:
     the error stays transient); else stop the service with ``message``. ``rebuild``: build
     the query again before restarting it (its source's schema changed, and a query keeps
     the schema it was built with). ``entity_only``: stop this entity's stream but keep the
-    others running (``/health`` says so; the service exits 1 when it stops).
+    others running (``/health`` says so; the service exits 1 when it stops). ``table``:
+    the one table of a service's one query the failure is about (with ``entity_only``):
+    the query holds that table back if it can, and goes on without it
+    (``StreamRunner.hold_tables_with``).
     """
 
     message: str
     transient: bool = False
     rebuild: bool = False
     entity_only: bool = False
+    table: str | None = None
 
 
 #: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).

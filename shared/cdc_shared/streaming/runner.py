@@ -59,6 +59,8 @@ class QueryIdentity:
 
 #: Builds an entity's query (again): its writer and the identity ``start()`` fills in.
 BuildQuery = Callable[[], tuple[DataStreamWriter, QueryIdentity]]
+#: Holds back a table of a one query, alone (table, why): False when it cannot.
+HoldTable = Callable[[str, str], bool]
 
 
 class StreamRunner:
@@ -90,6 +92,8 @@ class StreamRunner:
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
         self._rebuilders: dict[str, BuildQuery] = {}
         self._to_rebuild: set[str] = set()
+        self._hold_table: HoldTable | None = None
+        self._holding: dict[str, str] = {}  # query -> why, restarting without a held table
         self._replacing: set[str] = set()  # queries stopped to start again (``restart_rebuilt``)
         # entity -> (failures since its last progress, restart time or None once restarted, why)
         self._restarts: dict[str, tuple[int, float | None, str]] = {}
@@ -171,6 +175,14 @@ class StreamRunner:
                 with self._lock:
                     self._replacing.discard(entity)
             return True
+
+    def hold_tables_with(self, hold: HoldTable) -> None:
+        """How the service's one query holds back a table a failure is about alone.
+
+        ``hold(table, reason)`` holds it (and stops it alone) or says False; then the
+        query is built again and restarted, without that table (``Failure.table``).
+        """
+        self._hold_table = hold
 
     def _refuse_new_queries(self) -> None:
         with self._accepting_lock:
@@ -392,7 +404,16 @@ class StreamRunner:
         error = query.exception()
         if error is None or entity in self._stopped:
             return
+        if entity in self._holding:  # failed, and the table it failed on held already
+            if not self._stop.is_set():  # stopping: the next start reads without the table
+                self._restart_later(entity, self._holding[entity])
+            return
         failure = self.failure_of(entity, str(error))
+        if failure is not None and failure.table is not None and self._held(failure.table, failure):
+            self._holding[entity] = f"went on without table {failure.table!r}, held back"
+            self._to_rebuild.add(entity)
+            self._restart_later(entity, self._holding[entity])
+            return
         if failure is not None and failure.entity_only and not failure.transient:
             self.stop_entity(entity, failure.message)
             return
@@ -407,6 +428,12 @@ class StreamRunner:
                 other.stop()
         message = failure.message if failure else f"failed: {error}"
         raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
+
+    def _held(self, table: str, failure: Failure) -> bool:
+        """Whether the one query held ``table`` back for ``failure`` (see ``hold_tables_with``)."""
+        if self._hold_table is None or self._stop.is_set():
+            return False
+        return self._hold_table(table, failure.message)
 
     def _restarts_due(self) -> bool:
         """A query stopped or failed is to start again: ``run()`` must not end yet."""
@@ -438,6 +465,7 @@ class StreamRunner:
             writer, identity = self._writers[entity]
             query = writer.start()
             identity.set(str(query.id))
+            self._holding.pop(entity, None)
             with self._lock:
                 self.queries[entity] = query
                 self._restarts[entity] = (failures, None, f"{reason}; restarted")
