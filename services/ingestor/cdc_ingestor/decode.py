@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from cdc_shared import tables
 from cdc_shared.avro import KnownSchema, SchemaRegistry
+from cdc_shared.avro.framing import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
 from cdc_shared.jvm_bridge import avro_compatibility, avro_schema
 from cdc_shared.layout import INGESTOR
@@ -57,8 +58,6 @@ BRONZE_PROPERTIES = {
     "delta.checkpointInterval": "100",
     **AUTO_COMPACT,
 }
-_CONFLUENT = bytes([0x00])
-_SINGLE_OBJECT = bytes([0xC3, 0x01])
 #: Starts the error that fails a write which met a record of an incompatible writer schema.
 REFUSED_INCOMPATIBLE = "cdc-ingestor refused a record of an incompatible writer schema: "
 #: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.
@@ -231,7 +230,7 @@ def _field_names(reader: Any, location: str) -> list[str]:
 def _by_header(schemas: Sequence[KnownSchema]) -> dict[bytes, KnownSchema]:
     headers: dict[bytes, KnownSchema] = {}
     for schema in schemas:
-        headers[_SINGLE_OBJECT + schema.fingerprint] = schema
+        headers[SINGLE_OBJECT_MAGIC + schema.fingerprint] = schema
         if schema.schema_id is not None:
             headers[schema.header] = schema
     return headers
@@ -240,10 +239,10 @@ def _by_header(schemas: Sequence[KnownSchema]) -> dict[bytes, KnownSchema]:
 def header(column: Column) -> Column:
     """The framing header at the start of ``column``; null when neither framing fits."""
     return F.when(
-        (F.substring(column, 1, 1) == F.lit(_CONFLUENT)) & (F.length(column) >= 5),
+        (F.substring(column, 1, 1) == F.lit(CONFLUENT_MAGIC)) & (F.length(column) >= 5),
         F.substring(column, 1, 5),
     ).when(
-        (F.substring(column, 1, 2) == F.lit(_SINGLE_OBJECT)) & (F.length(column) >= 10),
+        (F.substring(column, 1, 2) == F.lit(SINGLE_OBJECT_MAGIC)) & (F.length(column) >= 10),
         F.substring(column, 1, 10),
     )
 
@@ -273,7 +272,7 @@ def _decoded(
 
 def _label(prefix: bytes, writer: KnownSchema) -> str:
     """How a writer schema is named in bronze and in messages: by what its header carries."""
-    if prefix[:1] == _CONFLUENT:
+    if prefix[:1] == CONFLUENT_MAGIC:
         return f"id:{writer.schema_id}"
     return f"fingerprint:{writer.fingerprint.hex()}"
 
@@ -399,8 +398,8 @@ def _framing_errors(
     decoded_ok: Column,
     what: str,
 ) -> list[tuple[Column, str, Column]]:
-    framed = (F.substring(column, 1, 1) == F.lit(_CONFLUENT)) | (
-        F.substring(column, 1, 2) == F.lit(_SINGLE_OBJECT)
+    framed = (F.substring(column, 1, 1) == F.lit(CONFLUENT_MAGIC)) | (
+        F.substring(column, 1, 2) == F.lit(SINGLE_OBJECT_MAGIC)
     )
     return [
         (F.length(column) == 0, "truncated", F.lit(f"{what} is empty (0 bytes)")),
