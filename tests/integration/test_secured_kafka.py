@@ -220,11 +220,14 @@ def test_one_query_goes_on_without_a_table_whose_topic_read_is_revoked(
     assert landed(spark, secured_pipeline, "customers") == before
     assert before < len(topic_offsets(admin, revoked))
     checkpoint = secured_pipeline.config.layout.checkpoint(SERVICE, ALL)
-    assert set(held_tables(HadoopFiles(spark), checkpoint)) == {"customers"}
+    held = held_tables(HadoopFiles(spark), checkpoint)
+    assert set(held) == {"customers"}
 
     secured_broker.allow(INGESTOR, ResourceType.TOPIC, revoked, SOURCE_TOPIC_GRANTS)
     caplog.clear()
     assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
+    (carried,) = [r for r in caplog.records if "starts on a new checkpoint" in r.getMessage()]
+    assert carried.__dict__["starting_offsets"][revoked] == held["customers"]["position"]
     assert_bronze_exactly_once(spark, secured_pipeline, admin, report)  # both
     assert held_tables(HadoopFiles(spark), checkpoint) == {}
 

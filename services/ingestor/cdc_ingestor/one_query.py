@@ -131,7 +131,9 @@ class AllTopicsIngestion:
         ``txnAppId`` names the hold (``held-<query id>``), its ``txnVersion`` the batch
         it was held in, so a crash before the held file forgets the table repeats
         nothing. From there the query reads the table again. A table failing alone again
-        is held again; another failure stops the start.
+        is held again; another failure stops the start. A table whose topic the query
+        did not read (the broker refused it) is left to :meth:`carry_over`, which starts
+        a new checkpoint with it from its held position.
         """
         resume_at = last_committed_batch(HadoopFiles(self.spark), self.checkpoint)
         ends = resume_at.sources[0] if resume_at is not None and resume_at.sources else None
@@ -140,7 +142,9 @@ class AllTopicsIngestion:
             if stream is None or name in self.held:
                 continue  # no longer configured, or could not start: kept held
             topic = stream.entity.source_topic
-            end = (ends or {}).get(topic, {})
+            if topic not in (ends or {}):
+                continue  # not read by the query: ``carry_over`` starts it where held
+            end = (ends or {})[topic]
             start = {p: int(entry["position"].get(p, EARLIEST)) for p in end}
             lap = Stopwatch()
             try:
