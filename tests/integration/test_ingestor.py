@@ -164,8 +164,9 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     query. Spark's Kafka source would report the dropped topic's records lost, and read
     the table put back from its start; each start moves the checkpoint aside instead and
     starts a new one where the old stood: bronze holds every record once. The second time
-    the process dies just after the move (before the new query plans a batch): the next
-    start begins where the first would have."""
+    the process dies between writing where the new one starts and moving the old one
+    aside, then just after the move (before the new query plans a batch): the next start
+    begins where the first would have."""
     pipeline = make_pipeline(ingestor={"one_query": True, "metrics_port": 0})
     report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0.02)))
     ingest_once(pipeline, spark)
@@ -183,21 +184,29 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     pipeline.path.write_text(yaml.safe_dump(document))
     report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))
     moved = one_query.move_aside
+    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
+    start_file = Path(one_query.start_file(str(checkpoint)))
 
-    def move_then_die(spark: SparkSession, checkpoint: str) -> str:
+    def die_before_the_move(spark: SparkSession, checkpoint: str) -> str:
+        raise Killed("killed before the move")
+
+    def die_after_the_move(spark: SparkSession, checkpoint: str) -> str:
         moved(spark, checkpoint)
         raise Killed("killed after the move")
 
-    monkeypatch.setattr(one_query, "move_aside", move_then_die)
+    monkeypatch.setattr(one_query, "move_aside", die_before_the_move)
+    with pytest.raises(Killed):
+        ingest_once(pipeline, spark)
+    assert start_file.exists() and (checkpoint / "offsets").exists()  # written, not moved
+    monkeypatch.setattr(one_query, "move_aside", die_after_the_move)
     with pytest.raises(Killed):
         ingest_once(pipeline, spark)
     monkeypatch.undo()
-    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
     assert not (checkpoint / "offsets").exists() and len(checkpoints_aside(pipeline)) == 2
     ingest_once(pipeline, spark)
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # both: none twice
     assert_quarantine_exactly_once(spark, pipeline, report)
-    assert not Path(one_query.start_file(str(checkpoint))).exists()  # used, then dropped
+    assert not start_file.exists()  # used, then dropped
 
 
 def test_schema_evolution_midway_without_restart(
