@@ -101,6 +101,16 @@ def move_aside(spark: SparkSession, checkpoint: str) -> str:
     return target
 
 
+def start_file(checkpoint: str) -> str:
+    """Where a one query's new checkpoint starts each table, beside it.
+
+    ``<checkpoint>.start.json``: written before the old checkpoint is moved aside
+    (:func:`move_aside`), read while the new one has not recorded its start, then
+    deleted; a kill between the move and the new query's start loses no table's place.
+    """
+    return f"{checkpoint.rstrip('/')}.start.json"
+
+
 def kafka_initial_offsets(files: CheckpointFiles, checkpoint: str) -> dict[str, Any] | None:
     """Where the Kafka source of the query at ``checkpoint`` started (``sources/0/0``).
 

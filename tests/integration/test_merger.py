@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,10 @@ from cdc_merger.bronze_start import FROM_FIRST_COMMIT_MARKER
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import silver_layout
 from cdc_shared.config import KafkaConfig
+from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.spark import counting_jobs
+from cdc_shared.stream_checkpoint import SOURCES_FILE, start_file
+from cdc_shared.streaming import delta_union
 from cdc_shared.tables import table_properties
 from pyspark.sql import SparkSession
 from support.history import assert_history_equals_bronze
@@ -216,3 +220,44 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     assert "phone" not in spark.read.format("delta").load(silver_path).columns
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)
+
+
+class Killed(BaseException):
+    """The process dying at a chosen point (not an Exception: nothing handles it)."""
+
+
+def test_one_query_killed_after_moving_its_checkpoint_carries_on_where_it_stood(
+    spark: SparkSession,
+    kafka_config: KafkaConfig,
+    make_pipeline: PipelineFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The merger as one query, a table taken out of the pipeline: it starts on a new
+    checkpoint, each table where the old one stood. Killed just after moving the old one
+    aside, the next start still carries customers over from there (not from bronze's
+    first commit), and silver equals the oracle."""
+    pipeline = make_pipeline(merger={"one_query": True, "metrics_port": 0})
+    produce(kafka_config, iter(generate(pipeline, events=300, keys=30, poison_share=0)))
+    ingest_once(pipeline, spark)
+    merge_once(pipeline, spark)
+    document = yaml.safe_load(pipeline.path.read_text())
+    document["entities"] = [e for e in document["entities"] if e["name"] == "customers"]
+    pipeline.path.write_text(yaml.safe_dump(document))
+    moved = delta_union.move_aside
+
+    def die_after_the_move(spark: SparkSession, checkpoint: str) -> str:
+        moved(spark, checkpoint)
+        raise Killed("killed after the move")
+
+    monkeypatch.setattr(delta_union, "move_aside", die_after_the_move)
+    with pytest.raises(Killed):
+        merge_once(pipeline, spark)
+    monkeypatch.undo()
+    checkpoint = pipeline.config.layout.checkpoint("merger", ALL_ENTITIES)
+    carried = json.loads(Path(start_file(checkpoint)).read_text())["starting_versions"]
+    assert carried["customers"] > 0  # where the old checkpoint stood, not bronze's start
+    merge_once(pipeline, spark)
+    recorded = json.loads((Path(checkpoint) / SOURCES_FILE).read_text())
+    assert recorded == {"entities": ["customers"], "starting_versions": carried}
+    assert not Path(start_file(checkpoint)).exists()
+    assert_silver_equals_oracle(spark, pipeline, kafka_config)

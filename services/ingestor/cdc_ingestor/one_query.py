@@ -58,6 +58,7 @@ from cdc_shared.stream_checkpoint import (
     move_aside,
     parse_offsets,
     planned_batches,
+    start_file,
 )
 from cdc_shared.streaming import QueryIdentity, StreamRunner
 from cdc_shared.streaming.group import MemberStreams
@@ -418,15 +419,6 @@ def topic_partitions(config: PipelineConfig, topics: list[str]) -> dict[str, lis
 #: Where an entity's topic was ingested to: the next offset by partition, from its bronze
 #: and quarantine rows (None: it holds no record of the topic).
 IngestedEnds = Callable[[EntityConfig], dict[str, int] | None]
-
-
-def start_file(checkpoint: str) -> str:
-    """Where a new checkpoint of the one query starts each topic, beside it.
-
-    ``<checkpoint>.start.json``: written before the old checkpoint is moved aside, read
-    while the new one has planned no batch, deleted once it has.
-    """
-    return f"{checkpoint.rstrip('/')}.start.json"
 
 
 def reached_offsets(

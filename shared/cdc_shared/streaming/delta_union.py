@@ -39,7 +39,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import from_avro, to_avro
 
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.jvm_bridge import avro_schema_of_spark_type, write_text
+from cdc_shared.jvm_bridge import avro_schema_of_spark_type, delete_if_exists, write_text
 from cdc_shared.layout import ALL_ENTITIES, StorageLayout
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
@@ -51,6 +51,7 @@ from cdc_shared.stream_checkpoint import (
     move_aside,
     planned_batches,
     recorded_sources,
+    start_file,
 )
 from cdc_shared.streaming.group import MemberStream, MemberStreams
 from cdc_shared.streaming.held import HeldTables
@@ -235,7 +236,9 @@ def starting_versions(
     table back from an earlier run. Otherwise each entity carries on from the
     checkpoint's last committed batch (a held table from its held position), or else
     from where its own stream stood (``DeltaTablesQuery.own_start``). A checkpoint that
-    planned a batch is moved aside first; tables held in this run stay held.
+    planned a batch is moved aside first; tables held in this run stay held. The starts
+    are written beside the checkpoint before it is moved (``start_file``), so a start
+    killed after the move carries on from them rather than from each table's own start.
     """
     checkpoint = query.checkpoint()
     recorded = recorded_sources(files, checkpoint)
@@ -243,11 +246,25 @@ def starting_versions(
     if recorded is not None and recorded["entities"] == names and not held.resuming:
         return dict(recorded["starting_versions"])
     carried: dict[str, int | None] = {}
-    if recorded is not None and planned_batches(files, checkpoint):
+    moving = recorded is not None and bool(planned_batches(files, checkpoint))
+    if recorded is not None and moving:
         carried = {
             **carried_positions(files, checkpoint, recorded["entities"]),
             **held.positions(),
         }
+    elif recorded is not None:  # chosen, but no batch planned yet: keep what was chosen
+        carried = dict(recorded["starting_versions"])
+    elif (interrupted := files.read_text_if_exists(start_file(checkpoint))) is not None:
+        carried = dict(json.loads(interrupted)["starting_versions"])  # killed after a move
+    starts = {
+        name: carried[name] if name in carried else query.own_start(name, files) for name in names
+    }
+    for name, version in starts.items():  # a stream that read to the end is at the next one
+        if version:
+            starts[name] = min(version, query.latest_version(name))
+    record = json.dumps({"entities": names, "starting_versions": starts}, indent=1)
+    if moving:
+        write_text(query.spark, start_file(checkpoint), record)
         aside = move_aside(query.spark, checkpoint)
         log.warning(
             "a one query reads other tables than its checkpoint, or takes up tables it "
@@ -263,17 +280,8 @@ def starting_versions(
         held.resuming.clear()
         if held.held:
             held.save()
-    elif recorded is not None:  # chosen, but no batch planned yet: keep what was chosen
-        carried = dict(recorded["starting_versions"])
-    starts = {
-        name: carried[name] if name in carried else query.own_start(name, files) for name in names
-    }
-    for name, version in starts.items():  # a stream that read to the end is at the next one
-        if version:
-            starts[name] = min(version, query.latest_version(name))
-    record = {"entities": names, "starting_versions": starts}
-    sources_file = f"{checkpoint.rstrip('/')}/{SOURCES_FILE}"
-    write_text(query.spark, sources_file, json.dumps(record, indent=1))
+    write_text(query.spark, f"{checkpoint.rstrip('/')}/{SOURCES_FILE}", record)
+    delete_if_exists(query.spark, start_file(checkpoint))
     return starts
 
 
