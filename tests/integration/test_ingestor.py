@@ -21,6 +21,7 @@ from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.streaming import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
+from support.dying import Killed, dying_after, dying_before
 from support.ingestion import (
     assert_bronze_exactly_once,
     assert_quarantine_exactly_once,
@@ -150,10 +151,6 @@ def test_new_checkpoint_gets_a_new_app_id_and_writes(
     assert app_ids == 2
 
 
-class Killed(BaseException):
-    """The process dying at a chosen point (not an Exception: nothing handles it)."""
-
-
 def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     spark: SparkSession,
     kafka_config: KafkaConfig,
@@ -183,22 +180,14 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     document["entities"] = entities  # put back
     pipeline.path.write_text(yaml.safe_dump(document))
     report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))
-    moved = one_query.move_aside
     checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
     start_file = Path(one_query.start_file(str(checkpoint)))
-
-    def die_before_the_move(spark: SparkSession, checkpoint: str) -> str:
-        raise Killed("killed before the move")
-
-    def die_after_the_move(spark: SparkSession, checkpoint: str) -> str:
-        moved(spark, checkpoint)
-        raise Killed("killed after the move")
-
-    monkeypatch.setattr(one_query, "move_aside", die_before_the_move)
+    monkeypatch.setattr(one_query, "move_aside", dying_before(one_query.move_aside))
     with pytest.raises(Killed):
         ingest_once(pipeline, spark)
     assert start_file.exists() and (checkpoint / "offsets").exists()  # written, not moved
-    monkeypatch.setattr(one_query, "move_aside", die_after_the_move)
+    monkeypatch.undo()
+    monkeypatch.setattr(one_query, "move_aside", dying_after(one_query.move_aside))
     with pytest.raises(Killed):
         ingest_once(pipeline, spark)
     monkeypatch.undo()

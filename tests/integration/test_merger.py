@@ -25,6 +25,7 @@ from cdc_shared.stream_checkpoint import SOURCES_FILE, start_file
 from cdc_shared.streaming import delta_union
 from cdc_shared.tables import table_properties
 from pyspark.sql import SparkSession
+from support.dying import Killed, dying_after
 from support.history import assert_history_equals_bronze
 from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
@@ -222,10 +223,6 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     assert_change_feed_has_no_repeats(spark, pipeline)
 
 
-class Killed(BaseException):
-    """The process dying at a chosen point (not an Exception: nothing handles it)."""
-
-
 def test_one_query_killed_after_moving_its_checkpoint_carries_on_where_it_stood(
     spark: SparkSession,
     kafka_config: KafkaConfig,
@@ -243,13 +240,7 @@ def test_one_query_killed_after_moving_its_checkpoint_carries_on_where_it_stood(
     document = yaml.safe_load(pipeline.path.read_text())
     document["entities"] = [e for e in document["entities"] if e["name"] == "customers"]
     pipeline.path.write_text(yaml.safe_dump(document))
-    moved = delta_union.move_aside
-
-    def die_after_the_move(spark: SparkSession, checkpoint: str) -> str:
-        moved(spark, checkpoint)
-        raise Killed("killed after the move")
-
-    monkeypatch.setattr(delta_union, "move_aside", die_after_the_move)
+    monkeypatch.setattr(delta_union, "move_aside", dying_after(delta_union.move_aside))
     with pytest.raises(Killed):
         merge_once(pipeline, spark)
     monkeypatch.undo()
