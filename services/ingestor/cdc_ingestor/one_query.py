@@ -177,6 +177,11 @@ class AllTopicsIngestion:
         stream.identity.set(f"held-{held_by}")
         return stream
 
+    @property
+    def readable(self) -> list[EntityConfig]:
+        """The entities whose topic the query reads: all but those the broker refused."""
+        return [s.entity for s in self.by_topic.values() if s.entity.name not in self.unreadable]
+
     def source(self) -> DataFrame:
         """One Kafka source over every entity's topic the broker lets it read.
 
@@ -184,7 +189,7 @@ class AllTopicsIngestion:
         (:meth:`carry_over`); a new checkpoint starts where :func:`starting_offsets` says.
         """
         files = HadoopFiles(self.spark)
-        read = [s.entity for s in self.by_topic.values() if s.entity.name not in self.unreadable]
+        read = self.readable
         self.carry_over(read, files)
         topics = sorted(entity.source_topic for entity in read)
         start = starting_offsets(self.config, topics, files)
@@ -231,7 +236,7 @@ class AllTopicsIngestion:
         (:meth:`source`). Not for the last table read, nor for a query that has not
         planned a batch.
         """
-        reading = [s.entity for s in self.by_topic.values() if s.entity.name not in self.unreadable]
+        reading = self.readable
         refused = next((e for e in reading if e.name == entity), None)
         files = HadoopFiles(self.spark)
         reached = reached_offsets(files, self.checkpoint)
@@ -502,14 +507,11 @@ def new_checkpoint_start(
                 "run `cdc-ingestor --once` with the pipeline as it was to finish it, then "
                 "start it as it is now."
             )
-    start = {t: {**ends[t], **held.get(_name(entities, t), {})} for t in topics if t in ends}
+    name = {entity.source_topic: entity.name for entity in entities}
+    start = {t: {**ends[t], **held.get(name[t], {})} for t in topics if t in ends}
     start.update({t: back.get(t, {}) for t in topics if t not in ends})
     listed = (partitions or topic_partitions)(config, topics)
     return _every_partition(start, listed)
-
-
-def _name(entities: list[EntityConfig], topic: str) -> str:
-    return next(entity.name for entity in entities if entity.source_topic == topic)
 
 
 def _every_partition(
