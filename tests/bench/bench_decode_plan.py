@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
+from cdc_ingestor.projection import bronze_rows
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, SparkConfig

@@ -69,7 +69,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
+from cdc_ingestor.projection import bronze_rows  # noqa: E402
 from cdc_merger import apply as merger_apply  # noqa: E402
 from cdc_merger import history as merger_history  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402

@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from bench_merger import Workload, bronze_batch, load_silver, p  # noqa: E402
 from cdc_devkit import infra  # noqa: E402
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode  # noqa: E402
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
+from cdc_ingestor.projection import bronze_rows  # noqa: E402
 from cdc_merger.apply import MergeState, SilverLayout, apply_batch, ensure_tables  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import ObjectStorageConfig, SparkConfig  # noqa: E402

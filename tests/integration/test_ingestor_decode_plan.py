@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode, headers_by_topic
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
+from cdc_ingestor.framing_headers import headers_by_topic
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.avro import FileSchemaRegistry
 from pyspark.sql import Row, SparkSession

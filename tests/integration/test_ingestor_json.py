@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec, produce
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
+from cdc_ingestor.projection import bronze_rows
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, KafkaConfig
 from cdc_shared.schemas import entity_schemas

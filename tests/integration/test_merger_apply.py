@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, bronze_rows, decode
+from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
+from cdc_ingestor.projection import bronze_rows
 from cdc_merger.apply import (
     ERROR_KIND,
     ERROR_MESSAGE,

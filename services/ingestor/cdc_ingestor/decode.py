@@ -1,39 +1,43 @@
-"""Decoding a micro-batch of Kafka records in the JVM, and splitting it into bronze and quarantine.
+"""Decoding a micro-batch of Kafka records in the JVM: each record's key, envelope and outcome.
 
 Each record's framing header (Confluent id or single-object fingerprint) picks its writer
 schema; Spark's ``from_avro`` decodes the payload after the header with that writer schema
 and resolves it to the reader schema (``avroSchema``), in PERMISSIVE mode so a malformed
 payload yields null instead of failing the batch. A record that cannot be decoded, or
-breaks the contract, gets an ``error_kind`` and goes to quarantine with its raw bytes.
+breaks the contract, gets an ``error_kind`` and goes to quarantine with its raw bytes
+(``projection``: bronze rows and quarantine rows).
 
-Writer schemas the reader cannot resolve (Avro's own compatibility check, in the JVM that
-decodes) are not decoded at all: their records are quarantined as ``incompatible_schema``
+Writer schemas the reader cannot resolve (``compatibility``: Avro's own check, in the JVM
+that decodes) are not decoded at all: their records are quarantined as ``incompatible_schema``
 with the reason, and a subject's newer version that cannot read the older ones never
 becomes the reader (it would make every older record unreadable and bronze unmergeable).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
-from cdc_shared import tables
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.avro.framing import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
-from cdc_shared.jvm_bridge import avro_compatibility, avro_schema
-from cdc_shared.layout import INGESTOR
 from cdc_shared.schemas import EntitySchemas
-from cdc_shared.spark import clock
-from cdc_shared.tables import AUTO_COMPACT
-from pyspark.sql import Column, DataFrame, Row, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.avro.functions import from_avro
 
+from cdc_ingestor.compatibility import incompatibility
 from cdc_ingestor.decode_json import JSON_ERROR_KINDS, JsonPart, UnsupportedJsonSchemaError
+from cdc_ingestor.framing_headers import (
+    BatchHeaders,
+    header,
+    text_by_header,
+    writer_label,
+    writer_labels,
+    writers_by_header,
+)
 from cdc_ingestor.replay_origin import BAD_REPLAY_HEADER, HEADERS_TYPE, replay_origin
 
 KAFKA_SCHEMA = T.StructType(
@@ -50,24 +54,10 @@ KAFKA_SCHEMA = T.StructType(
 #: ``sequence_by`` paths that are Kafka coordinates -> the column of where the change was
 #: first read (a replayed record's original coordinates; see ``replay_origin``).
 KAFKA_SEQUENCE_COLUMNS = {"kafka.partition": "_first_partition", "kafka.offset": "_first_offset"}
-BRONZE_PROPERTIES = {
-    "delta.appendOnly": "true",
-    # Statistics only for the Kafka coordinates: readers stream bronze, they do not skip.
-    "delta.dataSkippingNumIndexedCols": "4",
-    # About one commit a second under load: a log checkpoint every ~100 s, not every 10 s.
-    "delta.checkpointInterval": "100",
-    **AUTO_COMPACT,
-}
-#: Starts the error that fails a write which met a record of an incompatible writer schema.
-REFUSED_INCOMPATIBLE = "cdc-ingestor refused a record of an incompatible writer schema: "
-#: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.
-_REASONS: dict[tuple[bytes, bytes], str | None] = {}
 #: Schema fingerprint -> the Spark type ``from_avro`` gives for it.
 _AVRO_TYPES: dict[bytes, T.DataType] = {}
 #: (reader fingerprint, decimal handling, part) -> its checked JSON decoding.
 _JSON_PARTS: dict[tuple[bytes, str, str], JsonPart] = {}
-#: The framing headers a batch's records use: its values', then its keys'.
-BatchHeaders = tuple[set[bytes], set[bytes]]
 
 
 @dataclass(frozen=True)
@@ -96,8 +86,8 @@ class DecodePlan:
         entity's (Avro when no entity is given).
         """
         plan = cls(
-            value_writers=_by_header(schemas.values),
-            key_writers=_by_header((schemas.key,)),
+            value_writers=writers_by_header(schemas.values),
+            key_writers=writers_by_header((schemas.key,)),
             value_reader=value_reader or schemas.value,
             key_reader=schemas.key,
         )
@@ -119,8 +109,8 @@ class DecodePlan:
         """A copy of the plan with writer schemas found later in the registry."""
         return replace(
             self,
-            value_writers={**self.value_writers, **_by_header(value)},
-            key_writers={**self.key_writers, **_by_header(key)},
+            value_writers={**self.value_writers, **writers_by_header(value)},
+            key_writers={**self.key_writers, **writers_by_header(key)},
         )
 
     def narrowed(self, headers: BatchHeaders) -> DecodePlan:
@@ -151,100 +141,11 @@ class DecodePlan:
             if why is not None:
                 version = f" v{reader.version}" if reader.version else ""
                 reasons[prefix] = (
-                    f"writer schema {_label(prefix, writer)} ({writer.full_name}) cannot be "
+                    f"writer schema {writer_label(prefix, writer)} ({writer.full_name}) cannot be "
                     f"resolved to the reader schema fingerprint:{reader.fingerprint.hex()} "
                     f"({reader.full_name}{version}): {why}"
                 )
         return reasons
-
-
-def readable_reader(spark: SparkSession, versions: Sequence[KnownSchema]) -> KnownSchema:
-    """The newest of ``versions`` (oldest first) that can read every version it replaces.
-
-    A version that cannot is skipped: it never becomes the reader, so records of the
-    versions before it keep decoding, and its own records are the incompatible ones.
-    """
-    reader, readable = versions[0], [versions[0]]
-    for version in versions[1:]:
-        if all(incompatibility(spark, version, older) is None for older in readable):
-            reader = version
-            readable.append(version)
-    return reader
-
-
-def incompatibility(spark: SparkSession, reader: KnownSchema, writer: KnownSchema) -> str | None:
-    """Why Avro cannot resolve data written with ``writer`` to ``reader``; None if it can.
-
-    Asks Avro's ``SchemaCompatibility`` in the JVM (the library ``from_avro`` decodes with)
-    and names the first offending field by its path (``after.id``): a record inside a
-    union is checked against the reader's record of the same name, so the reason is the
-    field's rather than "reader union lacking writer type". Answers are cached (a few JVM
-    calls per pair of schemas, asked for every batch).
-    """
-    if reader.fingerprint == writer.fingerprint:
-        return None
-    pair = (reader.fingerprint, writer.fingerprint)
-    if pair not in _REASONS:
-        _REASONS[pair] = _reason(
-            spark, avro_schema(spark, reader.json()), avro_schema(spark, writer.json()), []
-        )
-    return _REASONS[pair]
-
-
-def _reason(spark: SparkSession, reader: Any, writer: Any, path: list[str]) -> str | None:
-    """The first incompatibility of two JVM Avro schemas, ``path`` naming where they sit."""
-    result = avro_compatibility(spark, reader, writer)
-    if result.getCompatibility().toString() == "COMPATIBLE":
-        return None
-    found = result.getIncompatibilities()[0]
-    kind, location = found.getType().toString(), str(found.getLocation())
-    here = [*path, *_field_names(reader, location)]
-    if kind == "MISSING_UNION_BRANCH" and location.rsplit("/", 1)[-1].isdigit():
-        branch = found.getWriterFragment().getTypes()[int(location.rsplit("/", 1)[-1])]
-        if branch.getType().getName() == "record":
-            for candidate in found.getReaderFragment().getTypes():
-                if candidate.getFullName() == branch.getFullName():
-                    deeper = _reason(spark, candidate, branch, here)
-                    if deeper is not None:
-                        return deeper
-    where = ".".join(here) or "the top-level type"
-    if kind == "READER_FIELD_MISSING_DEFAULT_VALUE":
-        return f"{where}: the writer schema has no such field and the reader's has no default"
-    return f"{where}: {kind.lower()}: {found.getMessage()}"
-
-
-def _field_names(reader: Any, location: str) -> list[str]:
-    """The record field names along an Avro compatibility ``location`` (``/fields/1/type``)."""
-    names: list[str] = []
-    node, tokens = reader, location.strip("/").split("/")
-    for token, following in zip(tokens, [*tokens[1:], ""], strict=True):
-        if token == "fields" and node.getType().getName() == "record" and following.isdigit():
-            field = node.getFields()[int(following)]
-            names.append(str(field.name()))
-            node = field.schema()
-        elif token in ("items", "values") and node.getType().getName() in ("array", "map"):
-            node = node.getElementType() if token == "items" else node.getValueType()
-    return names
-
-
-def _by_header(schemas: Sequence[KnownSchema]) -> dict[bytes, KnownSchema]:
-    headers: dict[bytes, KnownSchema] = {}
-    for schema in schemas:
-        headers[SINGLE_OBJECT_MAGIC + schema.fingerprint] = schema
-        if schema.schema_id is not None:
-            headers[schema.header] = schema
-    return headers
-
-
-def header(column: Column) -> Column:
-    """The framing header at the start of ``column``; null when neither framing fits."""
-    return F.when(
-        (F.substring(column, 1, 1) == F.lit(CONFLUENT_MAGIC)) & (F.length(column) >= 5),
-        F.substring(column, 1, 5),
-    ).when(
-        (F.substring(column, 1, 2) == F.lit(SINGLE_OBJECT_MAGIC)) & (F.length(column) >= 10),
-        F.substring(column, 1, 10),
-    )
 
 
 def _decoded(
@@ -268,29 +169,6 @@ def _decoded(
             else decoded.when(head == F.lit(prefix), branch)
         )
     return decoded if decoded is not None else F.lit(None).cast(reader_type)
-
-
-def _label(prefix: bytes, writer: KnownSchema) -> str:
-    """How a writer schema is named in bronze and in messages: by what its header carries."""
-    if prefix[:1] == CONFLUENT_MAGIC:
-        return f"id:{writer.schema_id}"
-    return f"fingerprint:{writer.fingerprint.hex()}"
-
-
-def _by_prefix(head: Column, texts: Mapping[bytes, str]) -> Column:
-    """The text of the header ``head`` holds; null for any other header."""
-    chosen: Column | None = None
-    for prefix, text in texts.items():
-        chosen = (
-            F.when(head == F.lit(prefix), F.lit(text))
-            if chosen is None
-            else chosen.when(head == F.lit(prefix), F.lit(text))
-        )
-    return chosen if chosen is not None else F.lit(None).cast("string")
-
-
-def _writer_name(head: Column, writers: Mapping[bytes, KnownSchema]) -> Column:
-    return _by_prefix(head, {prefix: _label(prefix, w) for prefix, w in writers.items()})
 
 
 def avro_type(spark: SparkSession, schema: KnownSchema) -> T.DataType:
@@ -355,39 +233,6 @@ ERROR_KINDS = (
     *JSON_ERROR_KINDS,
     BAD_REPLAY_HEADER,
 )
-
-
-def headers_by_topic(raw: DataFrame) -> dict[str, BatchHeaders]:
-    """The topics of a batch of Kafka records, each with the framing headers it uses.
-
-    One cheap pass over the raw bytes: which topics are present and which writer
-    schemas each needs, before any record is decoded.
-    """
-    rows = (
-        raw.select(
-            "topic", header(F.col("value")).alias("value"), header(F.col("key")).alias("key")
-        )
-        .distinct()
-        .collect()
-    )
-    found: dict[str, BatchHeaders] = {}
-    for row in rows:
-        values, keys = found.setdefault(row["topic"], (set(), set()))
-        if row["value"] is not None:
-            values.add(bytes(row["value"]))
-        if row["key"] is not None:
-            keys.add(bytes(row["key"]))
-    return found
-
-
-def batch_headers(raw: DataFrame) -> BatchHeaders:
-    """The framing headers a batch of Kafka records uses, whatever its topics."""
-    values: set[bytes] = set()
-    keys: set[bytes] = set()
-    for topic_values, topic_keys in headers_by_topic(raw).values():
-        values |= topic_values
-        keys |= topic_keys
-    return values, keys
 
 
 def _framing_errors(
@@ -571,7 +416,7 @@ def _decode_part(
     step = step.withColumns(
         {
             header_name: head,
-            writer_name: _writer_name(head, writers),
+            writer_name: writer_labels(head, writers),
             decoded_name: _decoded(raw, head, writers, reader, reader_type, incompatible),
         }
     )
@@ -579,81 +424,11 @@ def _decode_part(
         raw,
         F.col(header_name),
         F.col(writer_name),
-        _by_prefix(F.col(header_name), incompatible),
+        text_by_header(F.col(header_name), incompatible),
         _decoded_ok(F.col(decoded_name), reader_type),
         part,
     )
     return step, checks, reader_type
-
-
-def refusing_incompatible(decoded: DataFrame) -> DataFrame:
-    """``decoded``, failing the job that meets a record of an incompatible writer schema.
-
-    The error starts with ``REFUSED_INCOMPATIBLE``; a write of the batch stops before its
-    commit, so nothing of the batch is written. Applied above ``decode``'s barrier, it
-    costs a comparison per record, not a second decoding.
-    """
-    kind = F.col("error_kind")
-    refused = F.raise_error(F.concat(F.lit(REFUSED_INCOMPATIBLE), F.col("error_message")))
-    return decoded.withColumn(
-        "error_kind", F.when(kind == F.lit("incompatible_schema"), refused).otherwise(kind)
-    )
-
-
-def bronze_rows(decoded: DataFrame) -> DataFrame:
-    """The records that decoded: one bronze row each (tombstones included, flagged)."""
-    envelope_fields = decoded.schema["envelope"].dataType
-    assert isinstance(envelope_fields, T.StructType)
-    return decoded.where(F.col("error_kind").isNull()).select(
-        "kafka_topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
-        F.col("decoded_key").alias("key"),
-        *[F.col(f"envelope.{f.name}").alias(f.name) for f in envelope_fields.fields],
-        F.col("raw_value").isNull().alias("is_tombstone"),
-        "sequence",
-        "writer_schema",
-        clock().alias("ingested_at"),
-    )
-
-
-def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Column]:
-    """The quarantine table's columns for a decoded record (QUARANTINE_SCHEMA's order).
-
-    Without ``batch_id``, ``batch_id`` and ``quarantined_at`` are left null, for the
-    caller to fill in on the driver: a per-batch literal would make the query compile
-    anew every batch (see ``cdc_shared.spark.clock``).
-    """
-    given = {
-        name: F.col(name)
-        for name in (
-            "error_kind",
-            "error_message",
-            "kafka_topic",
-            "kafka_partition",
-            "kafka_offset",
-            "kafka_timestamp",
-            "raw_key",
-            "raw_value",
-        )
-    }
-    if batch_id is not None:
-        given |= {"batch_id": F.lit(batch_id), "quarantined_at": F.current_timestamp()}
-    return tables.quarantine_columns(INGESTOR, entity.name, **given)
-
-
-def stamped(rows: Sequence[Row], batch_id: int) -> list[dict[str, Any]]:
-    """Quarantine rows made by ``quarantine_columns(entity, None)``, completed."""
-    now = dt.datetime.now(dt.UTC)
-    return [{**row.asDict(), "batch_id": batch_id, "quarantined_at": now} for row in rows]
-
-
-def quarantine_rows(decoded: DataFrame, entity: EntityConfig, batch_id: int) -> DataFrame:
-    """The records that did not decode or broke the contract, with their raw bytes."""
-    return decoded.where(F.col("error_kind").isNotNull()).select(
-        *quarantine_columns(entity, batch_id)
-    )
 
 
 def check_sequence_paths(spark: SparkSession, entity: EntityConfig, plan: DecodePlan) -> None:

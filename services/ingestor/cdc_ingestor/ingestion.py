@@ -31,24 +31,22 @@ from cdc_shared.tables import (
 from pyspark.sql import DataFrame, DataFrameReader, Observation, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamReader
 
-from cdc_ingestor.decode import (
-    BRONZE_PROPERTIES,
-    KAFKA_SCHEMA,
-    REFUSED_INCOMPATIBLE,
-    BatchHeaders,
-    bronze_rows,
-    check_sequence_paths,
-    decode,
-    quarantine_rows,
-    refusing_incompatible,
-    stamped,
-)
+from cdc_ingestor.decode import KAFKA_SCHEMA, check_sequence_paths, decode
+from cdc_ingestor.framing_headers import BatchHeaders
 from cdc_ingestor.incompatible_schema import (
     IncompatibleSchemaError,
     incompatible_stop,
     log_incompatible,
 )
 from cdc_ingestor.outcomes import count_outcomes, outcome_metrics, outcomes
+from cdc_ingestor.projection import (
+    BRONZE_PROPERTIES,
+    REFUSED_INCOMPATIBLE,
+    bronze_rows,
+    quarantine_rows,
+    refusing_incompatible,
+    stamped,
+)
 from cdc_ingestor.schema_learning import SchemaTracker
 
 SERVICE = INGESTOR

@@ -67,7 +67,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_ingestor.decode import headers_by_topic
+from cdc_ingestor.framing_headers import headers_by_topic
 from cdc_ingestor.ingestion import EntityIngestion, kafka_reader, kafka_source
 
 log = logging.getLogger("cdc_ingestor")

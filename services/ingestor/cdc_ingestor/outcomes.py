@@ -13,7 +13,8 @@ from cdc_shared.config import EntityConfig
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
-from cdc_ingestor.decode import ERROR_KINDS, quarantine_columns
+from cdc_ingestor.decode import ERROR_KINDS
+from cdc_ingestor.projection import quarantine_columns
 
 #: Quarantined records of one batch collected to the driver and written from there;
 #: a batch with more is quarantined by a third pass over it instead.

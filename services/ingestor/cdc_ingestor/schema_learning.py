@@ -22,13 +22,9 @@ from cdc_shared.layout import INGESTOR
 from cdc_shared.schemas import entity_schemas
 from pyspark.sql import DataFrame, SparkSession
 
-from cdc_ingestor.decode import (
-    BatchHeaders,
-    DecodePlan,
-    batch_headers,
-    incompatibility,
-    readable_reader,
-)
+from cdc_ingestor.compatibility import incompatibility, readable_reader
+from cdc_ingestor.decode import DecodePlan
+from cdc_ingestor.framing_headers import BatchHeaders, batch_headers
 
 log = logging.getLogger("cdc_ingestor")
 
