@@ -411,16 +411,21 @@ class WorkloadGenerator:
         if kind == "boolean":
             return rnd.random() < 0.5
         if kind == "string":
-            if "email" in name:
-                return f"{rnd.choice(_WORDS)}.{rnd.randrange(10_000)}@example.com"
-            if "phone" in name:
-                return f"+1-555-{rnd.randrange(10_000):04d}"
-            if "tier" in name:
-                return rnd.choice(("bronze", "silver", "gold"))
-            return f"{rnd.choice(_WORDS)}-{rnd.randrange(1000)}"
+            return self._text(name)
         if kind == "bytes":
             return rnd.randbytes(8)
         raise ValueError(f"cannot generate a value for field {name!r} of type {schema!r}")
+
+    def _text(self, name: str) -> str:
+        """A string that looks like what a field so named holds (an email, a phone, a tier)."""
+        rnd = self.random
+        if "email" in name:
+            return f"{rnd.choice(_WORDS)}.{rnd.randrange(10_000)}@example.com"
+        if "phone" in name:
+            return f"+1-555-{rnd.randrange(10_000):04d}"
+        if "tier" in name:
+            return rnd.choice(("bronze", "silver", "gold"))
+        return f"{rnd.choice(_WORDS)}-{rnd.randrange(1000)}"
 
 
 def _base_type(schema: Any) -> str:

@@ -455,33 +455,40 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
         *spec.get("ephemeralContainers", []),
     ]
     for c in containers:
-        security = c.get("securityContext", {})
-        name = c.get("name")
-        if security.get("privileged"):
-            problems.append(f"{name}: privileged")
-        if security.get("allowPrivilegeEscalation") is not False:
-            problems.append(f"{name}: allowPrivilegeEscalation must be false")
-        capabilities = security.get("capabilities", {})
-        if "ALL" not in capabilities.get("drop", []):
-            problems.append(f"{name}: capabilities must drop ALL")
-        if not set(capabilities.get("add", [])) <= {"NET_BIND_SERVICE"}:
-            problems.append(f"{name}: adds capabilities")
-        non_root = security.get("runAsNonRoot", pod.get("runAsNonRoot"))
-        if non_root is not True:
-            problems.append(f"{name}: runAsNonRoot must be true")
-        if security.get("runAsUser", pod.get("runAsUser")) == 0:
-            problems.append(f"{name}: runs as root")
-        seccomp = security.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
-        if seccomp not in ("RuntimeDefault", "Localhost"):
-            problems.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost")
-        if security.get("procMount", "Default") != "Default":
-            problems.append(f"{name}: procMount")
-        for key in ("seLinuxOptions", "appArmorProfile"):
-            if key in security:
-                problems.append(f"{name}: {key}")
-        for port in c.get("ports", []):
-            if port.get("hostPort"):
-                problems.append(f"{name}: hostPort")
+        problems += _container_violations(c, pod)
+    return problems
+
+
+def _container_violations(c: dict[str, Any], pod: dict[str, Any]) -> list[str]:
+    """What in one container (with its pod's ``securityContext``) breaks "restricted"."""
+    problems = []
+    security = c.get("securityContext", {})
+    name = c.get("name")
+    if security.get("privileged"):
+        problems.append(f"{name}: privileged")
+    if security.get("allowPrivilegeEscalation") is not False:
+        problems.append(f"{name}: allowPrivilegeEscalation must be false")
+    capabilities = security.get("capabilities", {})
+    if "ALL" not in capabilities.get("drop", []):
+        problems.append(f"{name}: capabilities must drop ALL")
+    if not set(capabilities.get("add", [])) <= {"NET_BIND_SERVICE"}:
+        problems.append(f"{name}: adds capabilities")
+    non_root = security.get("runAsNonRoot", pod.get("runAsNonRoot"))
+    if non_root is not True:
+        problems.append(f"{name}: runAsNonRoot must be true")
+    if security.get("runAsUser", pod.get("runAsUser")) == 0:
+        problems.append(f"{name}: runs as root")
+    seccomp = security.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+    if seccomp not in ("RuntimeDefault", "Localhost"):
+        problems.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost")
+    if security.get("procMount", "Default") != "Default":
+        problems.append(f"{name}: procMount")
+    for key in ("seLinuxOptions", "appArmorProfile"):
+        if key in security:
+            problems.append(f"{name}: {key}")
+    for port in c.get("ports", []):
+        if port.get("hostPort"):
+            problems.append(f"{name}: hostPort")
     return problems
 
 

@@ -741,6 +741,27 @@ def _table_state(
     return SparkTables(spark), spark
 
 
+def _check_minimums(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    state: TableState,
+    minimums: list[RetentionMinimum],
+    vacuum_hours: float,
+    force_short_retention: bool,
+    quiet: dt.timedelta,
+) -> None:
+    """Refuse a VACUUM retention below a table's Delta minimum.
+
+    With ``force_short_retention`` it is allowed, and then only with every service
+    stopped (``check_services_stopped``, with its ``quiet`` period).
+    """
+    short = [m for m in minimums if vacuum_hours < m.hours]
+    if not force_short_retention:
+        check_vacuum_minimum(minimums, vacuum_hours)
+    elif short:
+        check_services_stopped(config, entities, state, short, vacuum_hours, quiet)
+
+
 def run_maintenance(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -798,12 +819,16 @@ def run_maintenance(
     if vacuum_hours is not None:
         minimums = {name: retention_minimum(state, name, path) for name, path in tables.items()}
         short = [m for m in minimums.values() if vacuum_hours < m.hours]
-        if not force_short_retention:
-            check_vacuum_minimum(list(minimums.values()), vacuum_hours)
-        elif short:
-            check_services_stopped(config, entities, state, short, vacuum_hours, quiet)
-    needs = {e.name: stream_needs(config, e, state, ignore_services) for e in entities}
-    all_needs = [n for per_entity in needs.values() for n in per_entity]
+        _check_minimums(
+            config,
+            entities,
+            state,
+            [*minimums.values()],
+            vacuum_hours,
+            force_short_retention,
+            quiet,
+        )
+    all_needs = [n for e in entities for n in stream_needs(config, e, state, ignore_services)]
     if vacuum_hours is not None:
         check_vacuum_retention(all_needs, vacuum_hours)
 
@@ -821,19 +846,22 @@ def run_maintenance(
         assert spark is not None
         return _vacuum(spark, tables[table], vacuum_hours, table in below)
 
+    def optimized(table: str) -> tuple[int | None, int | None, int | None]:
+        """OPTIMIZE's files removed and added, or (dry run) the data files it would read."""
+        if not optimize:
+            return None, None, None
+        if dry_run:
+            return None, None, state.data_file_count(tables[table])
+        assert spark is not None
+        return (*compact(spark, tables[table]), None)
+
     report = MaintenanceReport(needs=all_needs, dry_run=dry_run)
     for entity in entities:
         for table in (f"bronze/{entity.name}", f"silver/{entity.name}"):
             if table not in tables:
                 continue
-            removed = added = vacuumed = files = None
-            if optimize and dry_run:
-                files = state.data_file_count(tables[table])
-            elif optimize:
-                assert spark is not None
-                removed, added = compact(spark, tables[table])
-            if vacuum_hours is not None:
-                vacuumed = vacuum(entity, table)
+            removed, added, files = optimized(table)
+            vacuumed = None if vacuum_hours is None else vacuum(entity, table)
             report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:

@@ -104,23 +104,55 @@ def shape_of(schema: KnownSchema, decimals: DecimalHandling) -> Shape:
 
 
 def _shape(avro: Any, decimals: DecimalHandling) -> Shape:
+    """The JSON shape of one Avro type (a union, record, array, map, logical or plain type)."""
     if isinstance(avro, list):
-        branches = [b for b in avro if b != "null"]
-        if len(branches) != 1:
-            raise UnsupportedJsonSchemaError(
-                f"union {avro} has more than one non-null branch; Connect JSON has no such type"
-            )
-        inner = _shape(branches[0], decimals)
-        return Shape(
-            inner.json_type,
-            inner.convert,
-            len(branches) == len(avro),
-            inner.fields,
-            inner.label,
-            inner.bad_element,
-        )
+        return _union_shape(avro, decimals)
     kind = avro if isinstance(avro, str) else avro["type"]
     logical = avro.get("logicalType") if isinstance(avro, dict) else None
+    if kind in ("record", "array", "map"):
+        return _container_shape(avro, kind, decimals)
+    if logical is not None:
+        shape = _logical_shape(avro, kind, logical, decimals)
+        if shape is not None:
+            return shape
+    if kind in ("bytes", "fixed"):
+        return Shape(
+            T.StringType(), lambda c: F.try_to_binary(c, F.lit("base64")), label="base64 bytes"
+        )
+    primitive = {
+        "boolean": T.BooleanType(),
+        "int": T.IntegerType(),
+        "long": T.LongType(),
+        "float": T.FloatType(),
+        "double": T.DoubleType(),
+        "string": T.StringType(),
+        "enum": T.StringType(),
+    }
+    if kind in primitive:
+        return Shape(primitive[kind], label=kind)
+    raise UnsupportedJsonSchemaError(f"Avro type {avro!r} has no Connect JSON form here")
+
+
+def _union_shape(avro: list[Any], decimals: DecimalHandling) -> Shape:
+    """A union with one non-null branch: that branch's shape, nullable when null is a branch."""
+    branches = [b for b in avro if b != "null"]
+    if len(branches) != 1:
+        raise UnsupportedJsonSchemaError(
+            f"union {avro} has more than one non-null branch; Connect JSON has no such type"
+        )
+    inner = _shape(branches[0], decimals)
+    return Shape(
+        inner.json_type,
+        inner.convert,
+        len(branches) == len(avro),
+        inner.fields,
+        inner.label,
+        inner.bad_element,
+    )
+
+
+def _container_shape(avro: Any, kind: str, decimals: DecimalHandling) -> Shape:
+    """A record, array or map: its JSON type, and how its fields or elements convert."""
     if kind == "record":
         fields = tuple((f["name"], _shape(f["type"], decimals)) for f in avro["fields"])
         record = T.StructType([T.StructField(name, shape.json_type) for name, shape in fields])
@@ -146,6 +178,11 @@ def _shape(avro: Any, decimals: DecimalHandling) -> Shape:
             label=values.label,
             bad_element=lambda c: F.exists(F.map_values(c), lambda v: _unconvertible(values, v)),
         )
+    raise AssertionError(kind)
+
+
+def _logical_shape(avro: Any, kind: str, logical: str, decimals: DecimalHandling) -> Shape | None:
+    """A decimal, date or timestamp as Connect JSON carries it; None for another logical type."""
     if logical == "decimal":
         precision, scale = int(avro["precision"]), int(avro.get("scale", 0))
         target = T.DecimalType(precision, scale)
@@ -172,22 +209,7 @@ def _shape(avro: Any, decimals: DecimalHandling) -> Shape:
             lambda c: to_timestamp(c).cast(T.TimestampNTZType()),
             label=f"a {logical} number",
         )
-    if kind in ("bytes", "fixed"):
-        return Shape(
-            T.StringType(), lambda c: F.try_to_binary(c, F.lit("base64")), label="base64 bytes"
-        )
-    primitive = {
-        "boolean": T.BooleanType(),
-        "int": T.IntegerType(),
-        "long": T.LongType(),
-        "float": T.FloatType(),
-        "double": T.DoubleType(),
-        "string": T.StringType(),
-        "enum": T.StringType(),
-    }
-    if kind in primitive:
-        return Shape(primitive[kind], label=kind)
-    raise UnsupportedJsonSchemaError(f"Avro type {avro!r} has no Connect JSON form here")
+    return None
 
 
 def _unconvertible(element: Shape, parsed: Column) -> Column:

@@ -110,17 +110,7 @@ def _avro_type_mapping(
 ) -> Properties | None:
     """The mapping of one Avro type at ``path`` (dotted), or None for a null-only type."""
     if isinstance(schema, list):
-        branches = [b for b in schema if b != "null"]
-        if not branches:
-            return None
-        if len(branches) == 1:
-            return _avro_type_mapping(branches[0], path, settings, named)
-        # Spark reads a multi-type union as a struct of member0, member1, ...
-        members = {
-            f"member{i}": _avro_type_mapping(b, f"{path}.member{i}", settings, named)
-            for i, b in enumerate(branches)
-        }
-        return {"properties": {k: v for k, v in members.items() if v is not None}}
+        return _union_mapping(schema, path, settings, named)
     if isinstance(schema, str):
         if schema == "null":
             return None
@@ -129,6 +119,30 @@ def _avro_type_mapping(
         return _avro_primitive(schema, None, {}, path, settings)
     if not isinstance(schema, Mapping):
         raise MappingError(f"field {path!r}: unexpected Avro type {schema!r}")
+    return _declared_type_mapping(schema, path, settings, named)
+
+
+def _union_mapping(
+    union: list[Any], path: str, settings: PublisherEsConfig, named: dict[str, Any]
+) -> Properties | None:
+    """An Avro union's mapping: its one non-null branch's, or a member per branch."""
+    branches = [b for b in union if b != "null"]
+    if not branches:
+        return None
+    if len(branches) == 1:
+        return _avro_type_mapping(branches[0], path, settings, named)
+    # Spark reads a multi-type union as a struct of member0, member1, ...
+    members = {
+        f"member{i}": _avro_type_mapping(b, f"{path}.member{i}", settings, named)
+        for i, b in enumerate(branches)
+    }
+    return {"properties": {k: v for k, v in members.items() if v is not None}}
+
+
+def _declared_type_mapping(
+    schema: Mapping[str, Any], path: str, settings: PublisherEsConfig, named: dict[str, Any]
+) -> Properties | None:
+    """The mapping of an Avro type written as an object (``{"type": ...}``)."""
     kind = schema.get("type")
     if kind == "record":
         return {"properties": _record_properties(schema, f"{path}.", settings, named)}
@@ -148,11 +162,11 @@ def _avro_type_mapping(
         return {"type": "flattened"}
     if kind == "fixed":
         _remember(schema, named)
-    if isinstance(kind, (str, list, dict)):
-        if isinstance(kind, str) and kind in named:
-            return _avro_type_mapping(named[kind], path, settings, named)
-        if not isinstance(kind, str):
-            return _avro_type_mapping(kind, path, settings, named)
+    if isinstance(kind, (list, dict)) or (isinstance(kind, str) and kind in named):
+        return _avro_type_mapping(
+            named.get(kind, kind) if isinstance(kind, str) else kind, path, settings, named
+        )
+    if isinstance(kind, str):
         return _avro_primitive(kind, schema.get("logicalType"), schema, path, settings)
     raise MappingError(f"field {path!r}: unexpected Avro type {schema!r}")
 

@@ -194,6 +194,19 @@ def _cuts(values: list[float]) -> dict[str, float]:
     return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98], "max": max(values)}
 
 
+def _index_arrivals(
+    config: PipelineConfig, index: IndexWatcher, commit_seq: dict[tuple[str, Key, int], Seq]
+) -> dict[Mark, float]:
+    """When each probe event first showed in the index, by the sequence its version holds."""
+    entities = {e.name: e for e in config.entities}
+    in_index: dict[Mark, float] = {}
+    for (name, key, version), at in index.seen.items():
+        seq = index_sequence(entities[name], key, version, commit_seq)
+        if seq is not None:
+            in_index[(name, key, seq)] = min(at, in_index.get((name, key, seq), at))
+    return in_index
+
+
 def measure_delays(
     config: PipelineConfig,
     result: PipelineResult,
@@ -212,13 +225,7 @@ def measure_delays(
     kafka_ts, in_bronze, committed, commit_seq = _silver_times(config, probes)
     arrived: dict[str, dict[Mark, float]] = {"silver": committed, "topic": topic.seen}
     if index is not None:
-        entities = {e.name: e for e in config.entities}
-        in_index: dict[Mark, float] = {}
-        for (name, key, version), at in index.seen.items():
-            seq = index_sequence(entities[name], key, version, commit_seq)
-            if seq is not None:
-                in_index[(name, key, seq)] = min(at, in_index.get((name, key, seq), at))
-        arrived["index"] = in_index
+        arrived["index"] = _index_arrivals(config, index, commit_seq)
     missing_ts = sum(1 for m in produced_at if m not in kafka_ts)
     if missing_ts:
         result.notes.append(f"{missing_ts} probe events not found in bronze (producer time used)")
