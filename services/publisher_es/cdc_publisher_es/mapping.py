@@ -162,10 +162,10 @@ def _declared_type_mapping(
         return {"type": "flattened"}
     if kind == "fixed":
         _remember(schema, named)
-    if isinstance(kind, (list, dict)) or (isinstance(kind, str) and kind in named):
-        return _avro_type_mapping(
-            named.get(kind, kind) if isinstance(kind, str) else kind, path, settings, named
-        )
+    if isinstance(kind, str) and kind in named:
+        return _avro_type_mapping(named[kind], path, settings, named)
+    if isinstance(kind, (list, dict)):
+        return _avro_type_mapping(kind, path, settings, named)
     if isinstance(kind, str):
         return _avro_primitive(kind, schema.get("logicalType"), schema, path, settings)
     raise MappingError(f"field {path!r}: unexpected Avro type {schema!r}")
