@@ -306,23 +306,74 @@ def decode(
     coordinates in the sequence are where the change was first read: a replayed record's
     come from its ``cdc.replay.of`` header (``replay_origin``). ``raw`` without a
     ``headers`` column (``includeHeaders`` off) holds no replays.
+
+    The decoding's columns are built once per plan (:func:`decoding`) and applied to each
+    batch as a few selects: built anew, they cost a thousand Py4J calls per table and
+    batch (docs/benchmarks.md).
     """
-    headers = F.col("headers") if "headers" in raw.columns else F.lit(None).cast(HEADERS_TYPE)
-    step = raw.select(
-        F.col("topic").alias("kafka_topic"),
-        F.col("partition").alias("kafka_partition"),
-        F.col("offset").alias("kafka_offset"),
-        F.col("timestamp").alias("kafka_timestamp"),
-        F.col("key").alias("raw_key"),
-        F.col("value").alias("raw_value"),
-        headers.alias("_headers"),
+    for columns in decoding(spark, plan, tuple(sequence_by), "headers" in raw.columns):
+        raw = raw.select(*columns)
+    return raw
+
+
+#: The decodings built so far, by what they depend on (see ``decoding``).
+_DECODINGS: dict[tuple[object, ...], tuple[tuple[Column, ...], ...]] = {}
+
+
+def decoding(
+    spark: SparkSession, plan: DecodePlan, sequence_by: tuple[str, ...], with_headers: bool
+) -> tuple[tuple[Column, ...], ...]:
+    """The selects that decode a batch of Kafka records under ``plan`` (built once).
+
+    Each select's columns name only the Kafka source's columns and those of the selects
+    before it, so they apply to any batch: each batch only analyses them again.
+    """
+    key = (
+        frozenset(plan.value_writers),
+        frozenset(plan.key_writers),
+        plan.value_reader.fingerprint,
+        plan.key_reader.fingerprint,
+        plan.value_format,
+        plan.key_format,
+        plan.decimals,
+        sequence_by,
+        with_headers,
+    )
+    if key not in _DECODINGS:
+        _DECODINGS[key] = _build_decoding(spark, plan, list(sequence_by), with_headers)
+    return _DECODINGS[key]
+
+
+def _build_decoding(
+    spark: SparkSession, plan: DecodePlan, sequence_by: list[str], with_headers: bool
+) -> tuple[tuple[Column, ...], ...]:
+    headers = F.col("headers") if with_headers else F.lit(None).cast(HEADERS_TYPE)
+    steps = _Steps(
+        [
+            F.col("topic").alias("kafka_topic"),
+            F.col("partition").alias("kafka_partition"),
+            F.col("offset").alias("kafka_offset"),
+            F.col("timestamp").alias("kafka_timestamp"),
+            F.col("key").alias("raw_key"),
+            F.col("value").alias("raw_value"),
+            headers.alias("_headers"),
+        ],
+        [
+            "kafka_topic",
+            "kafka_partition",
+            "kafka_offset",
+            "kafka_timestamp",
+            "raw_key",
+            "raw_value",
+            "_headers",
+        ],
     )
     origin = replay_origin(
         F.col("_headers"), F.col("kafka_topic"), F.col("kafka_partition"), F.col("kafka_offset")
     )
-    step = step.withColumns({"_first_partition": origin.partition, "_first_offset": origin.offset})
-    step, value_checks, _ = _decode_part(spark, step, plan, "value")
-    step, key_checks, key_type = _decode_part(spark, step, plan, "key")
+    steps.add({"_first_partition": origin.partition, "_first_offset": origin.offset})
+    value_checks, _ = _decode_part(spark, steps, plan, "value")
+    key_checks, key_type = _decode_part(spark, steps, plan, "key")
     value, key = F.col("raw_value"), F.col("raw_key")
     checks = [
         (value.isNotNull() & condition, kind, message) for condition, kind, message in value_checks
@@ -363,15 +414,35 @@ def decode(
             for path in sequence_by
         ]
     )
-    kept = [c for c in step.columns if not c.startswith("_")]
-    decoded = step.select(
-        *kept, kind.alias("error_kind"), message.alias("error_message"), sequence.alias("sequence")
+    kept = [c for c in steps.names if not c.startswith("_")]
+    final = [*kept, "error_kind", "error_message", "sequence"]
+    steps.stages.append(
+        (
+            *[F.col(c) for c in kept],
+            kind.alias("error_kind"),
+            message.alias("error_message"),
+            sequence.alias("sequence"),
+        )
     )
     # Decode once per row and pass: the optimizer would otherwise inline the decoding into
     # both a filter and the projection above it. A generator is a barrier it keeps.
-    return decoded.select(F.explode(F.array(F.struct(*decoded.columns))).alias("_row")).select(
-        "_row.*"
-    )
+    row = F.explode(F.array(F.struct(*[F.col(c) for c in final]))).alias("_row")
+    steps.stages.append((row,))
+    steps.stages.append((F.col("_row.*"),))
+    return tuple(steps.stages)
+
+
+class _Steps:
+    """The selects of a decoding, built one after the other, and the columns they give."""
+
+    def __init__(self, first: list[Column], names: list[str]) -> None:
+        self.stages: list[tuple[Column, ...]] = [tuple(first)]
+        self.names = list(names)
+
+    def add(self, columns: Mapping[str, Column]) -> None:
+        """A select keeping every column so far and adding ``columns`` (new names)."""
+        self.stages.append((F.col("*"), *[c.alias(n) for n, c in columns.items()]))
+        self.names += list(columns)
 
 
 def _nullable(data_type: T.DataType) -> T.DataType:
@@ -386,9 +457,9 @@ def _nullable(data_type: T.DataType) -> T.DataType:
 
 
 def _decode_part(
-    spark: SparkSession, step: DataFrame, plan: DecodePlan, part: Literal["value", "key"]
-) -> tuple[DataFrame, list[Check], T.DataType]:
-    """``step`` with the part's decoded, header and writer columns; its checks; its type.
+    spark: SparkSession, steps: _Steps, plan: DecodePlan, part: Literal["value", "key"]
+) -> tuple[list[Check], T.DataType]:
+    """Add the part's decoded, header and writer columns to ``steps``; its checks, its type.
 
     Helper columns start with ``_``; ``decode`` drops them.
     """
@@ -399,9 +470,9 @@ def _decode_part(
     if (plan.value_format if part == "value" else plan.key_format) == "json":
         json = json_part(spark, reader, plan.decimals, part)
         parsed_name, body_name = f"_{part}_parsed", f"_{part}_body"
-        step = step.withColumn(parsed_name, json.parsed(raw))
-        step = step.withColumn(body_name, json.body(F.col(parsed_name)))
-        step = step.withColumns(
+        steps.add({parsed_name: json.parsed(raw)})
+        steps.add({body_name: json.body(F.col(parsed_name))})
+        steps.add(
             {
                 decoded_name: json.decoded(F.col(body_name)),
                 header_name: F.lit(None).cast("binary"),
@@ -409,11 +480,11 @@ def _decode_part(
             }
         )
         checks = json.errors(raw, F.col(parsed_name), F.col(body_name), F.col(decoded_name))
-        return step, checks, reader_type
+        return checks, reader_type
     writers = plan.value_writers if part == "value" else plan.key_writers
     incompatible = plan.incompatible(spark, part)
     head = header(raw)
-    step = step.withColumns(
+    steps.add(
         {
             header_name: head,
             writer_name: writer_labels(head, writers),
@@ -428,7 +499,7 @@ def _decode_part(
         _decoded_ok(F.col(decoded_name), reader_type),
         part,
     )
-    return step, checks, reader_type
+    return checks, reader_type
 
 
 def check_sequence_paths(spark: SparkSession, entity: EntityConfig, plan: DecodePlan) -> None:
