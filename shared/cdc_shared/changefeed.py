@@ -52,30 +52,29 @@ CHANGE_COLUMNS = (
 MAX_SEQUENCE_FOR_VERSION = (1 << 62) - 1
 
 
-def change_feed(
+def change_feed_range(
     spark: SparkSession,
     silver_path: str,
     settings: ChangeFeedConfig,
-    from_version: int | None = None,
-) -> DataFrame:
-    """Silver's Change Data Feed as a stream, from the configured start, limited per batch.
+    since: int,
+    until: int,
+) -> DataFrame | None:
+    """Silver's Change Data Feed after version ``since`` up to ``until`` (a batch read).
 
-    With no start configured the stream begins at version 0, the table's creation, so a
-    first start publishes every change silver ever had. ``from_version`` overrides the
-    configured start (a publisher's one query carrying a table over).
+    A table nothing was published from (``since`` -1) starts where configured:
+    ``starting_timestamp``, else ``starting_version`` (default 0, the table's creation,
+    so a first start publishes every change silver ever had). None when that start is
+    past ``until``.
     """
-    reader = spark.readStream.format("delta").option("readChangeFeed", "true")
-    if from_version is not None:
-        reader = reader.option("startingVersion", from_version)
-    elif settings.starting_timestamp is not None:
+    reader = spark.read.format("delta").option("readChangeFeed", "true")
+    if since < 0 and settings.starting_timestamp is not None:
         reader = reader.option("startingTimestamp", settings.starting_timestamp)
     else:
-        reader = reader.option("startingVersion", settings.starting_version or 0)
-    if settings.max_files_per_trigger:
-        reader = reader.option("maxFilesPerTrigger", settings.max_files_per_trigger)
-    if settings.max_bytes_per_trigger:
-        reader = reader.option("maxBytesPerTrigger", settings.max_bytes_per_trigger)
-    return reader.load(silver_path)
+        first = max(since + 1, settings.starting_version or 0)
+        if first > until:
+            return None
+        reader = reader.option("startingVersion", first)
+    return reader.option("endingVersion", until).load(silver_path)
 
 
 def row_columns(schema: T.StructType) -> list[str]:

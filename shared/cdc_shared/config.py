@@ -10,6 +10,7 @@ field raises :class:`ConfigError` naming it.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 from pathlib import Path
@@ -29,7 +30,6 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cdc_shared.layout import (
-    ALL_ENTITIES,
     INGESTOR,
     MERGER,
     PUBLISHER_ES,
@@ -416,29 +416,28 @@ class ElasticsearchConfig(_Section):
 
 
 class StreamingServiceConfig(_Section):
-    """Settings every streaming service shares."""
+    """Settings every streaming service shares: its trigger, endpoint and table queue.
+
+    Each micro-batch writes the tables it changed through a work queue (docs/design.md,
+    "The runtime"): ``tables_at_once`` side by side, tables with the most new rows first
+    and a table whose oldest unwritten change is ``max_table_delay`` old before them; no
+    table's write starts once the batch has run ``batch_budget`` (those left wait for
+    the next batch, at the front).
+    """
 
     trigger_interval: str = Field(default="5 seconds", min_length=1)
     metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
-    # One streaming query for every entity (one Kafka source over every topic, or a union
-    # of every table's Delta stream; each batch split by entity) instead of one query per
-    # entity: an idle table costs no query (docs/configuration.md, the "One ... query for
-    # all tables" sections).
-    one_query: bool = False
+    tables_at_once: int = Field(default=2, ge=1)
+    batch_budget: str = Field(default="10 seconds", min_length=1)
+    max_table_delay: str = Field(default="60 seconds", min_length=1)
 
-    def batch_interval(self, freshness: str | None) -> str:
-        """How often a table's stream runs a batch.
-
-        The service's ``trigger_interval``, or the table's ``freshness`` where that is
-        longer (a cold table batched less often).
-        """
-        if freshness is None:
-            return self.trigger_interval
-        own = interval_seconds(self.trigger_interval)
-        wanted = interval_seconds(freshness)
-        longer = own is None or (wanted is not None and wanted > own)
-        return freshness if longer else self.trigger_interval
+    @field_validator("batch_budget", "max_table_delay")
+    @classmethod
+    def _an_interval(cls, interval: str) -> str:
+        if interval_seconds(interval) is None:
+            raise ValueError(f"not an interval (e.g. '10 seconds'): {interval!r}")
+        return interval
 
 
 class IngestorConfig(StreamingServiceConfig):
@@ -450,6 +449,9 @@ class IngestorConfig(StreamingServiceConfig):
     # Records whose writer schema the reader cannot resolve: stop the entity (docs/design.md),
     # or quarantine them as incompatible_schema and go on.
     on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
+    # Records Kafka deleted before they were read stop the ingestor (false: read on from the
+    # oldest record Kafka has; for one run, to accept such a gap).
+    fail_on_data_loss: bool = True
 
 
 class MergerConfig(StreamingServiceConfig):
@@ -552,9 +554,11 @@ class PublisherEsConfig(ChangeFeedConfig):
     max_retries: int = Field(default=8, ge=0)  # per chunk, on 429 and 5xx
     initial_backoff_s: float = Field(default=0.5, gt=0)
     max_backoff_s: float = Field(default=30.0, gt=0)
-    # The index behind the alias is gone although the checkpoint records published
-    # batches: rebuild it from silver's current state, or stop (exit 1) and say how.
+    # The index behind the alias is gone although its progress records published changes:
+    # rebuild it from silver's current state, or stop (exit 1) and say how.
     on_missing_index: Literal["rebuild", "stop"] = "rebuild"
+    # Where each alias's progress (the last silver version published) is kept.
+    progress_index: str = Field(default="cdc-publisher-es-progress", min_length=1)
 
 
 class ApplicationConfig(_Section):
@@ -919,6 +923,47 @@ class EntitySetConfig(_Section):
         return repr(self.topics_regex) if self.topics_regex else repr(self.topics[:3])
 
 
+#: The group of the tables no configured group names (``groups``).
+DEFAULT_GROUP = "default"
+
+
+class TableGroupConfig(_Section):
+    """Tables every service runs in one streaming query of their own (``groups``).
+
+    ``tables``: entity names or shell patterns (``orders_*``); a table matching two groups
+    belongs to the first. ``trigger_interval``: the group's queries' trigger in every
+    service (default: each service's own). The tables no group names form the group
+    ``default``.
+    """
+
+    name: str
+    tables: list[str] = Field(min_length=1)
+    trigger_interval: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_identifier(cls, name: str) -> str:
+        if not _IDENTIFIER.match(name):
+            raise ValueError(
+                "must be lower-case letters, digits and '_', starting with a letter "
+                f"(it names checkpoints), got {name!r}"
+            )
+        if name == DEFAULT_GROUP:
+            raise ValueError(f"{DEFAULT_GROUP!r} names the tables no group names")
+        return name
+
+    @field_validator("trigger_interval")
+    @classmethod
+    def _an_interval(cls, interval: str | None) -> str | None:
+        if interval is not None and interval_seconds(interval) is None:
+            raise ValueError(f"not an interval (e.g. '60 seconds'): {interval!r}")
+        return interval
+
+    def selects(self, entity: str) -> bool:
+        """Whether the group names ``entity`` (by name or pattern)."""
+        return any(fnmatch.fnmatchcase(entity, pattern) for pattern in self.tables)
+
+
 class PipelineConfig(BaseSettings):
     """The whole pipeline configuration (docs/design.md, "Pipeline configuration")."""
 
@@ -936,6 +981,7 @@ class PipelineConfig(BaseSettings):
     entity_sets: list[EntitySetConfig] = Field(default_factory=list)
     # How often a running service asks the broker for topics its entity sets now select.
     entity_discovery_interval_s: float = Field(default=5.0, gt=0)
+    groups: list[TableGroupConfig] = Field(default_factory=list)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)
@@ -988,6 +1034,21 @@ class PipelineConfig(BaseSettings):
             raise ValueError(problem)
         return self
 
+    @model_validator(mode="after")
+    def _groups_distinct(self) -> Self:
+        names = [group.name for group in self.groups]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"groups {twice} are named twice")
+        return self
+
+    def group_of(self, entity: str) -> tuple[str, str | None]:
+        """The group ``entity`` belongs to and its trigger interval (None: the service's)."""
+        for group in self.groups:
+            if group.selects(entity):
+                return group.name, group.trigger_interval
+        return DEFAULT_GROUP, None
+
     def entity(self, name: str) -> EntityConfig:
         """The entity called ``name``; a clear error listing the known ones otherwise."""
         for entity in self.entities:
@@ -1024,21 +1085,6 @@ class PipelineConfig(BaseSettings):
     def layout(self) -> StorageLayout:
         """Every table and checkpoint path under ``storage_root``."""
         return StorageLayout(self.storage_root)
-
-    def runs_one_query(self, service: str) -> bool:
-        """Whether ``service`` runs one query for all its entities (``<service>.one_query``)."""
-        settings = getattr(self, service, None)  # any other name: a stream of its own
-        return isinstance(settings, StreamingServiceConfig) and settings.one_query
-
-    def checkpoint_path(self, service: str, entity: str) -> str:
-        """``<storage_root>/_checkpoints/<service>/<entity>``: where ``entity``'s stream resumes.
-
-        With ``<service>.one_query`` every entity's stream resumes from the one query's
-        checkpoint, ``_checkpoints/<service>/_all``.
-        """
-        if self.runs_one_query(service):
-            entity = ALL_ENTITIES
-        return self.layout.checkpoint(service, entity)
 
 
 def _format_validation_error(source: str, error: ValidationError) -> str:

@@ -159,3 +159,20 @@ def avro_schema_of_spark_type(spark: SparkSession, data_type: T.StructType) -> s
     java_type = java_class(spark, "org.apache.spark.sql.types.DataType").fromJson(data_type.json())
     converters = java_class(spark, "org.apache.spark.sql.avro.SchemaConverters")
     return str(converters.toAvroType(java_type, False, "row", "cdc").toString())
+
+
+def delta_version(spark: SparkSession, path: str) -> int:
+    """The version of the Delta table at ``path`` this JVM last loaded or committed.
+
+    Up to date after this process's own commit to it (Delta moves its log's snapshot to
+    the version it committed); no Spark job.
+    """
+    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
+    return int(delta_log.forTable(spark._jsparkSession, path).unsafeVolatileSnapshot().version())
+
+
+def delete_tree(spark: SparkSession, path: str) -> None:
+    """Delete the folder (or file) ``path`` and everything under it, if it is there."""
+    fs, folder = hadoop_path(spark, path)
+    if fs.exists(folder):
+        fs.delete(folder, True)

@@ -18,9 +18,8 @@ PUBLISHER_ES = "publisher_es"
 SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The services that quarantine what they cannot process (publisher-kafka: oversized events).
 QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
-#: The name, in place of an entity's, of a service's one query over all its entities
-#: (``<service>.one_query``): its checkpoint folder and its stream in ``/health``. No
-#: entity can take it: entity names start with a letter.
+#: A name no entity can take (entity names start with a letter): the one bronze table's
+#: folder, and the checkpoint of the one queries of earlier releases (``<service>.one_query``).
 ALL_ENTITIES = "_all"
 
 
@@ -67,8 +66,12 @@ class StorageLayout:
     def _under(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts])
 
-    def bronze(self, entity: str) -> str:
-        """The append-only change log of ``entity``, written by the ingestor."""
+    def bronze(self) -> str:
+        """Every entity's append-only change log, one table (``cdc_shared.bronze``)."""
+        return self._under("bronze", ALL_ENTITIES)
+
+    def legacy_bronze(self, entity: str) -> str:
+        """The change log of ``entity`` as releases before one bronze wrote it."""
         return self._under("bronze", entity)
 
     def silver(self, entity: str) -> str:
@@ -83,6 +86,10 @@ class StorageLayout:
         """The merger's newest delete per key of ``entity``, so late events stay out."""
         return self._under("silver", "_tombstones", entity)
 
+    def silver_versions(self) -> str:
+        """The merger's record of each silver commit, read by the publishers."""
+        return self._under("silver", "_versions")
+
     def truncates(self, entity: str) -> str:
         """The merger's record of truncates of ``entity``."""
         return self._under("silver", "_truncates", entity)
@@ -95,8 +102,12 @@ class StorageLayout:
         """``cdc quarantine replay``'s ledger of what it re-produced."""
         return self._under("quarantine", "_replayed")
 
-    def checkpoint(self, service: str, entity: str) -> str:
-        """The streaming checkpoint of ``service``'s query for ``entity``."""
+    def checkpoint(self, service: str, group: str) -> str:
+        """The streaming checkpoint of ``service``'s query for the table group ``group``."""
+        return self._under("_streams", service, group)
+
+    def legacy_checkpoint(self, service: str, entity: str) -> str:
+        """A checkpoint of earlier releases: a query per entity, or their one query (``_all``)."""
         return self._under("_checkpoints", service, entity)
 
     def writer_lease(self, service: str, entity: str) -> str:

@@ -1,4 +1,4 @@
-"""The command line every streaming service shares: ``--config``, ``--entity``, ``--once``."""
+"""The command line every streaming service shares: --config, --entity, --group, --once."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from cdc_shared.observability import configure_logging
 from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
 from cdc_shared.writer_lease import WriterRunningError
 
-StartStreams = Callable[[PipelineConfig, list[str] | None, bool], StreamRunner]
+#: A service's start: (config, --entity names, --once, a session to share, --group names).
+StartStreams = Callable[..., StreamRunner]
 
 
 def service_main(
@@ -24,13 +25,20 @@ def service_main(
     """
     parser = argparse.ArgumentParser(prog=command_name(service), description=description)
     parser.add_argument("--config", help="pipeline YAML (default: $CDC_CONFIG)")
-    parser.add_argument("--entity", action="append", help="entity to run (repeatable; default all)")
+    parser.add_argument(
+        "--entity",
+        action="append",
+        help="run these tables as one group of their own (repeatable; default: every group)",
+    )
+    parser.add_argument(
+        "--group", action="append", help="run only this group of tables (repeatable)"
+    )
     parser.add_argument("--once", action="store_true", help="process what is available, then exit")
     args = parser.parse_args(argv)
     configure_logging()
 
     def run(config: PipelineConfig) -> None:
-        runner = start(config, args.entity, args.once)
+        runner = start(config, args.entity, args.once, group_names=args.group)
         runner.install_signal_handlers()
         runner.run()
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
@@ -102,6 +103,23 @@ def quarantine_frame(spark: SparkSession, records: Sequence[QuarantineRecord]) -
     return frame_from_rows(spark, [r.row() for r in records], QUARANTINE_SCHEMA)
 
 
+#: The quarantine's columns that name one Kafka record: its entity and coordinates.
+QUARANTINED_RECORD = ("entity", "kafka_topic", "kafka_partition", "kafka_offset")
+
+
+def not_quarantined_yet(spark: SparkSession, rows: DataFrame, quarantine_path: str) -> DataFrame:
+    """``rows`` (quarantine rows) less the records the quarantine holds already.
+
+    A batch read again under a new checkpoint quarantines its records again under a new
+    ``txnAppId``, which the idempotent append cannot recognise; so each record is
+    quarantined once, whatever reads it. Rows without Kafka coordinates are all new.
+    Read only when a batch rejects records.
+    """
+    held = spark.read.format("delta").load(quarantine_path).select(*QUARANTINED_RECORD)
+    new = rows.join(held, on=list(QUARANTINED_RECORD), how="left_anti")
+    return new.select(*rows.columns)  # the join puts its columns first
+
+
 #: Compact small files after a commit once enough have gathered (thresholds: the
 #: ``spark.databricks.delta.autoCompact.*`` settings in ``cdc_shared.spark``), so a table
 #: written every few seconds does not fragment between ``cdc maintenance`` runs.
@@ -163,6 +181,34 @@ def idempotent_append(
     if merge_schema:
         writer = writer.option("mergeSchema", "true")
     writer.save(path)
+
+
+#: What a write records of how far its table has been written, atomically with it
+#: (Delta's idempotent writes): the writer's app id and the source position it reached.
+Progress = tuple[str, int]
+#: Delta's session settings that make a DML command (MERGE) an idempotent write.
+TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
+TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+
+
+@contextmanager
+def idempotent_dml(spark: SparkSession, progress: Progress | None) -> Iterator[None]:
+    """Inside the block, a Delta DML command in ``spark`` records ``progress`` (or is skipped).
+
+    Delta skips a write whose (app id, version) the table holds already, and records it
+    with the commit otherwise. The settings belong to the session: each writer that runs
+    beside another has a session of its own (``TableQueue``).
+    """
+    if progress is None:
+        yield
+        return
+    spark.conf.set(TXN_APP_ID, progress[0])
+    spark.conf.set(TXN_VERSION, str(progress[1]))
+    try:
+        yield
+    finally:
+        spark.conf.unset(TXN_APP_ID)
+        spark.conf.unset(TXN_VERSION)
 
 
 def app_id(service: str, entity: str, query_id: str) -> str:
@@ -264,3 +310,13 @@ def on_conflict_retry(write: Callable[_P, _T]) -> Callable[_P, _T]:
         ),
     )
     return policy.wraps(write)
+
+
+@on_conflict_retry
+def record_progress(spark: SparkSession, path: str, progress: Progress) -> None:
+    """A commit of nothing but ``progress`` to the Delta table at ``path``.
+
+    For a batch that changes nothing in the table: its progress must still be known.
+    """
+    schema = spark.read.format("delta").load(path).schema
+    idempotent_append(frame_from_rows(spark, [], schema), path, *progress)

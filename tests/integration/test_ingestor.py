@@ -14,10 +14,8 @@ from cdc_devkit.workload import (
     produce,
 )
 from cdc_ingestor import ingestion as ingestor_main
-from cdc_ingestor import one_query
 from cdc_ingestor.main import start
 from cdc_shared.config import KafkaConfig
-from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.streaming import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F

@@ -15,14 +15,10 @@ from typing import Any
 import pytest
 import yaml
 from cdc_devkit.workload import produce
-from cdc_merger.bronze_start import FROM_FIRST_COMMIT_MARKER
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import silver_layout
 from cdc_shared.config import KafkaConfig
-from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.spark import counting_jobs
-from cdc_shared.stream_checkpoint import SOURCES_FILE, start_file
-from cdc_shared.streaming import delta_union
 from cdc_shared.tables import table_properties
 from pyspark.sql import SparkSession
 from support.dying import Killed, dying_after
@@ -89,21 +85,16 @@ def test_workload_through_ingestor_and_merger_equals_oracle(
             history = table_properties(spark, layout.history.path)
             assert history["delta.enableDeletionVectors"] == "true", entity.name
 
-    # Bronze could replay every row from its commits: the streams read it from version 0.
-    for entity in pipeline.config.entities:
-        checkpoint = Path(pipeline.config.checkpoint_path("merger", entity.name))
-        assert (checkpoint / FROM_FIRST_COMMIT_MARKER).exists(), entity.name
-
     versions = {e.name: silver_version(spark, pipeline, e.name) for e in pipeline.config.entities}
     with counting_jobs(spark) as jobs:
         merge_once(pipeline, spark)  # nothing new in bronze: silver untouched
     assert versions == {
         e.name: silver_version(spark, pipeline, e.name) for e in pipeline.config.entities
     }
-    # ... and its restart rebuilt no bronze snapshot (a Spark job per table, read from a
-    # stream's snapshot start).
+    # ... and its restart read no table: one job looks at bronze's change feed since the
+    # oldest progress for tables left behind (none), no job per table.
     time.sleep(1)  # the listener bus records jobs a moment after they start
-    assert jobs() == 0
+    assert jobs() <= 1
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
 from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import KafkaConfig
 from cdc_shared.layout import ALL_ENTITIES
@@ -73,7 +74,8 @@ def ingest_once(pipeline: Pipeline, spark: SparkSession, max_offsets: int | None
 
 
 def bronze(spark: SparkSession, pipeline: Pipeline, entity: str) -> DataFrame:
-    return spark.read.format("delta").load(pipeline.config.layout.bronze(entity))
+    """``entity``'s rows of bronze, typed (``cdc_shared.bronze.entity_changes``)."""
+    return entity_changes(spark, pipeline.config.layout.bronze(), entity)
 
 
 def quarantine(spark: SparkSession, pipeline: Pipeline) -> DataFrame:

@@ -32,69 +32,14 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from cdc_shared.config import S3A_SCHEME, ObjectStorageConfig, PipelineConfig, s3a_bucket
+from cdc_shared.config import PipelineConfig
+from cdc_shared.delta_rs import delta_storage_options, is_object_storage, table_uri
 
 from cdc_cli.checkpoints import Commit
 
 if TYPE_CHECKING:
     from deltalake import DeltaTable
     from pyarrow import fs as pafs
-
-#: The region when neither the configuration nor the environment names one and the
-#: endpoint is not AWS's (S3-compatible stores accept any).
-DEFAULT_REGION = "us-east-1"
-
-
-def is_object_storage(path: str) -> bool:
-    """Whether ``path`` is on S3-compatible object storage (an ``s3a://`` URI)."""
-    return path.lower().startswith(f"{S3A_SCHEME}://")
-
-
-def table_uri(path: str) -> str:
-    """``path`` as delta-rs names it: ``s3a://`` becomes ``s3://``; a local path unchanged."""
-    if is_object_storage(path):
-        return "s3://" + path.split("://", 1)[1]
-    return path
-
-
-def region(storage: ObjectStorageConfig, bucket: str) -> str:
-    """The region to sign requests for: configured, else the environment's, else found.
-
-    Without an endpoint (AWS S3 itself) and no region anywhere, the bucket's region is
-    asked of S3 once; an S3-compatible store gets ``DEFAULT_REGION``.
-    """
-    chosen = storage.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if chosen:
-        return chosen
-    if storage.endpoint is None:
-        from pyarrow.fs import resolve_s3_region
-
-        return str(resolve_s3_region(bucket))
-    return DEFAULT_REGION
-
-
-def delta_storage_options(config: PipelineConfig) -> dict[str, str]:
-    """delta-rs ``storage_options`` for the storage root (empty for a local root).
-
-    The same settings as the root's S3A ones (``ObjectStorageConfig.hadoop_options``);
-    holds the secret key when one is configured: never log the result.
-    """
-    bucket = s3a_bucket(config.storage_root)
-    if bucket is None:
-        return {}
-    storage = config.object_storage
-    options = {
-        "AWS_REGION": region(storage, bucket),
-        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": str(not storage.path_style_access).lower(),
-    }
-    if storage.endpoint is not None:
-        options["AWS_ENDPOINT_URL"] = storage.endpoint.rstrip("/")
-        options["AWS_ALLOW_HTTP"] = str(storage.endpoint.startswith("http://")).lower()
-    if storage.access_key is not None and storage.secret_key is not None:
-        options["AWS_ACCESS_KEY_ID"] = storage.access_key.get_secret_value()
-        options["AWS_SECRET_ACCESS_KEY"] = storage.secret_key.get_secret_value()
-    return options
-
 
 class DeltaLogState:
     """A :class:`cdc_cli.checkpoints.StateReader` without a JVM, for one pipeline's root.

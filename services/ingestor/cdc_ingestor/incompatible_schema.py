@@ -8,22 +8,12 @@ an error line per batch.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from cdc_shared.config import EntityConfig
 from cdc_shared.layout import INGESTOR
 
 log = logging.getLogger("cdc_ingestor")
-#: How a batch stopped for an incompatible writer schema reads in the query's error.
-INCOMPATIBLE = re.compile(r"IncompatibleSchemaError: ([^\n]*)")
-
-
-class IncompatibleSchemaError(RuntimeError):
-    """A batch holds records whose writer schema the reader cannot resolve.
-
-    docs/design.md: an incompatible change stops the affected entity with a clear error.
-    """
 
 
 def _reasons(rejected: list[Any]) -> list[str]:
@@ -37,10 +27,10 @@ def incompatible_stop(entity: EntityConfig, count: int, rejected: list[Any]) -> 
     return (
         f"stopped: {count} record(s) of topic {entity.source_topic!r} were written "
         f"with a schema the reader cannot resolve ({'; '.join(reasons[:3])}). Nothing of "
-        "the batch was written; the stream stops before the first such record's batch. "
-        "Deploy a reader schema that resolves it (or fix the producer), or set "
-        "ingestor.on_incompatible_schema: quarantine to set such records aside, then "
-        "restart"
+        "the table's batch was written; the table is held from its first record of that "
+        "batch while the others go on. Deploy a reader schema that resolves it (or fix the "
+        "producer), or set ingestor.on_incompatible_schema: quarantine to set such "
+        "records aside, then restart"
     )
 
 

@@ -1,9 +1,8 @@
 """``cdc-ingestor``: Kafka CDC topics -> bronze Delta, exactly-once, with quarantine.
 
-Per entity (:mod:`cdc_ingestor.ingestion`), or all entities in one query
-(``ingestor.one_query``, :mod:`cdc_ingestor.one_query`): Spark's Kafka source (source)
--> JVM Avro or JSON decoding and contract checks (transform) -> one foreachBatch writing
-bronze and quarantine idempotently (sink).
+One streaming query per group of tables (:mod:`cdc_ingestor.ingestion`): Spark's Kafka
+source over the group's topics (source) -> JVM Avro or JSON decoding and contract checks
+(transform) -> one bronze append and one quarantine append per batch, idempotent (sink).
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ from cdc_shared.streaming import StreamRunner, StreamService, start_service
 from pyspark.sql import SparkSession
 
 from cdc_ingestor.failures import kafka_failures
-from cdc_ingestor.ingestion import SERVICE, EntityIngestion
+from cdc_ingestor.ingestion import SERVICE, GroupIngestion
 from cdc_ingestor.kafka_watch import KafkaWatch
-from cdc_ingestor.one_query import open_all_topics
 
 
 def start(
@@ -28,25 +26,17 @@ def start(
     entity_names: list[str] | None = None,
     once: bool = False,
     spark: SparkSession | None = None,
+    group_names: list[str] | None = None,
 ) -> StreamRunner:
-    """Start the Kafka -> bronze streams and the broker watch; ``run()`` it.
-
-    One stream per entity, or one query for all of them (``ingestor.one_query``).
-    """
-    registry = make_registry(config)
+    """Start the Kafka -> bronze query of each group and the broker watch; ``run()`` it."""
     ingestor = StreamService(
         SERVICE,
         config.ingestor,
-        functools.partial(EntityIngestion, registry=registry),
+        functools.partial(GroupIngestion, registry=make_registry(config)),
         lag="maxOffsetsBehindLatest",
         on_failure=kafka_failures(config),
-        open_group=(
-            functools.partial(open_all_topics, registry=registry)
-            if config.ingestor.one_query
-            else None
-        ),
     )
-    runner = start_service(ingestor, config, entity_names, once, spark)
+    runner = start_service(ingestor, config, entity_names, once, spark, group_names)
     KafkaWatch(config.kafka, None, runner).start()
     return runner
 
@@ -54,7 +44,7 @@ def start(
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cdc-ingestor``."""
     return service_main(
-        SERVICE, "Kafka CDC topics -> bronze Delta tables, exactly-once.", start, argv
+        SERVICE, "Kafka CDC topics -> bronze Delta table, exactly-once.", start, argv
     )
 
 

@@ -1,9 +1,8 @@
 """What a decoded batch writes: its bronze rows and its quarantine rows.
 
 ``decode`` gives every record an ``error_kind`` (null when it decoded and keeps the
-contract); the records without one become bronze rows, the others quarantine rows with
-their raw bytes. Also bronze's table properties, and the guard that fails a write meeting
-a record of an incompatible writer schema when the entity stops on those.
+contract); the records without one become bronze rows (``cdc_shared.bronze``), the
+others quarantine rows with their raw bytes.
 """
 
 from __future__ import annotations
@@ -12,57 +11,40 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from cdc_shared import tables
+from cdc_shared import bronze, tables
 from cdc_shared.config import EntityConfig
 from cdc_shared.layout import INGESTOR
 from cdc_shared.spark import clock
-from cdc_shared.tables import AUTO_COMPACT
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-BRONZE_PROPERTIES = {
-    "delta.appendOnly": "true",
-    # Statistics only for the Kafka coordinates: readers stream bronze, they do not skip.
-    "delta.dataSkippingNumIndexedCols": "4",
-    # About one commit a second under load: a log checkpoint every ~100 s, not every 10 s.
-    "delta.checkpointInterval": "100",
-    **AUTO_COMPACT,
-}
-#: Starts the error that fails a write which met a record of an incompatible writer schema.
-REFUSED_INCOMPATIBLE = "cdc-ingestor refused a record of an incompatible writer schema: "
 
+def bronze_columns(entity: str, envelope: T.StructType) -> list[Column]:
+    """A decoded record's bronze row (``cdc_shared.bronze``), for records that decoded.
 
-def refusing_incompatible(decoded: DataFrame) -> DataFrame:
-    """``decoded``, failing the job that meets a record of an incompatible writer schema.
-
-    The error starts with ``REFUSED_INCOMPATIBLE``; a write of the batch stops before its
-    commit, so nothing of the batch is written. Applied above ``decode``'s barrier, it
-    costs a comparison per record, not a second decoding.
+    The key and the envelope's fields but ``op`` go into the one ``payload`` column.
     """
-    kind = F.col("error_kind")
-    refused = F.raise_error(F.concat(F.lit(REFUSED_INCOMPATIBLE), F.col("error_message")))
-    return decoded.withColumn(
-        "error_kind", F.when(kind == F.lit("incompatible_schema"), refused).otherwise(kind)
-    )
-
-
-def bronze_rows(decoded: DataFrame) -> DataFrame:
-    """The records that decoded: one bronze row each (tombstones included, flagged)."""
-    envelope_fields = decoded.schema["envelope"].dataType
-    assert isinstance(envelope_fields, T.StructType)
-    return decoded.where(F.col("error_kind").isNull()).select(
-        "kafka_topic",
-        "kafka_partition",
-        "kafka_offset",
-        "kafka_timestamp",
+    payload = F.struct(
         F.col("decoded_key").alias("key"),
-        *[F.col(f"envelope.{f.name}").alias(f.name) for f in envelope_fields.fields],
-        F.col("raw_value").isNull().alias("is_tombstone"),
-        "sequence",
-        "writer_schema",
-        clock().alias("ingested_at"),
+        *[F.col(f"envelope.`{f.name}`").alias(f.name) for f in envelope.fields if f.name != "op"],
     )
+    return [
+        F.lit(entity).alias(bronze.ENTITY),
+        *[F.col(c) for c in bronze.KAFKA_COLUMNS],
+        F.col("envelope.op").alias("op"),
+        F.col("raw_value").isNull().alias("is_tombstone"),
+        F.col("sequence"),
+        F.col("writer_schema"),
+        clock().alias("ingested_at"),
+        F.to_variant_object(payload).alias(bronze.PAYLOAD),
+    ]
+
+
+def payload_type(key: T.DataType, envelope: T.StructType) -> T.StructType:
+    """The type of the payload ``bronze_columns`` writes (bronze's ``cdc.payloadType.*``)."""
+    fields = [f for f in envelope.fields if f.name != "op"]
+    return T.StructType([T.StructField("key", key, True), *fields])
 
 
 def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Column]:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -26,8 +24,14 @@ import pyarrow.compute as pc
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import clock, observed, side_by_side
-from cdc_shared.tables import AUTO_COMPACT, on_conflict_retry
+from cdc_shared.spark import clock, observed
+from cdc_shared.tables import (
+    AUTO_COMPACT,
+    Progress,
+    idempotent_dml,
+    on_conflict_retry,
+    record_progress,
+)
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -404,6 +408,7 @@ def apply_batch(
     placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
     dropped: Sequence[str] = (),
     null_updates: Collection[str] = (),
+    progress: Progress | None = None,
 ) -> ApplyResult:
     """Apply one batch of bronze events to silver; idempotent.
 
@@ -414,13 +419,16 @@ def apply_batch(
     value (``cdc_merger.unavailable``); None stores every value as sent. So does a
     ``null_updates`` column whose update brings a null (``ignore_null_updates``). The
     ``dropped`` columns of the rows (the entity's column selection) are left out of
-    silver; the quarantine keeps whole bronze rows.
+    silver; the quarantine keeps whole bronze rows. ``progress`` (an app id and the
+    source version the events reach) is recorded in silver's log with the MERGE (Delta's
+    idempotent writes), or alone when the batch merges nothing: a batch run again under
+    the same progress writes nothing twice. The entity's history is written apart
+    (:func:`apply_history`), after this step has committed.
 
     Spark jobs: one computes the newest event per key and the batch's counts (observed
     metrics, no extra pass); a second brings the offered keys and sequences to the driver
-    (the tombstone index is consulted and updated there); then the MERGE, beside the
-    tombstones' append and the history step (when the entity has a history), so the two
-    cores share independent writes.
+    (the tombstone index is consulted and updated there); then the tombstones' append,
+    then the MERGE.
     """
     key = layout.key
     state = state or MergeState(spark, layout)
@@ -462,23 +470,14 @@ def apply_batch(
         unavailable = _unavailable_without_prior(spark, candidates, layout)
         lap("unavailable")
     tombstones = _tombstones(newest, candidates, layout.key, every_delete, summary, offered)
-    # Silver's step and the history's are independent writes: side by side (``_history``).
-    writes: dict[str, Callable[[], None]] = {}
-    if offered.keys or tombstones is not None:
-        after = rows.schema["after"].dataType
-        assert isinstance(after, T.StructType)
-        kept = unavailable_columns(after, key, placeholder, null_updates)
-        kept = [c for c in kept if c in silver.fieldNames()]
-        merged = candidates if offered.keys else None
-        writes["merge"] = lambda: _silver_step(
-            spark, merged, tombstones, layout, kept, state, offered
-        )
-    if layout.history is not None and (int(summary["applicable"]) or truncate is not None):
-        writes["history"] = lambda: _history(
-            spark, layout, rows, summary, placeholder, null_updates, state
-        )
-    step_ms = _side_by_side_timed(writes)
-    lap("write")
+    after = rows.schema["after"].dataType
+    assert isinstance(after, T.StructType)
+    kept = unavailable_columns(after, key, placeholder, null_updates)
+    kept = [c for c in kept if c in silver.fieldNames()]
+    merged = candidates if offered.keys else None
+    _write_silver(spark, merged, tombstones, layout, kept, progress)
+    state.tombstones.record(offered.deletes, offered.upserts)
+    lap("merge")
     return ApplyResult(
         events=int(summary["events"]),
         rejected=rejected,
@@ -486,7 +485,7 @@ def apply_batch(
         deletes=offered.deletes.num_rows,
         truncated=truncate is not None,
         ingested_until=summary["ingested_until"],
-        step_ms=lap.laps | step_ms,
+        step_ms=lap.laps,
         unavailable=unavailable,
     )
 
@@ -496,23 +495,6 @@ def _newer_than(candidates: DataFrame, sequence: list[int] | None) -> DataFrame:
     if sequence is None:
         return candidates
     return candidates.where(F.col(SEQUENCE) > sequence_literal(sequence))
-
-
-def _side_by_side_timed(steps: dict[str, Callable[[], None]]) -> dict[str, int]:
-    """Run ``steps`` at once (one alone: in this thread); each one's wall time, ``<name>_ms``."""
-    took: dict[str, int] = {}
-
-    def timed(name: str, step: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            started = time.monotonic()
-            step()
-            took[f"{name}_ms"] = int((time.monotonic() - started) * 1000)
-
-        return run
-
-    if steps:
-        side_by_side([timed(name, step) for name, step in steps.items()])
-    return took
 
 
 def _tombstones(
@@ -542,20 +524,6 @@ def _tombstones(
     return deletes.select(*key, SEQUENCE, F.col(COMMIT_TS).alias(DELETED_AT))
 
 
-def _silver_step(
-    spark: SparkSession,
-    candidates: DataFrame | None,
-    tombstones: DataFrame | None,
-    layout: SilverLayout,
-    kept: list[str],
-    state: MergeState,
-    offered: Offered,
-) -> None:
-    """Silver's MERGE and the tombstones' append, then the tombstone index updated."""
-    _write_silver(spark, candidates, tombstones, layout, kept)
-    state.tombstones.record(offered.deletes, offered.upserts)
-
-
 def _history_reach(layout: SilverLayout, state: MergeState, summary: dict[str, Any]) -> Reach:
     """How far into the history the batch reaches (``Reach``).
 
@@ -579,50 +547,52 @@ def _history_reach(layout: SilverLayout, state: MergeState, summary: dict[str, A
     )
 
 
-def _history(
+def apply_history(
     spark: SparkSession,
+    events: DataFrame,
     layout: SilverLayout,
-    rows: DataFrame,
-    summary: dict[str, Any],
-    placeholder: Placeholder | None,
-    null_updates: Collection[str],
     state: MergeState,
-) -> None:
-    """The batch's events and truncates into the entity's history (beside silver's MERGE).
+    placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
+    dropped: Sequence[str] = (),
+    null_updates: Collection[str] = (),
+    progress: Progress | None = None,
+) -> int:
+    """Bring the entity's history up to ``events``, which silver's step applied; idempotent.
 
-    A column an event did not send (its ``placeholder``, or a null update of a
+    Run after silver's step of the same events has committed (``apply_batch``): the
+    history is rebuilt from the events (their deletes included), the history's rows, the
+    tombstones (silver's step records every delete of an entity with a history) and the
+    truncates. A column an event did not send (its ``placeholder``, or a null update of a
     ``null_updates`` column) takes the key's prior value in the history, as in silver.
-
-    Independent of silver's step, so the two run at once: the history is rebuilt from
-    the batch's own events (its deletes included), the history's rows, the tombstones
-    earlier batches recorded and the truncates (recorded before either step starts).
-    They write no table in common: silver's step records every delete of the batch as a
-    tombstone (``_tombstones``), for both. A crash between the commits replays the batch,
-    and each step is idempotent: a tombstone recorded again is a repeat, harmless to both
-    readers (silver's newest per key counts; history dedupes by key and sequence).
+    ``progress`` is recorded with the history's write, or alone when the events change
+    nothing there. Returns how many events were applicable.
     """
     history = layout.history
     assert history is not None
+    key = layout.key
+    silver = state.silver_schema(without_columns(events, dropped))
+    kind, _ = rejection(events, key, silver)
+    checked = events.withColumn(ERROR_KIND, F.when(~F.col("is_tombstone"), kind))
+    row = checked.agg(*_batch_metrics()).first()
+    assert row is not None  # an aggregate without grouping has one row
+    summary = row.asDict(recursive=False)
+    rows = without_columns(checked.where(F.col(ERROR_KIND).isNull()).drop(ERROR_KIND), dropped)
     after = rows.schema["after"].dataType
     assert isinstance(after, T.StructType)
     unsent = {
         name: not_sent(F.col(f"after.`{name}`"), after[name], placeholder, null_updates)
-        for name in unavailable_columns(after, layout.key, placeholder, null_updates)
+        for name in unavailable_columns(after, key, placeholder, null_updates)
     }
-    events = history_events(rows, layout.key, unsent) if int(summary["applicable"]) else None
-    if events is None and not summary["truncates"]:
-        return
+    applicable = int(summary["applicable"])
+    history_rows = history_events(rows, key, unsent) if applicable else None
+    if history_rows is None and not summary["truncates"]:
+        if progress is not None:
+            record_progress(spark, history.path, progress)
+        return applicable
     closing = sorted(([int(v) for v in sequence], at) for sequence, at in summary["truncates"])
     reach = _history_reach(layout, state, summary)
-    write_history(
-        spark,
-        history,
-        layout.key,
-        events,
-        reach,
-        closing,
-        list(unsent),
-    )
+    write_history(spark, history, key, history_rows, reach, closing, list(unsent), progress)
+    return applicable
 
 
 def _batch_metrics() -> list[Column]:
@@ -760,26 +730,34 @@ def _write_silver(
     tombstones: DataFrame | None,
     layout: SilverLayout,
     kept: list[str],
+    progress: Progress | None,
 ) -> None:
-    """The MERGE of ``candidates`` and the ``tombstones``' append, side by side.
+    """The ``tombstones``' append, then the MERGE of ``candidates`` recording ``progress``.
 
-    Either order of the two commits is safe: a replay re-applies the deletes (they are
-    never filtered by tombstones) and appends their tombstones again (the newest counts).
+    In this order: the MERGE's commit records the batch's progress, so once it is there
+    the batch is done, its tombstones with it (a repeat of them, after a crash before the
+    MERGE, is harmless: the newest per key counts). A batch merging nothing records its
+    progress in a commit of its own.
     """
-    writes: list[Callable[[], None]] = []
-    if candidates is not None:
-        writes.append(partial(_merge_silver, spark, candidates, layout, kept))
     if tombstones is not None:
-        writes.append(partial(_record_tombstones, tombstones, layout.tombstone_path))
-    side_by_side(writes)
+        _record_tombstones(tombstones, layout.tombstone_path)
+    if candidates is not None:
+        _merge_silver(spark, candidates, layout, kept, progress)
+    elif progress is not None:
+        record_progress(spark, layout.silver_path, progress)
 
 
 @on_conflict_retry
 def _merge_silver(
-    spark: SparkSession, candidates: DataFrame, layout: SilverLayout, kept: list[str]
+    spark: SparkSession,
+    candidates: DataFrame,
+    layout: SilverLayout,
+    kept: list[str],
+    progress: Progress | None,
 ) -> None:
     silver = DeltaTable.forPath(spark, layout.silver_path)
-    silver_merge(silver, candidates, layout.key, kept).execute()
+    with idempotent_dml(spark, progress):
+        silver_merge(silver, candidates, layout.key, kept).execute()
 
 
 def silver_merge(

@@ -29,7 +29,7 @@ from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.spark import observed, side_by_side
-from cdc_shared.tables import on_conflict_retry
+from cdc_shared.tables import Progress, on_conflict_retry, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
 from pyspark.sql import functions as F
@@ -149,6 +149,7 @@ def write_history(
     reach: Reach,
     truncates: list[tuple[list[int], object]],
     fillable: Sequence[str] = (),
+    progress: Progress | None = None,
 ) -> None:
     """Bring the history up to date with one batch (idempotent).
 
@@ -157,7 +158,8 @@ def write_history(
     one are rebuilt too, so each such version closes there. ``reach``: how far back the
     batch reaches (its versions since its oldest event; the side tables to read).
     ``fillable``: the columns an event may leave unsent (its ``UNSENT``), filled from the
-    key's previous event.
+    key's previous event. ``progress`` is recorded with the write (or alone when nothing
+    changes): a batch run again under the same progress writes nothing twice.
 
     Each input is read once: the batch's events, the versions of the keys it touches it
     can reach and (when read) their tombstones are local checkpoints (small jobs), the
@@ -206,7 +208,7 @@ def write_history(
     )
     rebuilt = versions.localCheckpoint(eager=True)  # read before the write changes its target
     changed = changed_versions(key, known, rebuilt)
-    _replace_versions(table.path, key, reach.since, changed, order=known.columns)
+    _replace_versions(table.path, key, reach.since, changed, known.columns, progress)
 
 
 def _reached(since: list[int], table: str | None = None) -> str:
@@ -494,7 +496,12 @@ def changed_versions(key: list[str], known: DataFrame, versions: DataFrame) -> D
 
 @on_conflict_retry
 def _replace_versions(
-    path: str, key: list[str], since: list[int], versions: DataFrame, order: list[str]
+    path: str,
+    key: list[str],
+    since: list[int],
+    versions: DataFrame,
+    order: list[str],
+    progress: Progress | None = None,
 ) -> None:
     """Replace the rows a batch reached (``Reach``) of the keys in ``versions``, in one commit.
 
@@ -502,16 +509,19 @@ def _replace_versions(
     deleted (Delta reads the key and end columns of the history's files and marks them
     in deletion vectors), then ``versions`` appended, in one overwrite; the history's
     large files are read once and none is rewritten (a MERGE read them twice, whole).
-    Nothing to write, no commit. ``order``: the history's columns as read (a new column
-    goes last).
+    Nothing to write: no commit but ``progress``'s own. ``order``: the history's columns
+    as read (a new column goes last).
     """
     counted, rows = Observation(), [F.count(F.lit(1)).alias("rows")]
     # Computed once: the delete and the append both read it.
     changed = versions.observe(counted, *rows).localCheckpoint(eager=True)
+    spark = versions.sparkSession
     if not int(observed(counted, versions, rows)["rows"]):
+        if progress is not None:
+            record_progress(spark, path, progress)
         return
     columns = [c for c in order if c in versions.columns]
-    (
+    writer = (
         changed.select(*columns, *[c for c in versions.columns if c not in columns])
         .alias("s")
         .write.format("delta")
@@ -519,8 +529,10 @@ def _replace_versions(
         .option("targetAlias", "t")
         .option("replaceOn", _replace_condition(key, since))
         .option("mergeSchema", "true")
-        .save(path)
     )
+    if progress is not None:
+        writer = writer.option("txnAppId", progress[0]).option("txnVersion", progress[1])
+    writer.save(path)
 
 
 def _replace_condition(key: list[str], since: list[int]) -> str:

@@ -1,9 +1,9 @@
 """``cdc-merger``: bronze change log -> silver current state, order-safe and idempotent.
 
-Per entity (:mod:`cdc_merger.merging`), or all entities in one query (``merger.one_query``,
-:mod:`cdc_merger.one_query`): a Delta stream over ``bronze/<entity>`` (source) -> latest
-event per key, tombstone filter (transform) -> one MERGE into ``silver/<entity>`` plus
-tombstones (sink).
+One streaming query per group of tables (:mod:`cdc_merger.stream`): a Delta stream over
+bronze (source) -> per changed table, latest event per key and tombstone filter
+(transform) -> one MERGE into ``silver/<entity>`` plus tombstones, truncates and history
+(sink), written through the group's work queue.
 """
 
 from __future__ import annotations
@@ -11,20 +11,12 @@ from __future__ import annotations
 import sys
 
 from cdc_shared.config import PipelineConfig
-from cdc_shared.layout import MERGER
 from cdc_shared.service import service_main
-from cdc_shared.streaming import (
-    StreamRunner,
-    StreamService,
-    rebuilding_on_schema_change,
-    start_service,
-)
+from cdc_shared.streaming import StreamRunner, StreamService, start_service
 from pyspark.sql import SparkSession
 
-from cdc_merger.merging import EntityMerge
-from cdc_merger.one_query import open_all_tables
-
-SERVICE = MERGER
+from cdc_merger.merging import SERVICE
+from cdc_merger.stream import GroupMerge
 
 
 def start(
@@ -32,25 +24,16 @@ def start(
     entity_names: list[str] | None = None,
     once: bool = False,
     spark: SparkSession | None = None,
+    group_names: list[str] | None = None,
 ) -> StreamRunner:
-    """Start the bronze -> silver streams (each waits for its bronze); ``run()`` it.
-
-    One stream per entity, or one query for all of them (``merger.one_query``).
-    """
-    merger = StreamService(
-        SERVICE,
-        config.merger,
-        EntityMerge,
-        lag="numFilesOutstanding",  # bronze files not yet merged
-        on_failure=rebuilding_on_schema_change("bronze"),
-        open_group=open_all_tables if config.merger.one_query else None,
-    )
-    return start_service(merger, config, entity_names, once, spark)
+    """Start the bronze -> silver query of each group (each waits for bronze); ``run()`` it."""
+    merger = StreamService(SERVICE, config.merger, GroupMerge, lag="numFilesOutstanding")
+    return start_service(merger, config, entity_names, once, spark, group_names)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``cdc-merger``."""
-    return service_main(SERVICE, "bronze Delta change logs -> silver Delta tables.", start, argv)
+    return service_main(SERVICE, "bronze Delta change log -> silver Delta tables.", start, argv)
 
 
 if __name__ == "__main__":

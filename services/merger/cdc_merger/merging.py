@@ -1,8 +1,14 @@
-"""One entity's merger stream: ``bronze/<entity>`` -> ``silver/<entity>``, order-safe, idempotent.
+"""One table's writes: its bronze rows of a range of versions -> silver, then its history.
 
-A Delta stream over bronze (source) -> latest event per key, tombstone filter (transform)
--> one MERGE into silver plus tombstones, truncates and history (sink). The merger runs
-one per entity, or all of them inside its one query (:mod:`cdc_merger.one_query`).
+The merger's group stream (:mod:`cdc_merger.stream`) hands each table the bronze version
+its changes reach; the table reads its own rows since its progress (bronze's Change Data
+Feed, typed: ``cdc_shared.bronze.entity_changes``) and applies them
+(:func:`cdc_merger.apply.apply_batch`: latest event per key, tombstone and truncate
+guards, one MERGE into silver). The MERGE's commit records the bronze version reached
+(Delta's idempotent writes, app id ``PROGRESS_APP``): silver's own log says how far the
+table is merged, so the table can be written in any later batch, and a write run again
+writes nothing twice. The history, when the entity keeps one, is brought up to silver's
+progress after silver's step committed, with a progress of its own in its own log.
 """
 
 from __future__ import annotations
@@ -10,23 +16,22 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from cdc_shared import bronze
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import MERGER
 from cdc_shared.retry import retrying
 from cdc_shared.spark import counting_jobs
-from cdc_shared.streaming import (
-    BatchStats,
-    EntityStreamBase,
-)
+from cdc_shared.streaming import BatchStats
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
-    app_id,
     ensure_table,
     idempotent_append,
+    not_quarantined_yet,
     quarantine_columns,
-    wait_for_table,
 )
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -38,18 +43,21 @@ from cdc_merger.apply import (
     MergeState,
     SilverLayout,
     apply_batch,
+    apply_history,
     ensure_tables,
     expire_tombstones,
     lost_local_checkpoint,
     without_columns,
 )
-from cdc_merger.bronze_start import reads_from_first_commit, replayable_from_first_commit
 from cdc_merger.history import HistoryTable
 from cdc_merger.unavailable import Placeholder
 from cdc_merger.write_mode import WriteMode
 
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
+#: The app id of the merger's progress in silver's (and the history's) log: the bronze
+#: version the table is merged through.
+PROGRESS_APP = "cdc-merger"
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
@@ -75,6 +83,7 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
 
     The event itself is kept as JSON (key and the whole bronze row) with its Kafka
     coordinates, so it can be inspected and traced back to the source record.
+    ``batch_id`` is the bronze version the write reached.
     """
     row = F.struct(*[F.col(c) for c in rejected.columns if c not in (ERROR_KIND, ERROR_MESSAGE)])
     return rejected.select(
@@ -89,145 +98,127 @@ def quarantine_rows(rejected: DataFrame, entity: str, batch_id: int) -> DataFram
             kafka_timestamp=F.col("kafka_timestamp"),
             raw_key=F.to_json(F.col("key")),
             raw_value=F.to_json(row),
-            source_table=F.lit(f"bronze/{entity}"),
+            source_table=F.lit("bronze"),
             batch_id=F.lit(batch_id),
             quarantined_at=F.current_timestamp(),
         )
     )
 
 
-#: The quarantine's columns that name one bronze event: its entity and Kafka coordinates
-#: (bronze holds each Kafka record once).
-QUARANTINED_EVENT = ("entity", "kafka_topic", "kafka_partition", "kafka_offset")
-
-
-def not_quarantined_yet(
-    spark: SparkSession, rows: DataFrame, quarantine_path: str, entity: str
-) -> DataFrame:
-    """``rows`` (``quarantine_rows``) less the events the quarantine holds already.
-
-    A batch read again under a new checkpoint rejects its events again under a new
-    ``txnAppId``, which the idempotent append cannot recognise: a one query carried over
-    onto a new checkpoint (a table taken up) reads each table's last version again
-    (``cdc_shared.streaming.delta_union``). Read only when a batch rejects events.
-    """
-    held = (
-        spark.read.format("delta")
-        .load(quarantine_path)
-        .where(F.col("entity") == entity)
-        .select(*QUARANTINED_EVENT)
-    )
-    new = rows.join(held, on=list(QUARANTINED_EVENT), how="left_anti")
-    return new.select(*rows.columns)  # the join puts its columns first
-
-
-def _row_columns(bronze: DataFrame) -> list[str]:
-    """The source row's columns in bronze events (their ``after`` image)."""
-    after = bronze.schema["after"].dataType
+def _row_columns(payload_type: T.StructType) -> list[str]:
+    """The source row's columns in an entity's bronze payload (its ``after`` image)."""
+    after = payload_type["after"].dataType
     assert isinstance(after, T.StructType)
     return after.fieldNames()
 
 
-class EntityMerge(EntityStreamBase):
-    """One entity's stream: ``bronze/<entity>`` into ``silver/<entity>``."""
+@dataclass(eq=False)
+class TableMerge:
+    """One entity's writes (see the module docstring); its progress kept in memory.
+
+    ``progress`` / ``history_progress``: the bronze version silver and the history are
+    merged through (-1: nothing yet), read from their logs at start, then kept here (the
+    merger is their only writer). ``announce`` is told after each write of silver.
+    """
+
+    spark: SparkSession
+    config: PipelineConfig
+    entity: EntityConfig
+    announce: Callable[[str], None]
+    progress: int = -1
+    history_progress: int = -1
+    layout: SilverLayout = field(init=False)
 
     def __post_init__(self) -> None:
-        self.bronze_path = self.config.layout.bronze(self.entity.name)
         self.layout = silver_layout(self.config, self.entity)
-        self.state = MergeState(self.spark, self.layout)
+        self.bronze_path = self.config.layout.bronze()
         self.quarantine_path = self.config.layout.quarantine(SERVICE)
-        self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
+        self.state = MergeState(self.spark, self.layout)
         self.placeholder = Placeholder.of(self.config.merger.unavailable_value_placeholder)
         self.write_mode = WriteMode(
             self.spark, self.layout.silver_path, self.config.merger.deletion_vectors_from_mib
         )
+        self.payload_type: T.StructType | None = None
+        self._made = False
+        self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
-    def prepare(self, wait_s: float) -> None:
-        """Silver and tombstones, shaped by bronze (waits for the ingestor to create it).
+    @property
+    def name(self) -> str:
+        """The entity's name."""
+        return self.entity.name
 
-        The guards (tombstones, truncate floor) are read by the first batch that needs
-        them, not here: a table that stays idle never loads them, and a start with many
-        tables does not read every table's tombstones before its streams run.
+    def typed_as(self, payload_type: T.StructType) -> None:
+        """Bronze's payload type of the entity (read by the group stream); checks names.
+
+        The names the entity's column selection, ``ignore_null_updates`` and history give
+        must be columns of its rows: a configuration error otherwise.
         """
-        hint = f"start the ingestor for entity {self.entity.name!r} first"
-        wait_for_table(self.spark, self.bronze_path, wait_s, hint, log)
-        bronze = self.spark.read.format("delta").load(self.bronze_path)
-        dropped = self.dropped_columns(bronze)  # checks the selection's names
-        self.null_update_columns(bronze)  # and ignore_null_updates' names
-        if self.entity.history.enabled:  # and history's
-            kept = [c for c in _row_columns(bronze) if c not in dropped]
-            self.entity.history_untracked_columns(kept)
-        schema = without_columns(bronze, dropped).schema
+        if payload_type == self.payload_type:
+            return
+        row = _row_columns(payload_type)
+        dropped = self.entity.dropped_columns(row)
+        self.entity.null_update_columns(row)
+        if self.entity.history.enabled:
+            self.entity.history_untracked_columns([c for c in row if c not in dropped])
+        self.payload_type = payload_type
+
+    def _tables(self, events: DataFrame) -> None:
+        """Silver, its tombstones, truncates (and history), shaped by bronze, unless made."""
+        if self._made:
+            return
+        schema = without_columns(events, self.dropped_columns()).schema
         always = self.config.merger.deletion_vectors_from_mib == 0
         ensure_tables(self.spark, schema, self.layout, deletion_vectors=always)
-        self.write_mode.open()  # deletion vectors or rewriting, by silver's size
-        self.warn_selection_narrowed(dropped)
-        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+        self.write_mode.open()
+        self._warn_selection_narrowed()
+        self._made = True
 
-    def dropped_columns(self, bronze: DataFrame) -> list[str]:
-        """The row columns of bronze that the entity's column selection leaves out of silver."""
-        return self.entity.dropped_columns(_row_columns(bronze))
+    def dropped_columns(self) -> list[str]:
+        """The row columns bronze holds that the entity's column selection leaves out."""
+        assert self.payload_type is not None
+        return self.entity.dropped_columns(_row_columns(self.payload_type))
 
-    def null_update_columns(self, bronze: DataFrame) -> list[str]:
-        """The row columns whose null in an update keeps silver's value (ignore_null_updates)."""
-        return self.entity.null_update_columns(_row_columns(bronze))
+    def _null_update_columns(self) -> list[str]:
+        assert self.payload_type is not None
+        return self.entity.null_update_columns(_row_columns(self.payload_type))
 
-    def warn_selection_narrowed(self, dropped: list[str]) -> None:
-        """Silver made before the selection keeps its columns: say so, once, at start."""
+    def _warn_selection_narrowed(self) -> None:
+        """Silver made before the selection keeps its columns: say so, once."""
         silver = self.spark.read.format("delta").load(self.layout.silver_path).columns
-        stale = [c for c in dropped if c in silver]
+        stale = [c for c in self.dropped_columns() if c in silver]
         if stale:
             log.warning(
                 "silver has columns its column selection leaves out: they are no longer "
                 "written (new rows hold null); rebuild silver to drop them",
-                extra={"entity": self.entity.name, "columns": stale},
+                extra={"entity": self.name, "columns": stale},
             )
 
-    def source(self) -> DataFrame:
-        """Bronze as a Delta stream, limited per micro-batch, from its first commit if it can.
+    def events(self, spark: SparkSession, since: int, until: int) -> DataFrame:
+        """The entity's bronze rows after version ``since`` up to ``until``, typed."""
+        assert self.payload_type is not None, f"bronze holds no type of {self.name!r}"
+        return bronze.entity_changes(
+            spark, self.bronze_path, self.name, since, until, self.payload_type
+        )
 
-        A new stream reads bronze from version 0 when bronze can replay every row from its
-        commits (``cdc_merger.bronze_start``), else from bronze's snapshot.
+    def write(self, spark: SparkSession, until: int) -> BatchStats:
+        """Merge the entity's bronze rows up to version ``until`` into silver (idempotent).
+
+        Rejected events go to ``quarantine/merger``, each once whatever reads it again.
         """
-        checkpoint = self.config.checkpoint_path(SERVICE, self.entity.name)
-        first = reads_from_first_commit(self.spark, self.bronze_path, checkpoint)
-        return self.stream_from(0 if first else None)
-
-    def first_start(self) -> int | None:
-        """Where a stream of bronze starts in the one query, having read nothing before.
-
-        Bronze's first commit when bronze can replay it, else (None) its snapshot.
-        """
-        return 0 if replayable_from_first_commit(self.spark, self.bronze_path) else None
-
-    def stream_from(self, starting_version: int | None) -> DataFrame:
-        """Bronze as a Delta stream from ``starting_version`` (None: its snapshot), limited."""
-        settings = self.config.merger
-        reader = self.spark.readStream.format("delta")
-        if starting_version is not None:
-            reader = reader.option("startingVersion", starting_version)
-        if settings.max_files_per_trigger:
-            reader = reader.option("maxFilesPerTrigger", settings.max_files_per_trigger)
-        if settings.max_bytes_per_trigger:
-            reader = reader.option("maxBytesPerTrigger", settings.max_bytes_per_trigger)
-        return reader.load(self.bronze_path)
-
-    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
-        """Apply the batch; replaying it changes nothing (every step compares sequences).
-
-        Rejected events go to ``quarantine/merger`` idempotently (txnAppId + batch id),
-        each event once whatever checkpoint read it (``not_quarantined_yet``).
-        """
+        if until <= self.progress:
+            self.announce(self.name)  # written before (a batch run again): say so again
+            return BatchStats(counts={"skipped": 1})
         started = time.monotonic()
-        app = app_id(SERVICE, self.entity.name, self.identity.get())
+        events = self.events(spark, self.progress, until)
+        self._tables(events)
 
         def quarantine(rejected: DataFrame) -> None:
-            rows = quarantine_rows(rejected, self.entity.name, batch_id)
-            new = not_quarantined_yet(self.spark, rows, self.quarantine_path, self.entity.name)
-            idempotent_append(new, self.quarantine_path, app, batch_id)
+            rows = quarantine_rows(rejected, self.name, until)
+            new = not_quarantined_yet(spark, rows, self.quarantine_path)
+            idempotent_append(new, self.quarantine_path, f"{PROGRESS_APP}-{self.name}", until)
 
-        # Every step of a batch is idempotent, so a batch whose MERGE source went with a
-        # lost executor is applied again here instead of failing the stream.
+        # Every step is idempotent, so a batch whose MERGE source went with a lost
+        # executor is applied again here instead of failing.
         applying = retrying(
             lost_local_checkpoint,
             initial_s=1,
@@ -235,27 +226,29 @@ class EntityMerge(EntityStreamBase):
             attempts=4,
             log=log,
             describe=lambda error, attempt: (
-                f"batch {batch_id}: its MERGE source was lost with an executor; "
-                f"applying the batch again, attempt {attempt}"
+                f"bronze up to version {until}: the MERGE source was lost with an "
+                f"executor; applying it again, attempt {attempt}"
             ),
-            fields={"entity": self.entity.name, "batch_id": batch_id},
+            fields={"entity": self.name, "until": until},
         )
-        with counting_jobs(self.spark) as spark_jobs:
+        with counting_jobs(spark) as spark_jobs:
             result = applying(
                 apply_batch,
-                self.spark,
-                batch,
+                spark,
+                events,
                 self.layout,
                 quarantine,
                 self.state,
                 self.placeholder,
-                self.dropped_columns(batch),
-                self.null_update_columns(batch),
+                self.dropped_columns(),
+                self._null_update_columns(),
+                (PROGRESS_APP, until),
             )
+            self.progress = until
+            self.announce(self.name)
             expired = self.expire_tombstones(result.ingested_until)
             self.write_mode.check()
         counts = {
-            # Spark does not count rows a MERGE reads: counted here for the batch log.
             "input_rows": result.events,
             "applied_keys": result.keys,
             "deletes": result.deletes,
@@ -266,20 +259,42 @@ class EntityMerge(EntityStreamBase):
             counts["tombstones_expired"] = expired
         if result.unavailable:
             counts["unavailable_values"] = sum(result.unavailable.values())
-            self.warn_unavailable(batch_id, result.unavailable)
-        self.report(
-            batch_id,
-            BatchStats(
-                counts=counts,
-                extra={
-                    "apply_ms": int((time.monotonic() - started) * 1000),  # the whole batch
-                    **result.step_ms,
-                    "spark_jobs": spark_jobs(),
-                },
-            ),
-        )
+            self.warn_unavailable(until, result.unavailable)
+        extra = {
+            "apply_ms": int((time.monotonic() - started) * 1000),
+            **result.step_ms,
+            "spark_jobs": spark_jobs(),
+            "bronze_version": until,
+        }
+        return BatchStats(counts=counts, extra=extra)
 
-    def warn_unavailable(self, batch_id: int, columns: dict[str, int]) -> None:
+    def write_history(self, spark: SparkSession, until: int) -> BatchStats:
+        """Bring the entity's history up to bronze version ``until`` (merged into silver)."""
+        if until <= self.history_progress:
+            return BatchStats(counts={"skipped": 1})
+        assert until <= self.progress, "the history runs after silver's step, never ahead"
+        started = time.monotonic()
+        events = self.events(spark, self.history_progress, until)
+        with counting_jobs(spark) as spark_jobs:
+            applicable = apply_history(
+                spark,
+                events,
+                self.layout,
+                self.state,
+                self.placeholder,
+                self.dropped_columns(),
+                self._null_update_columns(),
+                (PROGRESS_APP, until),
+            )
+        self.history_progress = until
+        extra = {
+            "history_ms": int((time.monotonic() - started) * 1000),
+            "spark_jobs": spark_jobs(),
+            "bronze_version": until,
+        }
+        return BatchStats(counts={"history_events": applicable}, extra=extra)
+
+    def warn_unavailable(self, until: int, columns: dict[str, int]) -> None:
         """One warning per column: values the source did not send and nothing held."""
         for column, count in sorted(columns.items()):
             log.warning(
@@ -288,10 +303,10 @@ class EntityMerge(EntityStreamBase):
                 "stored null; REPLICA IDENTITY FULL on the source table makes PostgreSQL "
                 "send unchanged large values",
                 extra={
-                    "entity": self.entity.name,
+                    "entity": self.name,
                     "column": column,
                     "unavailable_values": count,
-                    "batch_id": batch_id,
+                    "bronze_version": until,
                 },
             )
 
@@ -310,3 +325,8 @@ class EntityMerge(EntityStreamBase):
         if expired:
             self.state.tombstones.forget()  # reloaded by the next batch, without them
         return expired
+
+
+def ensure_quarantine(spark: SparkSession, config: PipelineConfig) -> None:
+    """``quarantine/merger``, unless it exists."""
+    ensure_table(spark, config.layout.quarantine(SERVICE), QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)

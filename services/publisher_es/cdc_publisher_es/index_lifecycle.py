@@ -4,13 +4,13 @@
   ``<alias>-000001`` created with the mapping (``cdc_publisher_es.mapping``).
 - **Schema evolution** (:meth:`IndexLifecycle.cover`): silver columns not mapped yet are
   added to the mapping before a batch carrying them is written.
-- **A lost index**: the stream resumes from its checkpoint, past every change it published
-  before, so an index created anew while the checkpoint records committed batches would
-  hold only what comes next, silently. Such an index is created marked
+- **A lost index**: the publisher goes on from its progress, past every change it
+  published before, so an index created anew while the progress records published
+  changes would hold only what comes next, silently. Such an index is created marked
   (``_meta.cdc_rebuild_pending``) and rebuilt from silver's current state: a full load of
-  silver at one version, with the ids and external versions the stream gives
-  (``documents.snapshot_document_frame``), then the stream goes on from its checkpoint
-  (replayed changes older than the snapshot are refused, later ones apply). With
+  silver at one version, with the ids and external versions the changes give
+  (``documents.snapshot_document_frame``), then the publisher goes on from that version
+  (changes older than the snapshot are refused, later ones apply). With
   ``publisher_es.on_missing_index: stop`` the publisher stops instead (exit 1), saying
   how to rebuild. Under a running publisher the loss shows at the next bulk write (the
   writer names the alias with ``require_alias``, so nothing auto-creates a plain index):
@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 from cdc_shared.avro import UnknownSchemaError
 from cdc_shared.changefeed import row_columns
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.retry import retrying
 from cdc_shared.schemas import entity_schemas, make_registry
@@ -135,18 +134,6 @@ def version_source(entity: EntityConfig) -> str:
     return "silver commit version (the sequence has several columns)"
 
 
-def has_committed_batch(spark: SparkSession, checkpoint: str) -> bool:
-    """Whether the stream checkpointed at ``checkpoint`` committed a batch (``commits/<n>``).
-
-    A committed batch is one whose documents were all published; its offsets are where
-    the stream resumes, so the index must already hold what came before them.
-    """
-    fs, commits = hadoop_path(spark, f"{checkpoint.rstrip('/')}/commits")
-    if not fs.exists(commits):
-        return False
-    return any(str(s.getPath().getName()).isdigit() for s in fs.listStatus(commits))
-
-
 @dataclass(frozen=True)
 class Rebuilt:
     """A rebuild from silver: the silver version loaded, documents sent, and refusals."""
@@ -171,25 +158,24 @@ class IndexLifecycle:
         self.settings = self.config.publisher_es
         self.alias = self.entity.es_index_name
         self.silver_path = self.config.layout.silver(self.entity.name)
-        self.checkpoint = self.config.checkpoint_path(PUBLISHER_ES, self.entity.name)
         self.mapped: set[str] = set()
         self._mappings: dict[str, Any] = {}
 
     # --- start and schema evolution ----------------------------------------------------
 
-    def prepare(self, silver_schema: T.StructType) -> Rebuilt | None:
+    def prepare(self, silver_schema: T.StructType, published: bool) -> Rebuilt | None:
         """Adopt or create the index; rebuild it if it was lost (see the module docstring).
 
-        Returns the rebuild, if one ran (its refusals are the caller's to quarantine).
-        Raises IndexLostError when the index is lost and ``on_missing_index`` is ``stop``.
+        ``published``: whether the alias's progress records published changes. Returns
+        the rebuild, if one ran (its refusals are the caller's to quarantine). Raises
+        IndexLostError when the index is lost and ``on_missing_index`` is ``stop``.
         """
-        published = has_committed_batch(self.spark, self.checkpoint)
 
         def ensure() -> EnsuredIndex:
             if published and not self.es.indices.exists_alias(name=self.alias):
                 self._refuse_if_told(
-                    f"is missing while the checkpoint {self.checkpoint} records published "
-                    "batches: the documents published before are gone"
+                    f"is missing while its progress ({self.settings.progress_index}) records "
+                    "published changes: the documents published before are gone"
                 )
             return self._ensure(silver_schema, to_rebuild=published)
 

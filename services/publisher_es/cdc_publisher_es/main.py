@@ -1,12 +1,12 @@
 """``cdc-publisher-es``: silver Change Data Feed -> one Elasticsearch index per entity.
 
-Per entity (or all entities in one query, ``publisher_es.one_query``): silver's CDF
-as a stream (source) -> one action per change, id = primary key,
+One query per group of tables (``cdc_shared.publishing``): each table's silver change
+feed since its progress (source) -> one action per change, id = primary key,
 ``version_type=external`` with a version that grows per key (transform) -> bulk writes
-with retries, permanent failures to ``quarantine/publisher_es`` (sink). A micro-batch
-returns, and so is committed to the checkpoint, only once each of its documents is
-applied or quarantined; a replayed batch is harmless, since Elasticsearch refuses
-versions it already holds (409, counted as applied).
+with retries, permanent failures to ``quarantine/publisher_es`` (sink). A table's write
+ends, and its progress is recorded (``cdc_publisher_es.progress``), only once each of
+its documents is applied or quarantined; a write run again is harmless, since
+Elasticsearch refuses versions it already holds (409, counted as applied).
 """
 
 from __future__ import annotations
@@ -14,46 +14,36 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
-from cdc_shared.changefeed import LatestVersion, change_feed, shape_changes
+from cdc_shared.changefeed import change_feed_range, shape_changes
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import PipelineConfig
-from cdc_shared.layout import PUBLISHER_ES, StorageLayout
+from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.layout import PUBLISHER_ES
+from cdc_shared.publishing import ChangeFeedGroup
 from cdc_shared.service import service_main
-from cdc_shared.streaming import (
-    BatchStats,
-    EntityStreamBase,
-    StreamRunner,
-    StreamService,
-    rebuilding_on_schema_change,
-    start_service,
-)
-from cdc_shared.streaming.delta_union import delta_tables_group
+from cdc_shared.streaming import BatchStats, StreamRunner, StreamService, TableGroup, start_service
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     QuarantineRecord,
-    app_id,
     ensure_table,
     idempotent_append,
     quarantine_frame,
-    wait_for_table,
 )
+from delta.tables import DeltaTable
 from prometheus_client import Histogram
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
 from cdc_publisher_es.bulk import AliasMissingError, BulkOutcome, BulkWriter, Failure, Scrubber
 from cdc_publisher_es.documents import Action, arrow_actions, document_frame
-from cdc_publisher_es.index_lifecycle import IndexLifecycle, recognising_lost_index
+from cdc_publisher_es.index_lifecycle import IndexLifecycle, Rebuilt, recognising_lost_index
+from cdc_publisher_es.progress import IndexProgress, legacy_version
 
 SERVICE = PUBLISHER_ES
-#: Silver file bytes per micro-batch when ``max_bytes_per_trigger`` is not set.
-DEFAULT_MAX_BYTES_PER_TRIGGER = "64m"
 #: ``batch_id`` of quarantine rows refused while rebuilding a lost index at start.
 REBUILD_BATCH_ID = -1
 log = logging.getLogger("cdc_publisher_es")
@@ -67,8 +57,15 @@ PUBLISH_DELAY = Histogram(
 )
 
 
-class EntityPublisher(EntityStreamBase):
-    """One entity's stream: ``silver/<entity>`` CDF into its Elasticsearch alias."""
+@dataclass(eq=False)
+class IndexPublication:
+    """One table's publication: ``silver/<entity>``'s changes into its Elasticsearch alias."""
+
+    spark: SparkSession
+    config: PipelineConfig
+    entity: EntityConfig
+    progress_index: IndexProgress
+    set_problem: Callable[[str, str | None], None]
 
     def __post_init__(self) -> None:
         self.settings = self.config.publisher_es
@@ -81,68 +78,78 @@ class EntityPublisher(EntityStreamBase):
         )
         es = make_elasticsearch(es_config)
         self.index = IndexLifecycle(
-            self.spark, self.config, self.entity, es, self.set_problem, self.scrub
+            self.spark, self.config, self.entity, es, self._problem, self.scrub
         )
-        self.latest_version = LatestVersion(self.spark, self.silver_path)
         self.bulk = BulkWriter(
-            es, self.alias, self.settings, on_problem=self.set_problem, scrub=self.scrub
+            es, self.alias, self.settings, on_problem=self._problem, scrub=self.scrub
         )
+        self.published = -1
+        self._ready = False
+
+    def _problem(self, problem: str | None) -> None:
+        self.set_problem(self.entity.name, problem)
 
     # --- start-up ------------------------------------------------------------------
 
-    def prepare(self, wait_s: float) -> None:
-        """Wait for silver, create quarantine, and the index behind the alias.
+    def start(self) -> int:
+        """The quarantine, the alias's progress, and the index (once silver exists).
 
         A lost index is rebuilt from silver (or refused); see ``index_lifecycle``.
         """
-        hint = f"start the merger for entity {self.entity.name!r} first"
-        wait_for_table(self.spark, self.silver_path, wait_s, hint, log)
         ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+        recorded = self.progress_index.read(self.alias)
+        if recorded is None:
+            recorded = legacy_version(self.spark, self.config, self.entity.name)
+        self.published = -1 if recorded is None else recorded
+        if DeltaTable.isDeltaTable(self.spark, self.silver_path):
+            self._prepare_index()
+        return self.published
+
+    def _prepare_index(self) -> None:
+        """The index behind the alias, made or adopted (rebuilt when lost)."""
         schema = self.spark.read.format("delta").load(self.silver_path).schema
-        rebuilt = self.index.prepare(schema)
-        if rebuilt is not None and rebuilt.failures:
-            # Written once per silver version rebuilt from, whatever the checkpoint.
-            rebuild_app = app_id(SERVICE, self.entity.name, f"rebuild-{self.alias}")
+        rebuilt = self.index.prepare(schema, published=self.published >= 0)
+        self._ready = True
+        if rebuilt is None:
+            return
+        self._rebuilt(rebuilt)
+
+    def _rebuilt(self, rebuilt: Rebuilt) -> None:
+        """After a rebuild from silver: its refusals quarantined, the progress at its version."""
+        if rebuilt.failures:
+            # Written once per silver version rebuilt from.
+            rebuild_app = f"cdc-{SERVICE}-{self.entity.name}-rebuild-{self.alias}"
             self._quarantine(
                 rebuilt.failures, REBUILD_BATCH_ID, (rebuild_app, rebuilt.silver_version)
             )
+        self.published = max(self.published, rebuilt.silver_version)
+        self.progress_index.write(self.alias, self.entity.name, self.published)
 
-    # --- the stream ----------------------------------------------------------------
+    def close(self) -> None:
+        """Nothing to release (the clients close with the process)."""
 
-    def source(self) -> DataFrame:
-        """Silver's Change Data Feed as a stream, from the configured start."""
-        return self.stream_from(None)
+    # --- publishing ----------------------------------------------------------------
 
-    def stream_from(self, version: int | None) -> DataFrame:
-        """Silver's Change Data Feed from ``version`` (None: the configured start).
+    def publish(self, spark: SparkSession, since: int, until: int) -> BatchStats:
+        """Index silver's changes after ``since`` up to ``until``; then record the progress.
 
-        A micro-batch is collected in the driver (as Arrow), so unless
-        ``max_bytes_per_trigger`` is set it is bounded by ``DEFAULT_MAX_BYTES_PER_TRIGGER``.
+        Returns only when each document is applied or quarantined.
         """
-        settings = self.settings
-        if settings.max_bytes_per_trigger is None:
-            settings = settings.model_copy(
-                update={"max_bytes_per_trigger": DEFAULT_MAX_BYTES_PER_TRIGGER}
-            )
-        return change_feed(self.spark, self.silver_path, settings, version)
-
-    def first_start(self) -> int | None:
-        """A new stream starts where configured (``publisher_es.starting_version``, ...)."""
-        return None
-
-    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
-        """Index the batch; return only when each document is applied or quarantined."""
         started = time.monotonic()
-        key = list(self.entity.key)
-        documents = document_frame(shape_changes(batch, key), key, self.settings).toArrow()
-        with ThreadPoolExecutor(1, thread_name_prefix=f"publish-{self.entity.name}") as pool:
-            indexing = pool.submit(self._index, batch.schema, documents)
-            # For the lag; a Spark job at most every 10 s, run while the documents are sent.
-            latest_version = self.latest_version.get()
-            outcome, failures = indexing.result()
+        if not self._ready:
+            self._prepare_index()
+        since = max(since, self.published)
+        feed = change_feed_range(spark, self.silver_path, self.settings, since, until)
+        outcome, failures = BulkOutcome(), list[Failure]()
+        if feed is not None:
+            key = list(self.entity.key)
+            documents = document_frame(shape_changes(feed, key), key, self.settings).toArrow()
+            outcome, failures = self._index(feed.schema, documents)
         if failures:
-            self._quarantine(failures, batch_id)
-        self._report_batch(batch_id, outcome, len(failures), latest_version, started)
+            self._quarantine(failures, until)
+        self.published = max(self.published, until)
+        self.progress_index.write(self.alias, self.entity.name, self.published)
+        return self._stats(outcome, len(failures), until, started)
 
     def _index(
         self, silver_schema: T.StructType, documents: pa.Table
@@ -160,41 +167,31 @@ class EntityPublisher(EntityStreamBase):
                 outcome = self.bulk.write(self._actions(documents, unaddressable))
             except AliasMissingError:
                 rebuilt = self.index.restore()
-                refused_by_rebuild += rebuilt.failures if rebuilt is not None else []
+                if rebuilt is not None:
+                    refused_by_rebuild += rebuilt.failures
+                    self.published = max(self.published, rebuilt.silver_version)
                 continue
             return outcome, refused_by_rebuild + unaddressable + outcome.failures
 
-    def _report_batch(
-        self,
-        batch_id: int,
-        outcome: BulkOutcome,
-        quarantined: int,
-        latest_version: int,
-        started: float,
-    ) -> None:
-        extra: dict[str, Any] = {}
+    def _stats(
+        self, outcome: BulkOutcome, quarantined: int, until: int, started: float
+    ) -> BatchStats:
         if outcome.total:
             PUBLISH_DELAY.labels(SERVICE, self.entity.name).observe(outcome.oldest_commit_delay_s)
-        if outcome.newest_commit_version is not None:
-            # The Delta source reports no latest offset: lag = silver versions not yet read.
-            extra["lag"] = max(0, latest_version - outcome.newest_commit_version)
-        self.report(
-            batch_id,
-            BatchStats(
-                counts={
-                    "indexed": outcome.indexed,
-                    "deleted": outcome.deleted,
-                    "already_applied": outcome.already_applied,
-                    "superseded": outcome.superseded,
-                    "quarantined": quarantined,
-                    "retried": outcome.retried,
-                },
-                extra={
-                    "bulk_ms": int((time.monotonic() - started) * 1000),
-                    "publish_delay_ms": int(outcome.oldest_commit_delay_s * 1000),
-                    **extra,
-                },
-            ),
+        return BatchStats(
+            counts={
+                "indexed": outcome.indexed,
+                "deleted": outcome.deleted,
+                "already_applied": outcome.already_applied,
+                "superseded": outcome.superseded,
+                "quarantined": quarantined,
+                "retried": outcome.retried,
+            },
+            extra={
+                "bulk_ms": int((time.monotonic() - started) * 1000),
+                "publish_delay_ms": int(outcome.oldest_commit_delay_s * 1000),
+                "published_up_to_version": until,
+            },
         )
 
     @staticmethod
@@ -214,8 +211,8 @@ class EntityPublisher(EntityStreamBase):
     ) -> None:
         """Append the refused documents to quarantine, once per ``txn`` (app id, version).
 
-        By default ``txn`` is the stream's (query id, batch id): a replayed batch writes its
-        rows once.
+        By default ``txn`` is the table's app id and ``batch_id``, the silver version its
+        write reached: a write run again writes its rows once.
         """
         records = [
             QuarantineRecord(
@@ -232,7 +229,7 @@ class EntityPublisher(EntityStreamBase):
             for f in failures
         ]
         frame = quarantine_frame(self.spark, records)
-        app, version = txn or (app_id(SERVICE, self.entity.name, self.identity.get()), batch_id)
+        app, version = txn or (f"cdc-{SERVICE}-{self.entity.name}", batch_id)
         idempotent_append(frame, self.quarantine_path, app, version)
         log.warning(
             "documents quarantined",
@@ -250,26 +247,28 @@ def start(
     entity_names: list[str] | None = None,
     once: bool = False,
     spark: SparkSession | None = None,
+    group_names: list[str] | None = None,
 ) -> StreamRunner:
-    """Create the indexes and quarantine, start the streams; ``run()`` the result.
+    """Start each group's query (each table's index made as it starts); ``run()`` it."""
+    settings = config.publisher_es
+    progress = IndexProgress(make_elasticsearch(config.elasticsearch), settings.progress_index)
 
-    One stream per entity, or one query for all of them (``publisher_es.one_query``).
-    """
+    def open_group(
+        spark: SparkSession, pipeline: PipelineConfig, group: TableGroup, runner: StreamRunner
+    ) -> ChangeFeedGroup:
+        def open_table(entity: EntityConfig) -> IndexPublication:
+            return IndexPublication(spark, pipeline, entity, progress, runner.set_problem)
+
+        return ChangeFeedGroup(spark, pipeline, group, runner, SERVICE, settings, open_table)
+
     publisher_es = StreamService(
         SERVICE,
-        config.publisher_es,
-        EntityPublisher,
+        settings,
+        open_group,
         lag=None,  # silver versions not yet published: each batch reports it
-        on_failure=recognising_lost_index(rebuilding_on_schema_change("silver")),
-        open_group=open_all_tables if config.publisher_es.one_query else None,
+        on_failure=recognising_lost_index(lambda _entity, _error: None),
     )
-    return start_service(publisher_es, config, entity_names, once, spark)
-
-
-#: publisher-es's one stream over every entity's change feed (an ``OpenGroup``). Replays
-#: are harmless (Elasticsearch refuses a version it holds), so each table starts at the
-#: silver version its previous stream had reached.
-open_all_tables = delta_tables_group(SERVICE, EntityPublisher, StorageLayout.silver)
+    return start_service(publisher_es, config, entity_names, once, spark, group_names)
 
 
 def main(argv: list[str] | None = None) -> int:

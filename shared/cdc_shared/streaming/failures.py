@@ -20,11 +20,11 @@ class StreamFailedError(RuntimeError):
 class EntityStoppedError(StreamFailedError):
     """One entity's stream cannot start, and the service's other entities can.
 
-    Raised by a stream's ``prepare`` (e.g. the broker's ACLs refuse a permission of that
-    entity's own topic or group): ``start_service`` starts the other entities, and the
-    service reports this one stopped, as it does for a stream that stops while running
-    (``Failure.entity_only``); a one query holds the entity back instead
-    (``HeldTables.refuse_at_start``). The message says why, without the entity's name.
+    Raised by a table's writer when it cannot start (e.g. the broker's ACLs refuse a
+    permission of that entity's own topic or group): the table is held
+    (``cdc_shared.streaming.queue``) and the others go on, as for a table whose write
+    fails while running (``Failure.entity_only``). The message says why, without the
+    entity's name.
     """
 
 

@@ -57,9 +57,9 @@ class QueryIdentity:
         return self._id
 
 
-#: Builds an entity's query (again): its writer and the identity ``start()`` fills in.
+#: Builds a group's query (again): its writer and the identity ``start()`` fills in.
 BuildQuery = Callable[[], tuple[DataStreamWriter, QueryIdentity]]
-#: Holds back a table of a one query, alone (table, why): False when it cannot.
+#: Holds back one table of a group's query, alone (table, why): False when it cannot.
 HoldTable = Callable[[str, str], bool]
 
 
@@ -92,7 +92,7 @@ class StreamRunner:
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
         self._rebuilders: dict[str, BuildQuery] = {}
         self._to_rebuild: set[str] = set()
-        self._hold_table: HoldTable | None = None
+        self._holders: dict[str, HoldTable] = {}  # query -> how it goes on without a table
         self._holding: dict[str, str] = {}  # query -> why, restarting without a held table
         self._replacing: set[str] = set()  # queries stopped to start again (``restart_rebuilt``)
         # entity -> (failures since its last progress, restart time or None once restarted, why)
@@ -117,14 +117,22 @@ class StreamRunner:
         writer: DataStreamWriter,
         identity: QueryIdentity,
         rebuild: BuildQuery | None = None,
+        hold: HoldTable | None = None,
     ) -> None:
-        """Start one entity's query; ``rebuild`` builds it anew (see ``Failure.rebuild``)."""
+        """Start one group's query (``entity``: the group's name).
+
+        ``rebuild`` builds it anew (see ``Failure.rebuild``); ``hold`` lets it go on
+        without one of its tables when a failure of that table's fails the query
+        (``Failure.table``).
+        """
         writer = writer.queryName(f"{self.service}-{entity}")
         query = writer.start()
         identity.set(str(query.id))
         self._writers[entity] = (writer, identity)
         if rebuild is not None:
             self._rebuilders[entity] = rebuild
+        if hold is not None:
+            self._holders[entity] = hold
         self.queries[entity] = query
         self.entity_of[str(query.id)] = entity
         log.info(
@@ -138,12 +146,13 @@ class StreamRunner:
         writer: DataStreamWriter,
         identity: QueryIdentity,
         rebuild: BuildQuery | None = None,
+        hold: HoldTable | None = None,
     ) -> bool:
         """``start`` from another thread while ``run()`` runs; False once it is stopping."""
         with self._accepting_lock:
             if not self._accepting or self._stop.is_set():
                 return False
-            self.start(entity, writer, identity, rebuild)
+            self.start(entity, writer, identity, rebuild, hold)
             return True
 
     def restart_rebuilt(self, entity: str, timeout_s: float = 600.0) -> bool:
@@ -163,7 +172,7 @@ class StreamRunner:
                 rebuild = self._rebuilders[entity]
                 try:
                     writer, identity = rebuild()
-                    self.start(entity, writer, identity, rebuild)
+                    self.start(entity, writer, identity, rebuild, self._holders.get(entity))
                 except Exception as error:  # stopped, not started again: ``run()`` raises
                     self._failed = (
                         f"{self.service} stopped: its stream {entity!r} was stopped to start "
@@ -175,14 +184,6 @@ class StreamRunner:
                 with self._lock:
                     self._replacing.discard(entity)
             return True
-
-    def hold_tables_with(self, hold: HoldTable) -> None:
-        """How the service's one query holds back a table a failure is about alone.
-
-        ``hold(table, reason)`` holds it (and stops it alone) or says False; then the
-        query is built again and restarted, without that table (``Failure.table``).
-        """
-        self._hold_table = hold
 
     def _refuse_new_queries(self) -> None:
         with self._accepting_lock:
@@ -237,27 +238,6 @@ class StreamRunner:
         """The counts reported for a batch (empty when none were)."""
         with self._lock:
             return self._stats.pop((entity, batch_id), BatchStats())
-
-    def take_group_stats(self, entities: list[str], batch_id: int) -> BatchStats:
-        """What a service's one query did in a batch: the sum over ``entities``, and each one's.
-
-        Each entity's stream reported its own part (``report``); the counts are summed, the
-        ``errors`` counts by kind too, and ``tables`` holds each entity's counts and timings.
-        """
-        counts: dict[str, int] = {}
-        by_entity: dict[str, dict[str, int]] = {}
-        errors: dict[str, int] = {}
-        tables: dict[str, dict[str, object]] = {}
-        for entity in entities:
-            stats = self.take_stats(entity, batch_id)
-            by_entity[entity] = stats.counts
-            tables[entity] = {**stats.counts, **stats.extra}
-            for name, value in stats.counts.items():
-                counts[name] = counts.get(name, 0) + value
-            for kind, value in stats.extra.get("errors", {}).items():
-                errors[kind] = errors.get(kind, 0) + value
-        extra = {"errors": errors, "tables": tables}
-        return BatchStats(counts=counts, extra=extra, by_entity=by_entity)
 
     def set_problem(self, entity: str, problem: str | None) -> None:
         """Report (or clear, with None) what keeps an entity from progressing.
@@ -409,7 +389,7 @@ class StreamRunner:
                 self._restart_later(entity, self._holding[entity])
             return
         failure = self.failure_of(entity, str(error))
-        if failure is not None and failure.table is not None and self._held(failure.table, failure):
+        if failure is not None and failure.table is not None and self._held(entity, failure):
             self._holding[entity] = f"went on without table {failure.table!r}, held back"
             self._to_rebuild.add(entity)
             self._restart_later(entity, self._holding[entity])
@@ -429,11 +409,12 @@ class StreamRunner:
         message = failure.message if failure else f"failed: {error}"
         raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
 
-    def _held(self, table: str, failure: Failure) -> bool:
-        """Whether the one query held ``table`` back for ``failure`` (see ``hold_tables_with``)."""
-        if self._hold_table is None or self._stop.is_set():
+    def _held(self, query: str, failure: Failure) -> bool:
+        """Whether ``query`` goes on without the table ``failure`` is about (its ``hold``)."""
+        hold = self._holders.get(query)
+        if hold is None or failure.table is None or self._stop.is_set():
             return False
-        return self._hold_table(table, failure.message)
+        return hold(failure.table, failure.message)
 
     def _restarts_due(self) -> bool:
         """A query stopped or failed is to start again: ``run()`` must not end yet."""

@@ -1,0 +1,167 @@
+"""The publishers' stream of a group of tables: silver's changes -> each table's target.
+
+Both publishers read silver the same way. One Delta stream over ``silver/_versions``
+(where the merger records each silver commit) reads the group's entities' rows; each
+micro-batch offers every table whose silver moved to the group's work queue
+(``cdc_shared.streaming.queue``), up to the newest version recorded; each table due is
+published from its own progress (kept in its target: the change topic's progress group,
+the index's progress document) up to there, reading silver's Change Data Feed by
+version (``cdc_shared.changefeed.change_feed_range``). A table whose progress is behind
+silver at start (written in no batch before a stop, held by an earlier run, new) is
+offered from the start: one look at the versions recorded finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from cdc_shared.config import (
+    ChangeFeedConfig,
+    EntityConfig,
+    PipelineConfig,
+    interval_seconds,
+)
+from cdc_shared.delta_rs import read_logs
+from cdc_shared.jvm_bridge import delta_version
+from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch
+from cdc_shared.streaming import (
+    BatchStats,
+    EntityStoppedError,
+    Failure,
+    QueryIdentity,
+    StreamRunner,
+    TableGroup,
+    TableQueue,
+)
+from cdc_shared.tables import wait_for_table
+
+log = logging.getLogger("cdc_shared.publishing")
+
+
+class TablePublisher(Protocol):
+    """One table's publication: its silver's changes into its target."""
+
+    def start(self) -> int:
+        """Make what it writes (once); the silver version published up to (-1: none).
+
+        EntityStoppedError when the table cannot be published for a reason of its own.
+        """
+
+    def publish(self, spark: SparkSession, since: int, until: int) -> BatchStats:
+        """Publish silver's changes after version ``since`` up to ``until``, idempotently."""
+
+    def close(self) -> None:
+        """Release what it holds (a producer, a client)."""
+
+
+#: Opens a table's publication (not started yet).
+OpenTable = Callable[[EntityConfig], TablePublisher]
+
+
+@dataclass(eq=False)
+class ChangeFeedGroup:
+    """A group's stream for a publisher (see the module docstring)."""
+
+    spark: SparkSession
+    config: PipelineConfig
+    group: TableGroup
+    runner: StreamRunner
+    service: str
+    settings: ChangeFeedConfig
+    open_table: OpenTable
+    identity: QueryIdentity = field(default_factory=QueryIdentity, init=False)
+
+    def __post_init__(self) -> None:
+        self.path = self.config.layout.silver_versions()
+        self.checkpoint = self.config.layout.checkpoint(self.service, self.group.name)
+        self.tables: dict[str, TablePublisher] = {}
+        self.progress: dict[str, int] = {}
+        self.latest: dict[str, int] = {}
+        self.versions_read = -1  # the version of silver/_versions prepare saw
+        self.queue = TableQueue(
+            self.spark, self.settings, self._write, self._failure, self.runner.stop_entity
+        )
+        for entity in self.group.entities:
+            self.add(entity)
+
+    def add(self, entity: EntityConfig) -> None:
+        """Take up ``entity``: started at the query's next start."""
+        table = self.open_table(entity)
+        self.tables[entity.name] = table
+        self.runner.on_close(table.close)
+        if entity.freshness is not None:
+            self.queue.freshness[entity.name] = interval_seconds(entity.freshness) or 0.0
+
+    def hold(self, entity: str, reason: str) -> bool:
+        """The versions' stream never fails for one table: nothing to go on without."""
+        return False
+
+    def prepare(self, wait_s: float) -> None:
+        """Wait for the merger's record of versions; start each table; offer those behind.
+
+        A table is behind when its silver's latest version is past its progress (read
+        from silver's log: a commit the merger did not record, e.g. an operator's fix,
+        counts too).
+        """
+        wait_for_table(self.spark, self.path, wait_s, "start the merger first", log)
+        for name, table in self.tables.items():
+            if name in self.progress or name in self.queue.held:
+                continue
+            try:
+                self.progress[name] = table.start()
+            except EntityStoppedError as stopped:
+                self.queue.held[name] = str(stopped)
+                self.runner.stop_entity(name, str(stopped))
+        layout = self.config.layout
+        logs = read_logs(self.config, {n: layout.silver(n) for n in self.progress}, "")
+        for name, state in logs.items():
+            if state is None:
+                continue
+            self.latest[name] = max(state.version, self.latest.get(name, -1))
+            if state.version > self.progress[name]:
+                self.queue.offer(name, state.version)
+        self.versions_read = delta_version(self.spark, self.path)
+
+    def source(self) -> DataFrame:
+        """The merger's record of silver versions, the group's entities (a Delta stream).
+
+        A new checkpoint starts at the version ``prepare`` saw: what came before, it
+        offered already (that version's rows are offered again, to no effect).
+        """
+        reader = self.spark.readStream.format("delta")
+        if last_committed_batch(HadoopFiles(self.spark), self.checkpoint) is None:
+            reader = reader.option("startingVersion", max(0, self.versions_read))
+        rows = reader.load(self.path).where(F.col("entity").isin(*self.tables))
+        return rows.select("entity", "version")
+
+    def process_batch(self, batch: DataFrame, batch_id: int) -> None:
+        """Offer the tables whose silver moved; publish those due."""
+        for name, version, count in (
+            batch.groupBy("entity").agg(F.max("version"), F.count(F.lit(1))).collect()
+        ):
+            if name in self.progress:
+                self.latest[name] = max(int(version), self.latest.get(name, -1))
+                self.queue.offer(name, int(version), int(count))
+        writes = self.queue.run()
+        stats = writes.stats()
+        stats.extra["lag"] = sum(
+            max(0, latest - self.progress.get(name, -1)) for name, latest in self.latest.items()
+        )
+        self.runner.report(self.group.name, batch_id, stats)
+
+    def _write(self, spark: SparkSession, name: str, until: int) -> BatchStats:
+        since = self.progress[name]
+        if until <= since:
+            return BatchStats(counts={"skipped": 1})
+        stats = self.tables[name].publish(spark, since, until)
+        self.progress[name] = until
+        return stats
+
+    def _failure(self, table: str, error: BaseException) -> Failure | None:
+        return self.runner.failure_of(table, f"{type(error).__name__}: {error}")
