@@ -55,14 +55,6 @@ OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\
 #: Our setting (not Spark's) for how often, in seconds, the driver's Python process
 #: collects its cyclic garbage; ``0`` leaves it to Python. See :func:`collect_python_garbage`.
 PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
-#: How many of a service's streams are opened side by side at its start (``side_by_side``).
-START_PARALLELISM = "spark.cdc.streams.startParallelism"
-#: How many of a service's micro-batches run at once (``cdc_shared.streaming.gate``); 0: all.
-BATCH_PARALLELISM = "spark.cdc.streams.batchParallelism"
-#: How many tables a service's one query (``<service>.one_query``) prepares and writes
-#: side by side: two cores, and each table's write waits part of its time on Delta's log
-#: (and the ingestor's on the registry).
-TABLES_AT_ONCE = 4
 #: PySpark's recording of each column function's Python call site (for error context).
 DATAFRAME_DEBUGGING = "spark.python.sql.dataFrameDebugging.enabled"
 #: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
@@ -146,12 +138,6 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # in the driver's heap until Python's cyclic collector frees its proxy, which
         # Python runs rarely (see collect_python_garbage).
         PYTHON_GC_INTERVAL: "10",
-        # Opening a table's stream mostly waits (Delta logs read, tables made, a broker
-        # asked): a service with many tables opens this many at once.
-        START_PARALLELISM: "4",
-        # Tables whose batches all have data at once (a first start, a restart after
-        # downtime) take turns, this many at a time: on two cores more only share them.
-        BATCH_PARALLELISM: "4",
         OPTIONS_REDACTION: OPTIONS_REDACTION_PATTERN,
     }
     jars = jvm.spark_jars()
@@ -387,15 +373,6 @@ def cached_in_few_partitions(batch: DataFrame) -> Iterator[DataFrame]:
         yield cached
     finally:
         cached.unpersist()
-
-
-def side_by_side_in_groups(calls: Sequence[Callable[[], object]], size: int) -> None:
-    """Run ``calls`` ``size`` at a time (each group :func:`side_by_side`), in order.
-
-    A group starts when the previous one has ended; the first error stops the rest.
-    """
-    for start in range(0, len(calls), size):
-        side_by_side(calls[start : start + size])
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from cdc_publisher_es.documents import Action
 from cdc_publisher_es.index_lifecycle import IndexLostError
 from cdc_publisher_es.main import start as start_publisher
 from cdc_publisher_es.mapping import ensure_index, index_mappings
+from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import (
     ElasticsearchConfig,
@@ -72,9 +73,8 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
     """The index equals the oracle; each table's column selection narrows silver and the
-    index (the mapping too), bronze keeping every column. Published by a query per table,
-    then as one query for all tables (``publisher_es.one_query``): the switch publishes
-    nothing anew, and the one query rebuilds lost indexes as the per-table streams do."""
+    index (the mapping too), bronze keeping every column. A second run publishes nothing
+    anew; indexes lost between two runs are rebuilt from silver (or refused)."""
     pipeline = make_pipeline(
         **SMALL_BATCHES,
         publisher_es={"max_files_per_trigger": 2, "metrics_port": 0},
@@ -88,8 +88,8 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     first = assert_index_equals_oracle(pipeline, kafka_config)  # the oracle selects too
     layout = pipeline.config.layout
     for entity, left_out in (("customers", {"phone"}), ("orders", {"quantity", "status"})):
-        bronze = spark.read.format("delta").load(layout.bronze(entity)).schema["after"]
-        assert left_out <= set(bronze.dataType.fieldNames())  # type: ignore[attr-defined]
+        typed = entity_changes(spark, layout.bronze(), entity).schema["after"]
+        assert left_out <= set(typed.dataType.fieldNames())  # type: ignore[attr-defined]
         silver = spark.read.format("delta").load(layout.silver(entity)).columns
         assert not left_out & set(silver), silver
         alias = pipeline.config.entity(entity).es_index_name
@@ -119,16 +119,12 @@ def test_index_equals_oracle_after_ingestor_and_merger(
     assert list(es.indices.get_alias(name=alias).body) == [f"{alias}-000001"]
     assert mapping["_meta"]["cdc_entity"] == "orders"
 
-    # One query for all tables from here on, carried over from the per-table checkpoints
-    # (the last version read again): nothing new, the index is untouched.
-    config = with_publisher(pipeline.config, one_query=True)
+    # Nothing new: the index is untouched.
+    config = pipeline.config
     publish_once(config, spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == first
-    one_query_checkpoint = Path(config.checkpoint_path("publisher_es", "customers"))
-    assert one_query_checkpoint.name == "_all"
-    assert any((one_query_checkpoint / "commits").iterdir()), "the one query committed nothing"
 
-    # The indexes deleted between two runs, while the checkpoints resume past every change.
+    # The indexes deleted between two runs, while the progress is past every change.
     aliases = [entity.es_index_name for entity in config.entities]
     es.indices.delete(index=[f"{alias}-000001" for alias in aliases])
     # on_missing_index: stop refuses, saying how to rebuild, and creates no empty index.
