@@ -46,7 +46,7 @@ from cdc_ingestor.replay_origin import HEADERS_TYPE
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
-from cdc_shared.spark import build_spark_session, cached_in_few_partitions, side_by_side_in_groups
+from cdc_shared.spark import build_spark_session, cached_in_few_partitions, side_by_side
 from cdc_shared.tables import idempotent_append
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -141,7 +141,8 @@ class Layouts:
             idempotent_append(frame, path, f"spike-{entity.name}", batch_id, merge_schema=True)
 
         calls = [functools.partial(write, topic) for topic in sorted(headers)]
-        side_by_side_in_groups(calls, self.at_once)
+        for start in range(0, len(calls), self.at_once):  # as the one query wrote them
+            side_by_side(calls[start : start + self.at_once])
 
     def one(self, cached: DataFrame, headers: Any, batch_id: int) -> None:
         parts = []
