@@ -58,6 +58,8 @@ def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: Tabl
     reader = spark.readStream.format("delta")
     if start is not None:
         reader = reader.option("startingVersion", start)
+    if config.merger.max_files_per_trigger:
+        reader = reader.option("maxFilesPerTrigger", config.merger.max_files_per_trigger)
 
     def apply(batch: DataFrame, batch_id: int) -> None:
         table._tables(batch)
