@@ -35,6 +35,7 @@ from cdc_shared.streaming import (
     EntityStoppedError,
     Failure,
     QueryIdentity,
+    StreamFailedError,
     StreamRunner,
     TableGroup,
     TableQueue,
@@ -85,7 +86,7 @@ class ChangeFeedGroup:
         self.latest: dict[str, int] = {}
         self.versions_read = -1  # the version of silver/_versions prepare saw
         self.queue = TableQueue(
-            self.spark, self.settings, self._write, self._failure, self.runner.stop_entity
+            self.spark, self.settings, self._write, self._failure, self.runner.hold_table
         )
         for entity in self.group.entities:
             self.add(entity)
@@ -149,6 +150,8 @@ class ChangeFeedGroup:
                 self.latest[name] = max(int(version), self.latest.get(name, -1))
                 self.queue.offer(name, int(version), int(count))
         writes = self.queue.run()
+        if self.queue.holds_all(self.tables):
+            raise StreamFailedError(self.runner.stopped_message())
         stats = writes.stats()
         stats.extra["lag"] = sum(
             max(0, latest - self.progress.get(name, -1)) for name, latest in self.latest.items()

@@ -34,6 +34,7 @@ from cdc_shared.streaming import (
     BatchStats,
     Failure,
     QueryIdentity,
+    StreamFailedError,
     StreamRunner,
     TableGroup,
     TableQueue,
@@ -147,7 +148,7 @@ class GroupMerge:
             self.config.merger,
             self._write,
             self._table_failure,
-            self.runner.stop_entity,
+            self.runner.hold_table,
         )
         for entity in self.group.entities:
             self.add(entity)
@@ -271,6 +272,8 @@ class GroupMerge:
             self.queue.offer(name, end, int(count))
         writes = self.queue.run()
         self.versions.flush()
+        if self.queue.holds_all(self.tables):
+            raise StreamFailedError(self.runner.stopped_message())
         stats = writes.stats()
         stats.extra["bronze_version"] = end
         self.runner.report(self.group.name, batch_id, stats)

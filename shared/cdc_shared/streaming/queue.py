@@ -20,9 +20,11 @@ worker taking the next table as it frees up (no fixed groups waiting for their s
 
 No table's write starts once the batch has run ``batch_budget``: the rest wait for the
 next batch, where the oldest come first. A table whose write fails for a reason of its
-own (the service's ``on_failure`` says so) is *held*: stopped alone (``/health``, the exit
-code), its progress where its last write left it, while the others go on; the next start
-of the service takes it up from there.
+own is *held*: stopped alone (``/health``, the exit code), its progress where its last
+write left it, while the others go on; the next start of the service takes it up from
+there. A table's own is any failure but those the service reads as its whole's (a full
+disk, a refused transactional id: ``Failure.entity_only`` false) and those of a service
+that is stopping (its jobs cancelled).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pyspark import InheritableThread
@@ -45,9 +47,11 @@ log = logging.getLogger("cdc_shared.streaming")
 #: Writes one table up to a position of its source, in the given session (one per worker:
 #: a session's settings, e.g. Delta's idempotent-write ones, are its worker's alone).
 WriteTable = Callable[[SparkSession, str, int], BatchStats]
-#: Reads a table's failed write: a Failure with ``entity_only`` holds the table, any other
-#: answer (or None) fails the batch.
+#: Reads a table's failed write: a Failure saying how (None: a failure the service does
+#: not know, held as the table's own).
 OnTableFailure = Callable[[str, BaseException], Failure | None]
+#: Holds a table (table, why): False when it cannot (the service is stopping).
+HoldTable = Callable[[str, str], bool]
 #: How much of a table's past write times its estimate keeps (an exponential average).
 _WRITE_TIME_WEIGHT = 0.7
 
@@ -98,7 +102,7 @@ class TableQueue:
         settings: StreamingServiceConfig,
         write: WriteTable,
         on_failure: OnTableFailure,
-        hold: Callable[[str, str], None],
+        hold: HoldTable,
         freshness: Mapping[str, float] | None = None,
     ) -> None:
         self._write = write
@@ -199,15 +203,21 @@ class TableQueue:
     def _held_for(self, table: str, error: BaseException) -> bool:
         """Hold ``table`` when ``error`` is its own (True); False when it fails the batch."""
         failure = self._on_failure(table, error)
-        if failure is None or not failure.entity_only or failure.transient:
+        if failure is not None and (not failure.entity_only or failure.transient):
+            return False
+        reason = failure.message if failure else f"stopped: {type(error).__name__}: {error}"
+        if not self._hold(table, reason[:2000]):
             return False
         with self._lock:
-            self.held[table] = failure.message
+            self.held[table] = reason
             self.pending.pop(table, None)
         log.error(
             "a table's write failed for a reason of its own: held at its last write, "
             "the others go on",
-            extra={"entity": table, "reason": failure.message},
+            extra={"entity": table, "reason": reason[:2000]},
         )
-        self._hold(table, failure.message)
         return True
+
+    def holds_all(self, tables: Iterable[str]) -> bool:
+        """Whether every one of ``tables`` is held: the query has nothing left to write."""
+        return set(tables) <= self.held.keys()

@@ -189,6 +189,22 @@ class StreamRunner:
         with self._accepting_lock:
             self._accepting = False
 
+    @property
+    def stopping(self) -> bool:
+        """Whether the service is stopping (SIGTERM, ``--once`` done, or failed)."""
+        return self._stop.is_set()
+
+    def hold_table(self, table: str, reason: str) -> bool:
+        """Stop ``table`` alone (``stop_entity``) unless the service is stopping; whether held.
+
+        A write that fails while the service stops (its jobs cancelled) is no failure of
+        the table's own.
+        """
+        if self._stop.is_set():
+            return False
+        self.stop_entity(table, reason)
+        return True
+
     def stop_entity(self, entity: str, reason: str) -> None:
         """Stop ``entity`` alone, for ``reason``, while the others go on.
 
