@@ -32,6 +32,7 @@ from cdc_shared.tables import (
     idempotent_append,
     not_quarantined_yet,
     quarantine_columns,
+    record_progress,
 )
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -293,6 +294,22 @@ class TableMerge:
             "bronze_version": until,
         }
         return BatchStats(counts={"history_events": applicable}, extra=extra)
+
+    def note_progress(self, until: int) -> None:
+        """Record that the table (and its history) is merged through ``until``: no rows since.
+
+        Only for a table bronze holds nothing new of (the group stream knows): a commit
+        of the progress alone, so that a start need not look as far back.
+        """
+        if not self._made:
+            return
+        history = self.layout.history
+        caught_up = history is not None and self.history_progress == self.progress
+        record_progress(self.spark, self.layout.silver_path, (PROGRESS_APP, until))
+        self.progress = until
+        if history is not None and caught_up:
+            record_progress(self.spark, history.path, (PROGRESS_APP, until))
+            self.history_progress = until
 
     def warn_unavailable(self, until: int, columns: dict[str, int]) -> None:
         """One warning per column: values the source did not send and nothing held."""

@@ -49,6 +49,9 @@ from cdc_merger.merging import PROGRESS_APP, SERVICE, TableMerge, ensure_quarant
 log = logging.getLogger("cdc_merger")
 #: How the queue names a table's history write: ``<entity>/history``.
 HISTORY = "/history"
+#: How far behind bronze an idle table's recorded progress may fall (``_note_idle_progress``).
+IDLE_PROGRESS_VERSIONS = 1000
+IDLE_PROGRESS_PER_BATCH = 4
 
 
 def bronze_end(offset: Any) -> int:
@@ -266,7 +269,7 @@ class GroupMerge:
         )
         end = bronze_end(parse_offsets(text or "")[0]) if text else -1
         changed = batch.groupBy(bronze.ENTITY).count().collect()
-        if any(self.tables[name].payload_type is None for name, _ in changed):
+        if changed:  # a type may have widened (a column added to the source)
             self._type_tables()
         for name, count in changed:
             self.queue.offer(name, end, int(count))
@@ -274,9 +277,32 @@ class GroupMerge:
         self.versions.flush()
         if self.queue.holds_all(self.tables):
             raise StreamFailedError(self.runner.stopped_message())
+        self._note_idle_progress(end)
         stats = writes.stats()
         stats.extra["bronze_version"] = end
         self.runner.report(self.group.name, batch_id, stats)
+
+    def _note_idle_progress(self, end: int) -> None:
+        """Record, now and then, that idle tables are merged through ``end``.
+
+        A table bronze holds no new rows of is merged through every batch's end, but its
+        log says so only at its last write; a start then looks at bronze's change feed
+        since the oldest progress for tables left behind. So a table nothing is pending
+        for, whose recorded progress is ``IDLE_PROGRESS_VERSIONS`` or more behind, gets a
+        commit of its progress alone (a few per batch): the look stays that short.
+        """
+        noted = 0
+        for name, table in self.tables.items():
+            if noted >= IDLE_PROGRESS_PER_BATCH:
+                return
+            if end - table.progress < IDLE_PROGRESS_VERSIONS or table.payload_type is None:
+                continue
+            if name in self.queue.pending or name in self.queue.held:
+                continue
+            if name + HISTORY in self.queue.pending or name + HISTORY in self.queue.held:
+                continue
+            table.note_progress(end)
+            noted += 1
 
     def _write(self, spark: SparkSession, key: str, until: int) -> BatchStats:
         if key.endswith(HISTORY):
