@@ -301,7 +301,7 @@ class TableMerge:
         Only for a table bronze holds nothing new of (the group stream knows): a commit
         of the progress alone, so that a start need not look as far back.
         """
-        if not self._made:
+        if self.progress < 0:  # no silver yet: nothing to record in
             return
         history = self.layout.history
         caught_up = history is not None and self.history_progress == self.progress
