@@ -55,7 +55,7 @@ RUN apt-get update \
  && groupadd --system --gid 10001 cdc \
  && useradd --system --uid 10001 --gid cdc --home-dir /home/cdc --create-home \
       --shell /usr/sbin/nologin cdc \
- && mkdir -p /data/_checkpoints \
+ && mkdir -p /data/_streams /data/_checkpoints \
  && chown -R cdc:cdc /data
 COPY --from=python /opt/venv /opt/venv
 COPY --from=jvm /opt/cdc/jvm/spark /opt/cdc/jvm/spark
