@@ -13,6 +13,7 @@ offered from the start: one look at the versions recorded finds them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from cdc_shared.config import (
 )
 from cdc_shared.delta_rs import read_logs
 from cdc_shared.jvm_bridge import delta_version
+from cdc_shared.spark import side_by_side
 from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch
 from cdc_shared.streaming import (
     BatchStats,
@@ -40,9 +42,16 @@ from cdc_shared.streaming import (
     TableGroup,
     TableQueue,
 )
-from cdc_shared.tables import wait_for_table
+from cdc_shared.tables import (
+    QUARANTINE_PROPERTIES,
+    QUARANTINE_SCHEMA,
+    ensure_table,
+    wait_for_table,
+)
 
 log = logging.getLogger("cdc_shared.publishing")
+#: How many tables' publications start side by side (a producer's transactions, an index).
+STARTS_AT_ONCE = 8
 
 
 class TablePublisher(Protocol):
@@ -106,19 +115,27 @@ class ChangeFeedGroup:
     def prepare(self, wait_s: float) -> None:
         """Wait for the merger's record of versions; start each table; offer those behind.
 
-        A table is behind when its silver's latest version is past its progress (read
+        The service's quarantine is made first (the tables' starts run side by side). A
+        table is behind when its silver's latest version is past its progress (read
         from silver's log: a commit the merger did not record, e.g. an operator's fix,
         counts too).
         """
         wait_for_table(self.spark, self.path, wait_s, "start the merger first", log)
-        for name, table in self.tables.items():
-            if name in self.progress or name in self.queue.held:
-                continue
+        quarantine = self.config.layout.quarantine(self.service)
+        ensure_table(self.spark, quarantine, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+
+        def start(name: str) -> None:
             try:
-                self.progress[name] = table.start()
+                self.progress[name] = self.tables[name].start()
             except EntityStoppedError as stopped:
                 self.queue.held[name] = str(stopped)
                 self.runner.stop_entity(name, str(stopped))
+
+        waiting = [n for n in self.tables if n not in self.progress and n not in self.queue.held]
+        for first in range(0, len(waiting), STARTS_AT_ONCE):  # each mostly waits on a server
+            side_by_side(
+                [functools.partial(start, n) for n in waiting[first : first + STARTS_AT_ONCE]]
+            )
         layout = self.config.layout
         logs = read_logs(self.config, {n: layout.silver(n) for n in self.progress}, "")
         for name, state in logs.items():

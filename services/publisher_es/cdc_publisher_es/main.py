@@ -26,10 +26,7 @@ from cdc_shared.publishing import ChangeFeedGroup
 from cdc_shared.service import service_main
 from cdc_shared.streaming import BatchStats, StreamRunner, StreamService, TableGroup, start_service
 from cdc_shared.tables import (
-    QUARANTINE_PROPERTIES,
-    QUARANTINE_SCHEMA,
     QuarantineRecord,
-    ensure_table,
     idempotent_append,
     quarantine_frame,
 )
@@ -96,7 +93,6 @@ class IndexPublication:
 
         A lost index is rebuilt from silver (or refused); see ``index_lifecycle``.
         """
-        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
         recorded = self.progress_index.read(self.alias)
         if recorded is None:
             recorded = legacy_version(self.spark, self.config, self.entity.name)

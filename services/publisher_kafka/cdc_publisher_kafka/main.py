@@ -42,10 +42,7 @@ from cdc_shared.streaming import (
     start_service,
 )
 from cdc_shared.tables import (
-    QUARANTINE_PROPERTIES,
-    QUARANTINE_SCHEMA,
     QuarantineRecord,
-    ensure_table,
     idempotent_append,
     quarantine_frame,
 )
@@ -110,7 +107,6 @@ class TopicPublication:
         topic or group hold this table alone (EntityStoppedError); a refused
         transactional id stops the service.
         """
-        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
         self._register()
         publisher = TransactionalPublisher(
             self.config.kafka,
