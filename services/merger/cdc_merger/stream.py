@@ -25,7 +25,7 @@ from typing import Any
 
 from cdc_shared import bronze
 from cdc_shared.config import EntityConfig, PipelineConfig, interval_seconds
-from cdc_shared.delta_rs import transaction_versions
+from cdc_shared.delta_rs import read_logs, transaction_versions
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import delta_version
 from cdc_shared.silver import VERSIONS_SCHEMA
@@ -78,7 +78,7 @@ class SilverVersions:
         self.spark = spark
         self.config = config
         self.path = config.layout.silver_versions()
-        self._noted: set[str] = set()
+        self._noted: dict[str, int | None] = {}  # entity -> its version, if known
         self._lock = threading.Lock()
         self._appending = threading.Lock()
         self._wake = threading.Event()
@@ -91,22 +91,28 @@ class SilverVersions:
         if not self._thread.is_alive():
             self._thread.start()
 
-    def note(self, entity: str) -> None:
-        """``entity``'s silver has a new version (recorded soon)."""
+    def note(self, entity: str, version: int | None = None) -> None:
+        """``entity``'s silver has a new version (recorded soon), ``version`` if known.
+
+        Unknown, it is read from the table's log as this process last committed or
+        loaded it (no Spark job).
+        """
         with self._lock:
-            self._noted.add(entity)
+            self._noted[entity] = version
         self._wake.set()
 
     def flush(self) -> None:
         """Record every version noted so far; raise what the append raised."""
         with self._appending:
             with self._lock:
-                entities, self._noted = sorted(self._noted), set()
-            if not entities:
+                noted, self._noted = self._noted, {}
+            if not noted:
                 return
             now = dt.datetime.now(dt.UTC)
+            silver = self.config.layout.silver
             rows = [
-                (e, delta_version(self.spark, self.config.layout.silver(e)), now) for e in entities
+                (e, v if v is not None else delta_version(self.spark, silver(e)), now)
+                for e, v in sorted(noted.items())
             ]
             _append(frame_from_rows(self.spark, rows, VERSIONS_SCHEMA), self.path)
 
@@ -146,6 +152,7 @@ class GroupMerge:
         self.versions = SilverVersions(self.spark, self.config)
         self.runner.on_close(self.versions.stop)
         self.tables: dict[str, TableMerge] = {}
+        self.silver_versions: dict[str, int] = {}  # as read at start
         self.queue = TableQueue(
             self.spark,
             self.config.merger,
@@ -178,9 +185,8 @@ class GroupMerge:
         self._read_progress()
         for table in self.tables.values():
             drain_legacy_bronze(self.spark, self.config, table)
-        for table in self.tables.values():  # a record lost with a crash is made again
-            if table.progress >= 0:
-                self.versions.note(table.name)
+        for name, version in self.silver_versions.items():  # one lost with a crash, again
+            self.versions.note(name, version)
         self.versions.flush()
         self._offer_behind()
 
@@ -192,15 +198,15 @@ class GroupMerge:
                 table.typed_as(types[name])
 
     def _read_progress(self) -> None:
-        """Each table's progress, from silver's and the history's logs."""
+        """Each table's progress (and silver's version), from silver's and the history's logs."""
         layout = self.config.layout
-        silver = transaction_versions(
-            self.config, {n: layout.silver(n) for n in self.tables}, PROGRESS_APP
-        )
+        silver = read_logs(self.config, {n: layout.silver(n) for n in self.tables}, PROGRESS_APP)
         histories = {n: layout.history(n) for n, t in self.tables.items() if t.layout.history}
         history = transaction_versions(self.config, histories, PROGRESS_APP)
+        self.silver_versions = {n: s.version for n, s in silver.items() if s is not None}
         for name, table in self.tables.items():
-            table.progress = _or_none(silver[name])
+            state = silver[name]
+            table.progress = _or_none(None if state is None else state.transaction)
             table.history_progress = _or_none(history.get(name))
 
     def _offer_behind(self) -> None:
