@@ -609,11 +609,19 @@ class HistoryConfig(_Section):
     A change to a tracked column starts a new version; a change to untracked columns only
     updates the current version in place. Tracked: ``track_columns`` only, or every row
     column but ``except_columns`` (one of the two; neither tracks every column).
+    ``freshness``: how far the history may lag silver; its writes wait that long and then
+    take every change since at once (the change topics and indexes never wait for it).
     """
 
     enabled: bool = False
     track_columns: list[str] | None = Field(default=None, min_length=1)
     except_columns: list[str] | None = Field(default=None, min_length=1)
+    freshness: str | None = "60 seconds"
+
+    @field_validator("freshness")
+    @classmethod
+    def _an_interval(cls, freshness: str | None) -> str | None:
+        return comparable_interval(freshness)
 
     @field_validator("track_columns", "except_columns")
     @classmethod

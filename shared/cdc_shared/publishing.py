@@ -95,7 +95,12 @@ class ChangeFeedGroup:
         self.latest: dict[str, int] = {}
         self.versions_read = -1  # the version of silver/_versions prepare saw
         self.queue = TableQueue(
-            self.spark, self.settings, self._write, self._failure, self.runner.hold_table
+            self.spark,
+            self.settings,
+            self._write,
+            self._failure,
+            self.runner.hold_table,
+            drain=self.group.once,
         )
         for entity in self.group.entities:
             self.add(entity)

@@ -159,6 +159,7 @@ class GroupMerge:
             self._write,
             self._table_failure,
             self.runner.hold_table,
+            drain=self.group.once,
         )
         for entity in self.group.entities:
             self.add(entity)
@@ -167,9 +168,10 @@ class GroupMerge:
         """Take up ``entity``: its rows are read from the query's next start."""
         self.tables[entity.name] = TableMerge(self.spark, self.config, entity, self.versions.note)
         if entity.freshness is not None:
-            freshness = interval_seconds(entity.freshness) or 0.0
-            self.queue.freshness[entity.name] = freshness
-            self.queue.freshness[entity.name + HISTORY] = freshness
+            self.queue.freshness[entity.name] = interval_seconds(entity.freshness) or 0.0
+        history = entity.history.freshness or entity.freshness
+        if entity.history.enabled and history is not None:
+            self.queue.freshness[entity.name + HISTORY] = interval_seconds(history) or 0.0
 
     def hold(self, entity: str, reason: str) -> bool:
         """Bronze's stream never fails for one table: nothing to go on without."""

@@ -31,6 +31,7 @@ class TableGroup:
     name: str
     entities: tuple[EntityConfig, ...]
     trigger_interval: str
+    once: bool = False  # the query reads what is there, then stops (``--once``)
 
     @property
     def names(self) -> list[str]:
@@ -39,7 +40,7 @@ class TableGroup:
 
     def with_entity(self, entity: EntityConfig) -> TableGroup:
         """The group with one more table (one that appeared while the service runs)."""
-        return TableGroup(self.name, (*self.entities, entity), self.trigger_interval)
+        return TableGroup(self.name, (*self.entities, entity), self.trigger_interval, self.once)
 
 
 def table_groups(

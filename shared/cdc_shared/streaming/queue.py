@@ -19,12 +19,15 @@ worker taking the next table as it frees up (no fixed groups waiting for their s
   takes more rows at once.
 
 No table's write starts once the batch has run ``batch_budget``: the rest wait for the
-next batch, where the oldest come first. A table whose write fails for a reason of its
-own is *held*: stopped alone (``/health``, the exit code), its progress where its last
-write left it, while the others go on; the next start of the service takes it up from
-there. A table's own is any failure but those the service reads as its whole's (a full
-disk, a refused transactional id: ``Failure.entity_only`` false) and those of a service
-that is stopping (its jobs cancelled).
+next batch, where the oldest come first. A query run to the end of what is there
+(``--once``) *drains*: every pending table is due, and no budget applies.
+
+A table whose write fails for a reason of its own is *held*: stopped alone (``/health``,
+the exit code), its progress where its last write left it, while the others go on; the
+next start of the service takes it up from there. A table's own is any failure but those
+the service reads as its whole's (a full disk, a refused transactional id:
+``Failure.entity_only`` false) and those of a service that is stopping (its jobs
+cancelled).
 """
 
 from __future__ import annotations
@@ -104,8 +107,10 @@ class TableQueue:
         on_failure: OnTableFailure,
         hold: HoldTable,
         freshness: Mapping[str, float] | None = None,
+        drain: bool = False,
     ) -> None:
         self._write = write
+        self.drain = drain
         self._on_failure = on_failure
         self._hold = hold
         self.freshness = dict(freshness or {})
@@ -142,6 +147,9 @@ class TableQueue:
         for table, pending in self.pending.items():
             if table in skip:
                 continue
+            if self.drain:  # a run to the end of what is there: everything, now
+                hot.append((-pending.rows, table))
+                continue
             deadline = self.deadline(table, pending)
             if now >= deadline:
                 overdue.append((deadline, table))
@@ -159,7 +167,7 @@ class TableQueue:
         def take() -> tuple[str, int] | None:
             with self._lock:
                 now = time.monotonic()
-                if failed or (taken and now - started >= self.budget_s):
+                if failed or (taken and not self.drain and now - started >= self.budget_s):
                     return None
                 due = self.order(now, taken)
                 if not due:

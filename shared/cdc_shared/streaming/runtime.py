@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pyspark.sql import DataFrame, SparkSession
@@ -106,7 +106,10 @@ def start_service(
     session is built, through which they are written). The leases are renewed while it
     runs and released when its runner closes; a lease taken over fails the runner.
     """
-    groups = table_groups(config, service.settings, entity_names, group_names)
+    groups = [
+        replace(group, once=once)
+        for group in table_groups(config, service.settings, entity_names, group_names)
+    ]
     names = [name for group in groups for name in group.names]
     runner_of: list[StreamRunner] = []  # the runner, once made
     lost_before: list[str] = []  # a lease lost before the runner was made
