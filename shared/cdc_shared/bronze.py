@@ -23,7 +23,8 @@ bronze, and how to look at an entity's change log:
     >>> changes.where("op = 'd'").select("key.id", "before.email").show()
 
 Change Data Feed is on, so the rows of a range of versions are read by version
-(``readChangeFeed``): bronze only appends, so the feed holds exactly the appended rows.
+(``readChangeFeed``): bronze only appends, so the feed holds exactly the appended rows
+(compaction's rewrites are not changes).
 """
 
 from __future__ import annotations
@@ -143,7 +144,10 @@ def entity_changes(
     """``entity``'s bronze rows, typed (:func:`typed`): all, or those of a range of versions.
 
     ``since_version`` (exclusive) and ``until_version`` (inclusive) bound the commits read
-    (Change Data Feed); without them, every row bronze holds. ``payload_type`` defaults to
+    (Change Data Feed); without ``since_version`` (or -1), every row up to
+    ``until_version`` (the table as of that version: bronze only appends, so the same
+    rows, without reading every commit since the table's first); without either, every
+    row bronze holds. ``payload_type`` defaults to
     the entity's latest (read from the table's properties).
     """
     if payload_type is None:
@@ -152,10 +156,12 @@ def entity_changes(
             raise ValueError(f"bronze ({path}) holds no rows of entity {entity!r}")
         payload_type = types[entity]
     reader = spark.read.format("delta")
-    if since_version is not None or until_version is not None:
+    if since_version is not None and since_version >= 0:
         reader = reader.option("readChangeFeed", "true")
-        reader = reader.option("startingVersion", (since_version or -1) + 1)
+        reader = reader.option("startingVersion", since_version + 1)
         if until_version is not None:
             reader = reader.option("endingVersion", until_version)
+    elif until_version is not None:  # every row up to a version: bronze only appends
+        reader = reader.option("versionAsOf", until_version)
     rows = reader.load(path).where(F.col(ENTITY) == F.lit(entity))
     return typed(rows, payload_type)

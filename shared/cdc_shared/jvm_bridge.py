@@ -176,3 +176,15 @@ def delete_tree(spark: SparkSession, path: str) -> None:
     fs, folder = hadoop_path(spark, path)
     if fs.exists(folder):
         fs.delete(folder, True)
+
+
+def delta_transaction_version(spark: SparkSession, path: str, app_id: str) -> int | None:
+    """The version ``app_id`` last wrote to the Delta table at ``path`` (its ``txnVersion``).
+
+    From the table's newest snapshot (brought up to date); None when it never wrote it.
+    """
+    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
+    log = delta_log.forTable(spark._jsparkSession, path)
+    defaults = [getattr(log, f"update$default${i}")() for i in (1, 2, 3)]
+    recorded = log.update(*defaults).transactions().get(app_id)
+    return int(recorded.get()) if recorded.isDefined() else None

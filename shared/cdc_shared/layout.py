@@ -18,6 +18,17 @@ PUBLISHER_ES = "publisher_es"
 SERVICES = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The services that quarantine what they cannot process (publisher-kafka: oversized events).
 QUARANTINE_WRITERS = (INGESTOR, MERGER, PUBLISHER_KAFKA, PUBLISHER_ES)
+#: The app id of the merger's progress in silver's (and the history's) log: Delta's
+#: idempotent-write ``txnAppId``, its ``txnVersion`` the bronze version merged through.
+MERGER_PROGRESS_APP = "cdc-merger"
+#: The app id recording in silver's log that the entity's own bronze table of the
+#: releases before one bronze was drained (``cdc_merger.legacy``).
+MERGER_LEGACY_APP = "cdc-merger-legacy"
+#: The key of the ingestor's record in each bronze commit's ``userMetadata``
+#: (``cdc_ingestor.positions``: each topic's position, the tables held).
+INGESTOR_COMMIT_KEY = "cdc_ingestor"
+#: How many of bronze's latest commits are read for the topics' positions.
+POSITIONS_COMMITS_READ = 1000
 #: A name no entity can take (entity names start with a letter): the one bronze table's
 #: folder, and the checkpoint of the one queries of earlier releases (``<service>.one_query``).
 ALL_ENTITIES = "_all"

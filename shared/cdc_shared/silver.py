@@ -1,14 +1,15 @@
 """The silver tables' contract: the metadata columns, and the record of silver commits.
 
+This module imports no PySpark (the CLI's JVM-free commands read these names); the
+Spark schemas of the merger's side tables are in ``cdc_shared.tables``.
+
 A silver row is the entity's columns (the source row) followed by these columns, written
 by the merger only. After writing silver tables the merger records each one's new
-version in ``silver/_versions`` (``VERSIONS_SCHEMA``): the publishers read that one
+version in ``silver/_versions`` (``VERSIONS_COLUMNS``): the publishers read that one
 table to learn which silver tables changed, then each table's Change Data Feed.
 """
 
 from __future__ import annotations
-
-from pyspark.sql import types as T
 
 SEQUENCE = "_cdc_seq"  # array<long>: the entity's sequence_by values of the applied event
 OP = "_cdc_op"  # the source op applied last: c, u or r (deleted rows leave silver)
@@ -21,11 +22,5 @@ METADATA = (SEQUENCE, OP, SOURCE_TS, COMMIT_TS)
 DELETED_AT = "deleted_at"
 
 #: ``silver/_versions``: one row per silver commit the merger made (or found made, when a
-#: batch is run again): the entity, the version silver reached, and when it was noted.
-VERSIONS_SCHEMA = T.StructType(
-    [
-        T.StructField("entity", T.StringType(), False),
-        T.StructField("version", T.LongType(), False),
-        T.StructField("noted_at", T.TimestampType(), False),
-    ]
-)
+#: write is run again): the entity, the version silver reached, and when it was noted.
+VERSIONS_COLUMNS = ("entity", "version", "noted_at")

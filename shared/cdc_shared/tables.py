@@ -34,6 +34,7 @@ from cdc_shared.config import ConfigError
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.retry import retrying
+from cdc_shared.silver import VERSIONS_COLUMNS
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
@@ -56,6 +57,15 @@ QUARANTINE_SCHEMA = T.StructType(
 )
 
 QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
+
+#: ``silver/_versions`` (``cdc_shared.silver.VERSIONS_COLUMNS``): written by the merger.
+SILVER_VERSIONS_SCHEMA = T.StructType(
+    [
+        T.StructField(VERSIONS_COLUMNS[0], T.StringType(), False),
+        T.StructField(VERSIONS_COLUMNS[1], T.LongType(), False),
+        T.StructField(VERSIONS_COLUMNS[2], T.TimestampType(), False),
+    ]
+)
 
 
 def quarantine_columns(service: str, entity: str, **given: Column) -> list[Column]:

@@ -1,9 +1,11 @@
 """The operator commands against a real pipeline: status, quarantine, maintenance, verify.
 
-One pipeline (customers) is built once for the module by running the real services:
-generate -> produce -> ingest -> merge -> publish-kafka, plus silver indexed into
-Elasticsearch the way publisher-es writes it. The tests then run in file order, each
-leaving the pipeline as the next one expects (noted per test).
+One pipeline (customers, in a group of its own, ``people``) is built once for the module
+by running the real services: generate -> produce -> ingest -> merge -> publish-kafka,
+plus silver indexed into Elasticsearch the way publisher-es writes it (publisher-es
+itself never runs: it shows as not started). The tests then run in file order, each
+leaving the pipeline as the next one expects (noted per test); a few build pipelines of
+their own.
 """
 
 from __future__ import annotations
@@ -24,19 +26,23 @@ from typing import Any
 import pytest
 import yaml
 from cdc_cli import quarantine
-from cdc_cli.checkpoints import last_committed_batch
-from cdc_cli.maintenance import run_maintenance, stream_needs
+from cdc_cli.delta_log import DeltaLogState
+from cdc_cli.maintenance import bronze_needs, run_maintenance, silver_needs
 from cdc_cli.status import collect_status
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
-from cdc_merger.apply import SILVER_PROPERTIES
+from cdc_merger.apply import ERROR_KIND, ERROR_MESSAGE, SILVER_PROPERTIES
 from cdc_merger.main import start as start_merger
-from cdc_shared.changefeed import change_feed
+from cdc_merger.merging import PROGRESS_APP, quarantine_rows
+from cdc_publisher_es.progress import IndexProgress
+from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig, load_config
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
+from cdc_shared.delta_rs import transaction_versions
+from cdc_shared.tables import idempotent_append, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from support.ingestion import bronze, generate_across_schema_change, ingest_once
+from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once
 from support.ops import (
     build_pipeline,
     cdc,
@@ -53,6 +59,7 @@ from support.waiting import free_port
 pytestmark = pytest.mark.integration
 
 ENTITY = "customers"
+GROUP = "people"
 
 
 @dataclass
@@ -82,14 +89,14 @@ def world(
         folder,
         kafka_config,
         es_config,
+        # A group of its own: status names it, and its queries' checkpoints.
+        groups=[{"name": GROUP, "tables": [ENTITY]}],
         ingestor={"metrics_port": 0},
-        # Several silver commits; one query for all tables (``merger.one_query``): status
-        # and maintenance read each table's position among that query's sources. Deletion
-        # vectors at every size: the readers without a JVM must read them.
+        # Several bronze commits, each merged by a batch of its own: several silver
+        # commits. Deletion vectors at every size: the readers without a JVM must read them.
         merger={
             "metrics_port": 0,
             "max_files_per_trigger": 1,
-            "one_query": True,
             "deletion_vectors_from_mib": 0,
         },
         publisher_kafka={"metrics_port": 0},
@@ -111,7 +118,7 @@ def world(
 
     report = produce(kafka_config, iter(messages[:switch]))
     with without_auto_compaction(spark):  # so `cdc maintenance` finds files to compact
-        ingest_once(pipeline, spark)
+        ingest_once(pipeline, spark, max_offsets=200)
         merge_once(pipeline, spark)
     publish_once(pipeline, spark)
     documents = silver_documents(spark, pipeline.config, ENTITY)
@@ -137,22 +144,45 @@ def _version(spark: SparkSession, path: str) -> int:
     return int(DeltaTable.forPath(spark, path).history(1).head()["version"])  # type: ignore[index]
 
 
+def _last_write(spark: SparkSession, path: str) -> int:
+    """The table's newest version but compactions (bronze's auto compaction may follow)."""
+    history = DeltaTable.forPath(spark, path).history().where("operation != 'OPTIMIZE'")
+    return int(history.agg(F.max("version")).first()[0])  # type: ignore[index]
+
+
+def _merger_progress(config: PipelineConfig, entity: str = ENTITY) -> int | None:
+    """The bronze version silver's log says the entity is merged through."""
+    return transaction_versions(config, {entity: config.layout.silver(entity)}, PROGRESS_APP)[
+        entity
+    ]
+
+
 def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -> None:
     config = world.pipeline.config
     status = _entity_status(world)
     assert status == {
-        "bronze": _version(spark, config.layout.bronze(ENTITY)),
+        "bronze": _version(spark, config.layout.bronze()),
         "silver": _version(spark, config.layout.silver(ENTITY)),
         "ingestor": 0,
         "merger": 0,
         "publisher_kafka": 0,
-        "publisher_es": None,  # never started: no checkpoint
+        "publisher_es": None,  # never started: no progress document
         "quarantine": len(world.report.poison),
     }
     assert len(world.report.poison) > 0
+    # Where each table stands, in its group: bronze's record, silver's progress.
+    (entity,) = cdc_json("status", *world.config_args)["entities"]
+    assert entity["group"] == GROUP
+    streams = {s["service"]: s for s in entity["streams"]}
+    assert {s["group"] for s in streams.values()} == {GROUP}
+    assert streams["ingestor"]["note"] == f"written to bronze v{status['bronze']}"
+    assert streams["merger"]["note"] == f"merged through bronze v{_merger_progress(config)}"
+    assert streams["merger"]["batch"] is not None and streams["ingestor"]["batch"] is not None
+    assert streams["publisher_es"]["batch"] is None  # its group's query never ran
 
     text = cdc("status", *world.config_args)
     assert text.exit_code == 0, text.output
+    assert f"{ENTITY}  (group {GROUP}; bronze v" in text.stdout
     assert "publisher_es" in text.stdout and "not started" in text.stdout
 
 
@@ -252,15 +282,47 @@ def test_maintenance_dry_run_without_a_jvm_reads_what_spark_reads(
         if options.get("vacuum_hours") == 0:  # every file no longer in use, new or old
             vacuumed = {t["table"]: t["vacuumed_files"] for t in without_jvm["tables"]}
             assert vacuumed[f"silver/{ENTITY}"] >= old + len(unused_old)
+        assert without_jvm["notices"] == through_spark["notices"] == [], options
 
 
-def test_a_publisher_caught_up_on_a_version_with_cdc_files_shows_no_lag(
+def test_maintenance_leaves_an_earlier_releases_tables_alone_and_says_so(
+    world: World, spark: SparkSession, tmp_path: Path
+) -> None:
+    """On a copy of the pipeline: an entity's bronze table and stream checkpoints of the
+    releases before one bronze are named, never maintained; once silver's log records
+    the merger's drain of that table, it can be deleted."""
+    config = load_config(_copy_of_the_world(world, tmp_path))
+    old_bronze = config.layout.legacy_bronze(ENTITY)
+    spark.range(3).write.format("delta").save(old_bronze)
+    checkpoint = Path(config.layout.legacy_checkpoint("merger", ENTITY))
+    (checkpoint / "commits").mkdir(parents=True)
+    ignored = {"ignore_services": ("publisher_es",)}
+
+    for engine in ("delta-rs", "spark"):
+        report = run_maintenance(config, dry_run=True, engine=engine, spark=spark, **ignored)
+        assert f"bronze/{ENTITY}" not in {t.table for t in report.tables}
+        (table, checkpoints) = report.notices
+        assert table.startswith(f"bronze/{ENTITY}: ") and "drains it" in table
+        assert checkpoints.startswith(str(checkpoint.parent)) and f"({ENTITY})" in checkpoints
+    text = cdc("maintenance", "--config", str(tmp_path / "pipeline.yaml"), "--dry-run")
+    assert text.exit_code == 0, text.output
+    assert f"note: bronze/{ENTITY}: " in text.stdout
+
+    record_progress(spark, config.layout.silver(ENTITY), ("cdc-merger-legacy", 1))  # drained
+    report = run_maintenance(config, dry_run=True, **ignored)
+    assert "it can be deleted" in report.notices[0]
+    assert _version(spark, old_bronze) == 0  # never touched
+
+
+def test_a_publisher_lags_by_the_silver_versions_with_changes_after_its_progress(
     tmp_path: Path, spark: SparkSession, kafka_config: KafkaConfig, es_config: ElasticsearchConfig
 ) -> None:
-    """Delta leaves such a stream's offset on the version, at the index of its last cdc
-    file, rather than on the next version; that version was read all the same.
+    """publisher-es's progress is its alias's document (or, before its first start of this
+    release, the stream checkpoint of an earlier release): status measures silver's
+    versions with changes after it, and VACUUM keeps what those need. A version without
+    a change (an OPTIMIZE) is no lag.
 
-    A table and checkpoint of its own, not the module's pipeline.
+    A silver table of its own, not the module's pipeline.
     """
     config = build_pipeline(tmp_path, kafka_config, es_config).config
     silver = config.layout.silver(ENTITY)
@@ -280,32 +342,48 @@ def test_a_publisher_caught_up_on_a_version_with_cdc_files_shows_no_lag(
             .execute()
         )  # an update: the version has cdc files
     merged = _version(spark, silver)
-
-    checkpoint = config.checkpoint_path("publisher_es", ENTITY)
-    feed = change_feed(spark, silver, config.publisher_es)  # as the publishers read silver
-    query = (
-        feed.writeStream.format("noop")
-        .option("checkpointLocation", checkpoint)
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
-    batch = last_committed_batch(spark, checkpoint)
-    assert batch is not None
-    (offset,) = batch.sources
-    assert (offset["reservoirVersion"], offset["isStartingVersion"]) == (merged, False), offset
-    assert offset["index"] >= 0, offset  # on the MERGE's last cdc file, not the next version
-
-    def publisher_es_lag() -> int | None:
-        (status,) = collect_status(config, [ENTITY], spark).entities
-        return status.stream("publisher_es").lag
-
-    assert publisher_es_lag() == 0
+    entity = config.entity(ENTITY)
     ignored = ("merger", "publisher_kafka")
-    assert stream_needs(config, config.entity(ENTITY), spark, ignored) == []  # VACUUM at will
 
-    DeltaTable.forPath(spark, silver).delete("id = 2")  # a version not read yet
-    assert publisher_es_lag() == 1
+    def publisher_es() -> tuple[int | None, str]:
+        (status,) = collect_status(config, [ENTITY], spark).entities
+        stream = status.stream("publisher_es")
+        return stream.lag, stream.note
+
+    assert publisher_es() == (None, "not started")
+    # The checkpoint an earlier release's stream left, having read version 1 (the MERGE)
+    # to its end: its next batch would start at version 2.
+    checkpoint = Path(config.layout.legacy_checkpoint("publisher_es", ENTITY))
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "commits").mkdir()
+    offset = {"reservoirVersion": merged + 1, "index": -1, "isStartingVersion": False}
+    (checkpoint / "offsets" / "0").write_text(f'v1\n{{"batchWatermarkMs":0}}\n{json.dumps(offset)}')
+    (checkpoint / "commits" / "0").write_text('v1\n{"nextBatchWatermarkMs":0}')
+    lag, note = publisher_es()
+    assert lag == 0 and "by an earlier release" in note
+
+    es = make_elasticsearch(es_config)
+    progress = IndexProgress(es, config.publisher_es.progress_index)
+    alias = entity.es_index_name
+    try:
+        progress.write(alias, ENTITY, merged - 1)  # behind the MERGE: it needs it
+        assert publisher_es() == (1, f"indexed up to silver v{merged - 1}")
+        (need,) = silver_needs(config, entity, spark, ignored)
+        assert (need.service, need.table, need.version) == ("publisher_es", f"silver/{ENTITY}", 1)
+
+        progress.write(alias, ENTITY, merged)
+        assert publisher_es() == (0, f"indexed up to silver v{merged}")
+        DeltaTable.forPath(spark, silver).optimize().executeCompaction()  # no change
+        assert publisher_es()[0] == 0
+        assert silver_needs(config, entity, spark, ignored) == []  # VACUUM at will
+
+        DeltaTable.forPath(spark, silver).delete("id = 2")  # a version not published yet
+        assert publisher_es()[0] == 1
+        (need,) = silver_needs(config, entity, spark, ignored)
+        assert need.version == _version(spark, silver)
+    finally:
+        es.delete(index=config.publisher_es.progress_index, id=alias, refresh=True)
+        es.close()
 
 
 def test_quarantine_list_and_show_match_the_generated_poison(world: World) -> None:
@@ -392,7 +470,7 @@ def _dry_run_then_run(world: World, spark: SparkSession, *args: str) -> dict[str
     replaces files too).
     """
     layout = world.pipeline.config.layout
-    paths = (layout.bronze(ENTITY), layout.silver(ENTITY), layout.tombstones(ENTITY))
+    paths = (layout.bronze(), layout.silver(ENTITY), layout.tombstones(ENTITY))
 
     def versions() -> list[int]:
         return [DeltaTable.forPath(spark, p).history(1).first()["version"] for p in paths]
@@ -425,7 +503,7 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
     refused = cdc("maintenance", *world.config_args, "--vacuum-hours", "0", *no_expiry)
     assert refused.exit_code == 1, refused.output
     assert "below Delta's minimum" in refused.output
-    for table in (f"bronze/{ENTITY}", f"silver/{ENTITY}"):  # tombstones: not touched
+    for table in ("bronze", f"silver/{ENTITY}"):  # tombstones: not touched
         assert f"{table}: 168 hours (delta.deletedFileRetentionDuration not set" in refused.output
 
     port = free_port()
@@ -442,14 +520,15 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
     # Stopped now, but bronze and silver were written within the last hour.
     refused = cdc(*forced, *live, *no_expiry, "--quiet-minutes", "60")
     assert refused.exit_code == 1, refused.output
-    assert f"bronze/{ENTITY}: " in refused.output and "within 60 minutes" in refused.output
-    assert "merger's checkpoint for customers progressed" in refused.output
+    assert "bronze: WRITE committed version" in refused.output and "within 60" in refused.output
+    assert f"merger's checkpoint of group {GROUP} progressed" in refused.output
     time.sleep(3)  # every service stopped before this: 3 quiet seconds (0.05 minutes)
     stopped = (*forced, "--quiet-minutes", "0.05")
 
     # Forced, the streams' needs still hold: publisher-es never ran, it needs version 0.
     refused = cdc(*stopped, *live, "--no-optimize", "--no-tombstone-expiry")
-    assert refused.exit_code == 1 and "publisher_es still needs version 0" in refused.output
+    assert refused.exit_code == 1, refused.output
+    assert f"silver/{ENTITY}: publisher_es still needs version 0" in refused.output
 
     # Tombstones older by the wall clock than a one-second retention, but the merger has
     # merged nothing ingested after them: none expires (the wall clock would expire all).
@@ -467,7 +546,7 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
         "--tombstone-retention-hours",
         str(hours),
     )
-    assert set(tables) == {f"bronze/{ENTITY}", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
+    assert set(tables) == {"bronze", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
     assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == 0
     assert (
         "hours of bronze ingest time" in tables[f"silver/_tombstones/{ENTITY}"]["tombstones_note"]
@@ -498,27 +577,36 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
 def test_status_shows_the_backlog_and_maintenance_refuses_what_the_merger_needs(
     world: World, spark: SparkSession, kafka_config: KafkaConfig
 ) -> None:
-    """Leaves: the late v2 records quarantined as unknown_schema, not merged."""
+    """The ingestor runs while the merger is stopped: the table's merger progress stays
+    behind bronze, which holds the VACUUM of bronze back.
+
+    Leaves: the late v2 records quarantined as unknown_schema, not merged.
+    """
+    config = world.pipeline.config
     produce(kafka_config, iter(world.late_v2 + world.redelivered))
     assert _entity_status(world)["ingestor"] == len(world.late_v2) + len(world.redelivered)
 
+    progress = _merger_progress(config)
     ingest_once(world.pipeline, spark)
     status = _entity_status(world)
     assert status["ingestor"] == 0
     assert status["merger"] == 1  # the bronze commit of the re-delivered records
     assert status["quarantine"] == len(world.report.poison) + len(world.late_v2)
+    needed = _last_write(spark, config.layout.bronze())  # the re-delivered records' commit
+    assert progress is not None and progress < needed
+    rows = entity_changes(spark, config.layout.bronze(), ENTITY, needed - 1, needed).count()
+    (entity,) = cdc_json("status", *world.config_args)["entities"]
+    (merger,) = [s for s in entity["streams"] if s["service"] == "merger"]
+    assert merger["note"] == f"merged through bronze v{progress}, {rows:,} rows to merge"
 
     # Forced below Delta's minimum with nothing to probe and no quiet period: the
-    # streams' needs alone decide.
+    # services' needs alone decide.
     args = (*_maintenance_config(world, "stopped"), "--no-optimize", "--ignore-service")
     args = (*args, "publisher_es", "--force-short-retention", "--quiet-minutes", "0")
     refused = cdc("maintenance", *args, "--vacuum-hours", "0", "--no-tombstone-expiry")
     assert refused.exit_code == 1
-    # The re-delivered records' commit (bronze's auto compaction may have committed after it).
-    bronze_path = world.pipeline.config.layout.bronze(ENTITY)
-    history = DeltaTable.forPath(spark, bronze_path).history().where("operation != 'OPTIMIZE'")
-    needed = history.agg(F.max("version")).first()[0]
-    assert f"bronze/{ENTITY}: merger still needs version {needed}" in refused.output
+    assert f"bronze: merger still needs version {needed}" in refused.output
+    assert f"{ENTITY} merged through version {progress}" in refused.output
     refused = cdc("maintenance", *args, "--no-vacuum", "--tombstone-retention-hours", "0")
     assert refused.exit_code == 1 and "refusing to expire tombstones" in refused.output
     assert "shorter than merger.tombstone_retention_hours (168 hours)" in refused.output
@@ -533,7 +621,7 @@ def test_maintenance_expires_tombstones_by_the_ingest_time_the_merger_reached(
     hours = 0.0003  # about a second
     args = (*_maintenance_config(world, "expiry", tombstone_retention_hours=hours), "--no-vacuum")
     args = (*args, "--no-optimize", "--tombstone-retention-hours", str(hours))
-    events = spark.read.format("delta").load(world.pipeline.config.layout.bronze(ENTITY))
+    events = bronze(spark, world.pipeline, ENTITY)
     tip = events.agg(F.max("ingested_at")).first()[0]
     newest = _tombstones(spark, world).agg(F.max("deleted_at")).first()[0]
     # Bronze has events ingested after every tombstone plus the retention, unmerged yet.
@@ -541,6 +629,10 @@ def test_maintenance_expires_tombstones_by_the_ingest_time_the_merger_reached(
     report = cdc_json("maintenance", *args)
     expiry = {t["table"]: t for t in report["tables"]}[f"silver/_tombstones/{ENTITY}"]
     assert expiry["tombstones_expired"] == 0, expiry
+    # Aged by the last merged event's ingest time: before the unmerged ones', read although
+    # bronze's version the merger merged through lost its files to the VACUUM above.
+    merged_until = dt.datetime.fromisoformat(expiry["tombstones_note"].rsplit(" ", 1)[1])
+    assert merged_until < tip.astimezone(dt.UTC) - dt.timedelta(hours=hours)
 
     merge_once(world.pipeline, spark)  # 168-hour retention: the merger expires nothing
     cutoff = tip - dt.timedelta(hours=hours)  # all of bronze is merged now
@@ -618,6 +710,48 @@ def test_replay_after_a_crash_between_produce_and_confirm_produces_nothing_twice
     assert all(n == 1 for n in origins.values())
 
 
+def test_quarantine_lists_and_shows_the_mergers_rows(world: World, spark: SparkSession) -> None:
+    """What the merger quarantines (bronze events it cannot apply, each with the bronze
+    version its write reached and ``source_table`` bronze) is listed, shown and counted
+    like any service's quarantine; only the ingestor's replays.
+
+    Leaves: three of the entity's bronze events in the merger's quarantine.
+    """
+    config = world.pipeline.config
+    version = _version(spark, config.layout.bronze())
+    events = bronze(spark, world.pipeline, ENTITY).orderBy("kafka_partition", "kafka_offset")
+    rejected = (
+        events.limit(3)
+        .withColumn(ERROR_KIND, F.lit("null_key"))
+        .withColumn(ERROR_MESSAGE, F.lit("key column id is null"))
+    )
+    # As the merger's write quarantines them (cdc_merger.merging.TableMerge.write).
+    rows = quarantine_rows(rejected, ENTITY, version)
+    app = f"{PROGRESS_APP}-{ENTITY}"
+    idempotent_append(rows, config.layout.quarantine("merger"), app, version)
+    written = spark.read.format("delta").load(config.layout.quarantine("merger")).collect()
+    assert {(r.source_table, r.batch_id) for r in written} == {("bronze", version)}
+    coordinates = {f"{r.kafka_topic}/{r.kafka_partition}@{r.kafka_offset}" for r in written}
+    assert len(coordinates) == 3
+
+    groups = cdc_json("quarantine", "list", *world.config_args, "--service", "merger")
+    assert groups["groups"] == [
+        {"service": "merger", "entity": ENTITY, "error_kind": "null_key", "rows": 3, "replayed": 0}
+    ]
+    shown = cdc_json("quarantine", "show", *world.config_args, "--service", "merger")["records"]
+    assert {r["coordinates"] for r in shown} == coordinates
+    assert all(r["error_message"] == "key column id is null" for r in shown)
+    assert all(json.loads(bytes.fromhex(r["raw_value"]))["op"] for r in shown)  # the event
+    assert cdc_json("status", *world.config_args)["quarantine"]["merger"] == {ENTITY: 3}
+    text = cdc("status", *world.config_args)
+    assert f"merger           3 rows ({ENTITY} 3)" in text.stdout
+
+    refused = cdc(
+        "quarantine", "replay", *world.config_args, "--service", "merger", "--entity", ENTITY
+    )
+    assert refused.exit_code == 2 and "only the ingestor's quarantine" in refused.output
+
+
 def test_verify_reports_a_row_deleted_from_silver(world: World, spark: SparkSession) -> None:
     victim = sorted(world.documents)[1]
     silver = DeltaTable.forPath(spark, world.pipeline.config.layout.silver(ENTITY))
@@ -631,3 +765,67 @@ def test_verify_reports_a_row_deleted_from_silver(world: World, spark: SparkSess
         assert (target["missing"], target["extra"], target["different"]) == (0, 1, 0)
         assert target["examples"] == {"extra": [f"id={victim}"]}
         assert (target["buckets"], target["buckets_differing"]) == (1, 1)
+
+
+def test_an_idle_table_holds_nothing_back_and_a_stopped_one_holds_bronze(
+    tmp_path: Path, spark: SparkSession, kafka_config: KafkaConfig, es_config: ElasticsearchConfig
+) -> None:
+    """Two tables in one bronze. A table without changes keeps its merger progress at its
+    last change however far bronze moves on: it is not behind, and holds no version of
+    bronze from VACUUM. A table whose merger is stopped while its rows come in is behind
+    by the bronze versions holding them, and bronze keeps them for it.
+
+    A pipeline of its own.
+    """
+    pipeline = build_pipeline(
+        tmp_path,
+        kafka_config,
+        es_config,
+        entities=("customers", "orders"),
+        ingestor={"metrics_port": 0},
+        merger={"metrics_port": 0},
+    )
+    config = pipeline.config
+    messages = generate(pipeline, events=120, keys=30, poison_share=0.0)
+    first, later = messages[: len(messages) // 2], messages[len(messages) // 2 :]
+
+    def of(entity: str) -> list[GeneratedMessage]:
+        return [m for m in later if m.entity == entity]
+
+    def merge_orders() -> None:  # the orders table's merger alone (a group of its own)
+        start_merger(config, entity_names=["orders"], once=True, spark=spark).run()
+
+    def lags() -> dict[str, int | None]:
+        report = collect_status(config)
+        return {e.entity: e.stream("merger").lag for e in report.entities}
+
+    produce(kafka_config, iter(first))
+    ingest_once(pipeline, spark)
+    merge_once(pipeline, spark)
+    assert lags() == {"customers": 0, "orders": 0}
+
+    # Only orders changes: customers stays idle at its progress.
+    idle_at = _merger_progress(config, "customers")
+    produce(kafka_config, iter(of("orders")[:10]))
+    ingest_once(pipeline, spark)
+    merge_orders()
+    assert idle_at is not None and idle_at < _version(spark, config.layout.bronze())
+    assert lags() == {"customers": 0, "orders": 0}
+    assert bronze_needs(config, spark) == []  # VACUUM at will
+
+    # customers changes while its merger is stopped; orders' goes on.
+    produce(kafka_config, iter(of("customers")))
+    ingest_once(pipeline, spark)
+    waiting = _last_write(spark, config.layout.bronze())
+    produce(kafka_config, iter(of("orders")[10:]))
+    ingest_once(pipeline, spark)
+    merge_orders()
+    assert lags() == {"customers": 1, "orders": 0}
+    (need,) = bronze_needs(config, spark)
+    assert (need.service, need.table, need.version) == ("merger", "bronze", waiting)
+    assert need.note == f"customers merged through version {idle_at}"
+    assert bronze_needs(config, DeltaLogState(config)) == [need]  # read without a JVM too
+
+    merge_once(pipeline, spark)  # its merger back: caught up, nothing held
+    assert lags() == {"customers": 0, "orders": 0}
+    assert bronze_needs(config, spark) == []

@@ -11,10 +11,15 @@ import pytest
 import yaml
 from cdc_cli.checkpoints import (
     Commit,
-    DeltaPosition,
+    DeltaLog,
+    TopicPosition,
+    change_feed_versions,
     data_commits_from,
-    delta_position,
     indexed_file_count,
+    merger_backlog,
+    parse_commit,
+    position_at,
+    recorded_positions,
 )
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
@@ -26,6 +31,7 @@ from cdc_cli.maintenance import (
     health_answer,
     health_endpoints,
     interval_hours,
+    merger_log_notices,
     tombstone_retention,
 )
 from cdc_cli.quarantine import preview
@@ -33,24 +39,10 @@ from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
 from cdc_devkit.local_run import EXAMPLE_CONFIG, write_pipeline_config
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
-from cdc_shared.layout import SERVICES
 from cdc_shared.observability import HealthServer
 from pyspark.sql import types as T
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
-
-
-def test_delta_position_reads_the_next_version_to_read() -> None:
-    # Caught up after version 4: Delta points at version 5, no file read.
-    assert delta_position({"reservoirVersion": 5, "index": -1}).next_version == 5
-    # Half-way through version 3's files: version 3 is still needed.
-    assert delta_position({"reservoirVersion": 3, "index": 1}).next_version == 3
-    # Reading the first snapshot.
-    assert delta_position({"reservoirVersion": 1, "index": 0, "isStartingVersion": True}).snapshot
-    # Version read to its end.
-    assert delta_position({"reservoirVersion": 7, "index": (1 << 63) - 101}).next_version == 8
-    with pytest.raises(ValueError, match="not a Delta source offset"):
-        delta_position({"topic": {"0": 1}})
 
 
 # Silver's log as Delta 4.4 writes it (trimmed): a MERGE that updated two rows and inserted
@@ -93,38 +85,201 @@ def test_a_stream_indexes_cdc_files_when_a_commit_has_them_else_files_that_chang
     assert indexed_file_count(OPTIMIZE_COMMIT, change_feed=True) == 0
 
 
-def test_a_change_feed_stream_at_the_last_cdc_file_of_a_version_has_read_it() -> None:
-    # The offset a publisher's checkpoint holds once it read silver's version 2 (the MERGE
-    # above, 2 cdc files) and caught up: Delta stays at version 2, index of the last file.
-    offset = {
-        "sourceVersion": 1,
-        "reservoirId": "a10fcfe3-8f51-428b-a8d4-36ef357a64a5",
-        "reservoirVersion": 2,
-        "index": 1,
-        "isStartingVersion": False,
-    }
-    commits = {2: MERGE_COMMIT, 3: DELETE_COMMIT}
+def _bronze_commit(
+    version: int,
+    rows: dict[str, int],
+    positions: dict[str, dict[str, int]] | None = None,
+    held: dict[str, str] | None = None,
+    operation: str = "WRITE",
+) -> str:
+    """A bronze commit file as Delta Lake writes the ingestor's append (trimmed): one
+    file per entity with its row count, the ingestor's record in ``userMetadata``."""
+    info: dict[str, object] = {"timestamp": 1_767_225_600_000 + version, "operation": operation}
+    if positions is not None:
+        record = {"group": "default", "positions": positions, "held": held or {}}
+        info["userMetadata"] = json.dumps({"cdc_ingestor": record})
+    actions: list[dict[str, object]] = [{"commitInfo": info}]
+    for entity, count in rows.items():
+        add = {
+            "path": f"entity={entity}/part-{version}.parquet",
+            "partitionValues": {"entity": entity},
+            "dataChange": operation != "OPTIMIZE",
+            "stats": json.dumps({"numRecords": count}),
+        }
+        actions.append({"add": add})
+    return "\n".join(json.dumps(action) for action in actions)
 
-    def files_in_version(version: int) -> int | None:
-        return indexed_file_count(commits[version], change_feed=True)
 
-    assert delta_position(offset, files_in_version) == DeltaPosition(3, False)
-    # Without the commit (or when it is gone), the version counts as not read completely.
-    assert delta_position(offset).next_version == 2
-    assert delta_position(offset, lambda version: None).next_version == 2
-    # Half-way through a version's files (a batch limit split its add and remove): needed.
-    half_way = {**offset, "reservoirVersion": 3, "index": 0}
-    assert delta_position(half_way, files_in_version).next_version == 3
-    # Before any file of it (-1), or a snapshot being read: the commit is not asked for.
-    asked: list[int] = []
+class LogFiles:
+    """A table's commit files in memory, as a StateReader reads them; counts the reads."""
 
-    def counting(version: int) -> int | None:
-        asked.append(version)
-        return 1
+    def __init__(self, path: str, commits: dict[int, str]) -> None:
+        self.path = path
+        self.commits = commits
+        self.read: list[int] = []
 
-    assert delta_position({**offset, "index": -1}, counting).next_version == 2
-    assert delta_position({**offset, "index": 0, "isStartingVersion": True}, counting).snapshot
-    assert asked == []
+    def list_names(self, path: str) -> list[str] | None:
+        return None
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        version = int(path.rsplit("/", 1)[1].removesuffix(".json"))
+        self.read.append(version)
+        return self.commits.get(version)
+
+    def table_version(self, path: str) -> int | None:
+        return max(self.commits) if path == self.path else None
+
+    def history(self, path: str, since: int = 0) -> dict[int, Commit]:
+        raise NotImplementedError
+
+    def count_by(self, path: str, column: str) -> dict[str, int] | None:
+        raise NotImplementedError
+
+    def transaction_version(self, path: str, app_id: str) -> int | None:
+        raise NotImplementedError
+
+
+class Root(LogFiles):
+    """Bronze's commit files, and what silver's logs record of the merger's progress."""
+
+    def __init__(
+        self, config: PipelineConfig, commits: dict[int, str], progress: dict[str, int]
+    ) -> None:
+        super().__init__(config.layout.bronze(), commits)
+        self.progress = {config.layout.silver(e): p for e, p in progress.items()}
+        self.properties: dict[str, str] = {}
+
+    def table_version(self, path: str) -> int | None:
+        return 0 if path in self.progress else super().table_version(path)
+
+    def transaction_version(self, path: str, app_id: str) -> int | None:
+        return self.progress.get(path) if app_id == "cdc-merger" else None
+
+    def table_properties(self, path: str) -> dict[str, str]:
+        return self.properties
+
+
+def test_a_merger_progress_beyond_bronzes_log_retention_is_said() -> None:
+    """An idle table needs none of bronze's files, but a merger query on a new checkpoint
+    reads bronze's log from its progress: once Delta may have removed it, say so."""
+    entities = [
+        {"name": name, "source_topic": topic, "key": ["id"], "sequence_by": ["lsn"]}
+        for name, topic in (("customers", "c"), ("orders", "o"))
+    ]
+    config = PipelineConfig(storage_root="/root", entities=entities)
+    root = Root(config, _bronze().commits, {"customers": 3, "orders": 7})  # committed in January
+    now = dt.datetime(2026, 6, 1, tzinfo=dt.UTC)
+    (notice,) = merger_log_notices(config, root, now)  # type: ignore[arg-type]
+    assert notice.startswith("bronze: customers is merged through version 3, older than")
+    root.properties = {"delta.logRetentionDuration": "interval 365 days"}
+    assert merger_log_notices(config, root, now) == []  # type: ignore[arg-type]
+    root.progress = dict.fromkeys(root.progress, 7)  # every table at bronze's latest version
+    root.properties = {}
+    assert merger_log_notices(config, root, now) == []  # type: ignore[arg-type]
+
+
+def test_a_bronze_commit_says_whose_rows_it_adds_and_where_the_ingestor_stands() -> None:
+    text = _bronze_commit(
+        7, {"customers": 3, "orders": 2}, {"t.customers": {"0": 10}}, {"orders": "stopped"}
+    )
+    commit = parse_commit(7, text)
+    assert commit.entity_rows == {"customers": 3, "orders": 2}
+    assert commit.ingestor is not None
+    assert commit.ingestor.positions == {"t.customers": {"0": 10}}
+    assert commit.ingestor.held == {"orders": "stopped"}
+    assert commit.change_feed_files == 2  # an append: its adds are the change feed
+    compacted = parse_commit(8, _bronze_commit(8, {"customers": 5}, operation="OPTIMIZE"))
+    assert compacted.entity_rows == {} and compacted.ingestor is None
+    assert compacted.change_feed_files == 0
+
+
+def _bronze() -> LogFiles:
+    """Bronze of two tables of two groups: customers (topic c) and orders (topic o)."""
+    return LogFiles(
+        "bronze",
+        {
+            0: _bronze_commit(0, {}, operation="CREATE TABLE"),
+            1: _bronze_commit(1, {"customers": 4}, {"c": {"0": 4}}),
+            2: _bronze_commit(2, {"orders": 2}, {"o": {"0": 2}}),
+            3: _bronze_commit(3, {"customers": 1}, {"c": {"0": 5}}),
+            4: _bronze_commit(4, {}, {"c": {"0": 7}}),  # two records, both quarantined
+            5: _bronze_commit(5, {"orders": 6}, {"o": {"0": 8}}),
+            6: _bronze_commit(6, {"customers": 9}, operation="OPTIMIZE"),
+            7: _bronze_commit(7, {"orders": 1}, {"o": {"0": 9}}),
+        },
+    )
+
+
+def test_the_merger_backlog_is_the_versions_after_its_progress_with_rows_of_the_table() -> None:
+    files = _bronze()
+    bronze = DeltaLog(files, "bronze")
+    backlog = merger_backlog(bronze, "orders", "o", 2, {"0": 9})
+    assert [c.version for c in backlog.versions] == [5, 7]
+    assert (backlog.count, backlog.rows, backlog.oldest) == (2, 7, 5)
+    # Caught up, or only compactions and other tables' rows since: nothing to read.
+    assert merger_backlog(bronze, "orders", "o", 7, {"0": 9}).count == 0
+    assert merger_backlog(bronze, "customers", "c", 3, None).count == 0
+    # Nothing merged yet: every version with its rows, back to the log's start.
+    assert [c.version for c in merger_backlog(bronze, "customers", "c", -1, None).versions] == [
+        1,
+        3,
+    ]
+
+
+def test_an_idle_table_costs_no_read_beyond_where_its_progress_stood() -> None:
+    """Its progress stays at its last change however far bronze moves on: where the
+    ingestor wrote its topic, at most, is no further than at the progress: done."""
+    files = _bronze()
+    backlog = merger_backlog(DeltaLog(files, "bronze"), "customers", "c", 4, {"0": 7})
+    assert backlog.count == 0
+    assert max(files.read) == 4  # where the topic stood at the progress: nothing after it
+    # Told nothing of the topic, it reads back from the newest commit, and stops at the
+    # first that names the topic no further than the progress: nothing older is unmerged.
+    # Here a group of both tables, whose every commit names both topics.
+    group = {0: _bronze_commit(0, {}, operation="CREATE TABLE")}
+    group[1] = _bronze_commit(1, {"customers": 4}, {"c": {"0": 4}, "o": {"0": 0}})
+    for version in range(2, 301):
+        group[version] = _bronze_commit(
+            version, {"orders": 1}, {"c": {"0": 4}, "o": {"0": version}}
+        )
+    files = LogFiles("bronze", group)
+    assert merger_backlog(DeltaLog(files, "bronze"), "customers", "c", 1, None).count == 0
+    assert min(v for v in files.read if v > 1) > 200  # the newest few dozen, not 299
+
+
+def test_a_lost_commit_after_the_progress_counts_and_is_said() -> None:
+    files = _bronze()
+    del files.commits[5]
+    backlog = merger_backlog(DeltaLog(files, "bronze"), "orders", "o", 2, {"0": 9})
+    assert (backlog.count, backlog.unreadable, backlog.rows) == (2, (5,), None)
+
+
+def test_the_newest_commit_naming_a_topic_says_its_position_and_whether_it_is_held() -> None:
+    files = _bronze()
+    files.commits[8] = _bronze_commit(8, {}, {"o": {"0": 9}}, {"orders": "registry down"})
+    positions = recorded_positions(DeltaLog(files, "bronze"), {"c": "customers", "o": "orders"})
+    assert positions["c"] == TopicPosition(4, "default", {"0": 7}, None)
+    assert positions["o"] == TopicPosition(8, "default", {"0": 9}, "registry down")
+    assert position_at(DeltaLog(files, "bronze"), "o", 4) == {"0": 2}
+    assert position_at(DeltaLog(files, "bronze"), "o", 1) == {}  # not written before
+
+
+def test_a_publisher_lags_by_the_silver_versions_whose_change_feed_holds_changes() -> None:
+    """A MERGE that matched nothing (the merger's progress alone) and an OPTIMIZE hold no
+    change: a publisher that did not publish after them is not behind."""
+    empty_merge = (
+        json.dumps({"commitInfo": {"operation": "MERGE"}})
+        + "\n"
+        + json.dumps({"txn": {"appId": "cdc-merger", "version": 9}})
+    )
+    silver = LogFiles(
+        "silver",
+        {1: MERGE_COMMIT, 2: empty_merge, 3: OPTIMIZE_COMMIT, 4: DELETE_COMMIT},
+    )
+    changed, unreadable = change_feed_versions(DeltaLog(silver, "silver"), 1)
+    assert ([c.version for c in changed], unreadable) == ([4], [])
+    changed, _ = change_feed_versions(DeltaLog(silver, "silver"), 4)
+    assert changed == []
 
 
 def test_optimize_and_vacuum_commits_are_not_data() -> None:
@@ -139,7 +294,7 @@ def test_optimize_and_vacuum_commits_are_not_data() -> None:
 
 def _need(hours_ago: float, service: str = "merger") -> StreamNeed:
     since = NOW - dt.timedelta(hours=hours_ago)
-    return StreamNeed(service, "bronze/customers", 4, since, "checkpoint batch 9")
+    return StreamNeed(service, "bronze", 4, since, "customers merged through version 3")
 
 
 def test_vacuum_retention_must_cover_the_oldest_unread_version_plus_margin() -> None:
@@ -265,9 +420,9 @@ def test_local_run_gives_each_service_its_own_metrics_port(tmp_path: Path) -> No
 def test_local_run_copies_the_example_into_many_tables_each_with_its_own_names(
     tmp_path: Path,
 ) -> None:
-    """``cdc chaos --tables 24 --one-query``'s pipeline: a valid file, no name shared."""
+    """``cdc chaos --tables 24``'s pipeline: a valid file, no name shared."""
     served = Endpoints("127.0.0.1:1", "http://127.0.0.1:2")
-    path = write_pipeline_config(tmp_path, served, tables=24, one_query=True)
+    path = write_pipeline_config(tmp_path, served, tables=24)
     config = load_config(path)
     assert len(config.entities) == 24
     for names in (
@@ -280,4 +435,21 @@ def test_local_run_copies_the_example_into_many_tables_each_with_its_own_names(
     example = yaml.safe_load(EXAMPLE_CONFIG.read_text())["entities"]
     first = [f"{e['name']}_t00{i}" for i, e in enumerate(example)]
     assert [e.name for e in config.entities[: len(example)]] == first
-    assert all(config.runs_one_query(service) for service in SERVICES)
+
+
+def test_the_names_the_cli_reads_without_pyspark_are_the_services_own() -> None:
+    """The read-only commands name what the services write without importing them (their
+    modules import PySpark): the same names."""
+    from cdc_cli import checkpoints, maintenance, status
+    from cdc_ingestor import positions
+    from cdc_merger import legacy, merging
+    from cdc_publisher_es import progress
+    from cdc_shared import bronze, silver
+
+    assert checkpoints.MERGER_PROGRESS_APP == merging.PROGRESS_APP
+    assert checkpoints.MERGER_LEGACY_APP == legacy.LEGACY_APP
+    assert checkpoints.INGESTOR_METADATA_KEY == positions.METADATA_KEY
+    assert checkpoints.POSITIONS_READ == positions.HISTORY_READ
+    assert checkpoints.ENTITY_COLUMN == bronze.ENTITY
+    assert maintenance.DELETED_AT == silver.DELETED_AT
+    assert status.ES_PROGRESS_FIELD in progress._MAPPINGS["properties"]

@@ -7,6 +7,7 @@ local disk and on S3, and compare with the Spark engine.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import subprocess
@@ -17,10 +18,10 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from cdc_cli.checkpoints import last_committed_batch
+from cdc_cli.checkpoints import group_checkpoints, kafka_ends, last_committed_batch
 from cdc_cli.delta_log import DeltaLogState, _vector_file, delta_storage_options, table_uri
 from cdc_shared.config import PipelineConfig
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 
 def _s3_config(**storage: object) -> PipelineConfig:
@@ -58,7 +59,7 @@ def test_without_keys_or_path_style_delta_rs_uses_the_default_chain_and_virtual_
 def test_a_local_root_needs_no_options(tmp_path: Path) -> None:
     config = PipelineConfig(storage_root=str(tmp_path))
     assert delta_storage_options(config) == {}
-    assert table_uri(config.layout.bronze("orders")) == str(tmp_path / "bronze" / "orders")
+    assert table_uri(config.layout.silver("orders")) == str(tmp_path / "silver" / "orders")
 
 
 def _write(path: str, operations: list[tuple[str, list[str]]]) -> None:
@@ -85,27 +86,66 @@ def test_versions_history_and_counts_of_a_table(tmp_path: Path) -> None:
     assert state.count_by(path, "entity") == {"a": 3, "b": 1, "c": 1}
 
 
+def test_the_progress_a_writer_recorded_and_a_column_read_at_a_version(tmp_path: Path) -> None:
+    """What the merger records in silver's log (an app id's ``txn``), read as delta-rs
+    reads it at the services' start; the newest value of one entity's rows, time travelled."""
+    config = PipelineConfig(storage_root=str(tmp_path))
+    path = config.layout.bronze()
+    day = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    for version, (entity, value) in enumerate([("a", 1), ("b", 5), ("a", 3), ("a", 9)]):
+        rows = pa.table(
+            {
+                "entity": pa.array([entity]),
+                "at": pa.array([day + dt.timedelta(hours=value)], pa.timestamp("us", tz="UTC")),
+            }
+        )
+        app = CommitProperties(app_transactions=[Transaction("cdc-merger", version * 10)])
+        write_deltalake(
+            path,
+            rows,
+            mode="append",
+            partition_by=["entity"],
+            commit_properties=app,
+            configuration={"delta.enableChangeDataFeed": "true"},
+        )
+    state = DeltaLogState(config)
+    assert state.transaction_version(path, "cdc-merger") == 30
+    assert state.transaction_version(path, "another") is None
+
+    def at(hours: int) -> dt.datetime:
+        return day + dt.timedelta(hours=hours)
+
+    assert state.column_max(path, "at", 2, {"entity": "a"}) == at(3)  # version 3's 9 not yet
+    assert state.column_max(path, "at", 2) == at(5)
+    assert state.column_max(path, "at", 2, {"entity": "it's none"}) is None
+    assert state.column_max(path, "at", 3, {"entity": "a"}, below=at(9)) == at(3)
+    # The rows versions 2 and 3 added (the Change Data Feed after version 1).
+    assert state.change_feed_min(path, "at", 1, 3, {"entity": "a"}) == at(3)
+    assert state.change_feed_min(path, "at", 1, 3, {"entity": "b"}) is None
+
+
 def test_a_missing_table_or_folder_is_none_not_an_error(tmp_path: Path) -> None:
     config = PipelineConfig(storage_root=str(tmp_path))
     state = DeltaLogState(config)
     missing = config.layout.silver("customers")
     assert state.table_version(missing) is None
     assert state.count_by(missing, "entity") is None
-    assert state.list_names(config.checkpoint_path("merger", "customers")) is None
+    assert state.list_names(config.layout.checkpoint("merger", "default")) is None
     assert state.read_text_if_exists(f"{missing}/_delta_log/{0:020d}.json") is None
     with pytest.raises(FileNotFoundError, match="no Delta table"):
         state.history(missing)
 
 
-def test_the_last_committed_batch_of_a_checkpoint(tmp_path: Path) -> None:
+def test_the_last_committed_and_planned_batch_of_a_group_checkpoint(tmp_path: Path) -> None:
+    """The ingestor's group checkpoint: where its Kafka source stands in each topic."""
     config = PipelineConfig(storage_root=str(tmp_path))
-    checkpoint = Path(config.checkpoint_path("merger", "customers"))
+    checkpoint = Path(config.layout.checkpoint("ingestor", "default"))
     (checkpoint / "offsets").mkdir(parents=True)
     (checkpoint / "commits").mkdir()
     offsets = {
-        0: {"reservoirVersion": 1, "index": -1, "isStartingVersion": False},
-        1: {"reservoirVersion": 4, "index": -1, "isStartingVersion": False},
-        2: {"reservoirVersion": 6, "index": -1, "isStartingVersion": False},
+        0: {"t1": {"0": 3, "1": 0}, "t2": {"0": 1}},
+        1: {"t1": {"0": 5, "1": 2}, "t2": {"0": 1}},
+        2: {"t1": {"0": 9, "1": 2}, "t2": {"0": 4}},
     }
     for batch, offset in offsets.items():
         metadata = {"batchWatermarkMs": 0, "batchTimestampMs": 1}
@@ -119,6 +159,18 @@ def test_the_last_committed_batch_of_a_checkpoint(tmp_path: Path) -> None:
     batch = last_committed_batch(state, str(checkpoint))
     assert batch is not None
     assert (batch.batch_id, batch.sources) == (1, (offsets[1],))
+    assert kafka_ends(state, str(checkpoint), "t1") == (1, {"0": 5, "1": 2})
+    assert kafka_ends(state, str(checkpoint), "t1", planned=True) == (2, {"0": 9, "1": 2})
+    assert kafka_ends(state, str(checkpoint), "t3") is None
+    aside = Path(f"{checkpoint}.20260101T000000")
+    aside.mkdir()
+    streams = str(checkpoint.parent)
+    (checkpoint.parent / "tables-orders").mkdir()
+    assert group_checkpoints(state, streams, "orders") == [
+        f"{streams}/orders",
+        f"{streams}/default",
+        f"{streams}/tables-orders",
+    ]
 
     (checkpoint / "offsets" / "1").unlink()
     with pytest.raises(FileNotFoundError, match="committed batch 1 but has no offsets/1"):
@@ -128,7 +180,7 @@ def test_the_last_committed_batch_of_a_checkpoint(tmp_path: Path) -> None:
 def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
     """The JVM-free reader imports neither PySpark nor Delta Lake's Python package."""
     config = PipelineConfig(storage_root=str(tmp_path))
-    _write(config.layout.bronze("customers"), [("append", ["a"])])
+    _write(config.layout.bronze(), [("append", ["a"])])
     script = (
         "import sys\n"
         "from cdc_shared.config import PipelineConfig\n"
@@ -137,7 +189,8 @@ def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
         "'name': 'customers', 'source_topic': 't', 'key': ['id'], 'sequence_by': ['lsn']}])\n"
         "from cdc_cli.status import quarantine_counts, state_reader\n"
         "reader = state_reader(config)\n"
-        "print(reader.table_version(config.layout.bronze('customers')))\n"
+        "print(reader.table_version(config.layout.bronze()))\n"
+        "print(reader.transaction_version(config.layout.bronze(), 'cdc-merger'))\n"
         "print(quarantine_counts(config, reader))\n"
         "print(sorted(m for m in ('pyspark', 'delta', 'py4j') if m in sys.modules))\n"
     )
@@ -145,7 +198,7 @@ def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
         [sys.executable, "-c", script], check=False, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["0", "{}", "[]"]
+    assert done.stdout.splitlines() == ["0", "None", "{}", "[]"]
 
 
 def test_a_deletion_vector_file_is_named_as_delta_names_it() -> None:
@@ -206,7 +259,7 @@ def test_vacuum_dry_run_lists_what_deltas_vacuum_would(tmp_path: Path) -> None:
 def test_maintenance_dry_run_starts_no_jvm_and_imports_no_spark(tmp_path: Path) -> None:
     """``cdc maintenance --dry-run`` reads through delta-rs and files: no SparkSession."""
     config = PipelineConfig(storage_root=str(tmp_path))
-    for path in (config.layout.bronze("customers"), config.layout.silver("customers")):
+    for path in (config.layout.bronze(), config.layout.silver("customers")):
         _write(path, [("append", ["a"]), ("append", ["b"]), ("append", ["c"])])
     pipeline = tmp_path / "pipeline.yaml"
     entity = {"name": "customers", "source_topic": "t", "key": ["id"], "sequence_by": ["lsn"]}
@@ -219,7 +272,8 @@ def test_maintenance_dry_run_starts_no_jvm_and_imports_no_spark(tmp_path: Path) 
     )
     assert modules == "[]"
     tables = {t["table"]: t for t in report["tables"]}
-    assert set(tables) == {"bronze/customers", "silver/customers"}
+    assert set(tables) == {"bronze", "silver/customers"}
+    assert report["needs"] == [] and report["notices"] == []
     for table in tables.values():
         assert (table["files"], table["vacuumed_files"]) == (3, 0)
         assert table["optimized_files_removed"] is None
@@ -277,7 +331,7 @@ def test_the_log_state_is_the_same_read_from_a_checkpoint(tmp_path: Path) -> Non
     """Files and kept removals replayed from commits alone, or from a checkpoint and the
     commits after it, are the same; the files are those delta-rs reads."""
     config = PipelineConfig(storage_root=str(tmp_path))
-    path = config.layout.bronze("customers")
+    path = config.layout.bronze()
     _write(path, [("append", ["a"]), ("append", ["b"]), ("append", ["c"])])
     DeltaTable(path).optimize.compact()
     _write(path, [("append", ["d"])])

@@ -55,7 +55,8 @@ from pyspark.sql import SparkSession
 APPLICATION = "application"  # how logs and exit messages name ``cdc run``
 log = logging.getLogger(f"cdc_{APPLICATION}")
 
-StartService = Callable[[PipelineConfig, list[str] | None, bool, SparkSession], StreamRunner]
+#: A service's ``start``: (config, --entity names, --once, the session, group_names=...).
+StartService = Callable[..., StreamRunner]
 POOL_PROPERTY = "spark.scheduler.pool"
 
 
@@ -133,10 +134,12 @@ class Application:
         entity_names: list[str] | None = None,
         once: bool = False,
         spark: SparkSession | None = None,
+        group_names: list[str] | None = None,
     ) -> None:
         self.config = config
         self.services = services
         self.entity_names = entity_names
+        self.group_names = group_names
         self.once = once
         self.runners: dict[str, StreamRunner] = {}
         self._stop = threading.Event()
@@ -186,7 +189,11 @@ class Application:
         self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, service)
         try:
             runner = _starts()[service](
-                without_service_endpoints(self.config), self.entity_names, self.once, self.spark
+                without_service_endpoints(self.config),
+                self.entity_names,
+                self.once,
+                self.spark,
+                group_names=self.group_names,
             )
         finally:
             self.spark.sparkContext.setLocalProperty(POOL_PROPERTY, None)  # type: ignore[arg-type]
@@ -338,6 +345,7 @@ def run_application(
     services: list[str] | None = None,
     entity_names: list[str] | None = None,
     once: bool = False,
+    group_names: list[str] | None = None,
 ) -> int:
     """``cdc run``: load the configuration, run the services until done or SIGTERM.
 
@@ -350,7 +358,7 @@ def run_application(
         entities = config.select_entities(entity_names)  # unknown names fail here
         # Each service takes its writer leases as it starts; an instance already
         # writing any of them is named before anything runs (``--once`` starts late ones).
-        application = Application(config, chosen, entity_names, once)
+        application = Application(config, chosen, entity_names, once, group_names=group_names)
         refuse_if_running(
             config.storage_root,
             [section_name(s) for s in chosen],

@@ -78,12 +78,13 @@ def status_command(
         5.0, "--interval", min=0.5, help="Seconds between refreshes (with --watch)."
     ),
 ) -> None:
-    """Per entity: table versions, each service's lag, and quarantine counts.
+    """Per entity: its group, table versions, each service's lag, and quarantine counts.
 
-    Lag is read from what the services persist (checkpoints, the publisher's progress
-    offset), so it is right whether the services run or not: ingestor in Kafka records,
-    merger in bronze versions, publishers in silver versions. "not started" means the
-    table or checkpoint does not exist yet. With --watch, the report is drawn again every
+    Lag is read from what the services persist (each table's progress in bronze's and
+    silver's logs, the publishers' progress, the group checkpoints), so it is right
+    whether the services run or not: ingestor in Kafka records, merger in bronze versions
+    holding the table's rows, publishers in silver versions with changes. "not started"
+    means the table or progress does not exist yet. With --watch, the report is drawn again every
     --interval seconds, under each service's batches per minute, rows per second and mean
     batch time since the last refresh ("not reachable" when its /metrics does not answer).
     Exit 0 unless the configuration is bad.
@@ -241,7 +242,7 @@ def maintenance_command(
         10.0,
         min=0,
         help="With --force-short-retention: how long bronze and silver must have had no "
-        "data commit and no service checkpoint any progress.",
+        "data commit and no service's group checkpoint any progress.",
     ),
     tombstone_retention_hours: float | None = typer.Option(
         None,
@@ -255,7 +256,7 @@ def maintenance_command(
         None,
         "--ignore-service",
         help="A service that is not deployed (publisher_es, publisher_kafka, merger): its "
-        "checkpoint, or its absence, does not hold VACUUM back. Repeatable.",
+        "progress, or its absence, does not hold VACUUM back. Repeatable.",
     ),
     dry_run: bool = typer.Option(
         False,
@@ -280,16 +281,19 @@ def maintenance_command(
 ) -> None:
     """OPTIMIZE bronze and silver, VACUUM them safely, expire tombstones as the merger does.
 
-    The VACUUM retention is checked first, with exit 1 before anything runs. It may not be
+    Bronze, one table for every entity, is maintained with any --entity selection. The
+    VACUUM retention is checked first, with exit 1 before anything runs. It may not be
     below a table's delta.deletedFileRetentionDuration (Delta's minimum, 7 days unless
     set): younger files may belong to a running writer's unfinished commit or a version a
-    stream is reading. --force-short-retention lifts that only when no service answers on
-    its configured /health port and no data commit on bronze or silver and no checkpoint
-    progress happened within --quiet-minutes. Nor may the retention delete files a stream
-    has not read: each stream's checkpoint (merger on bronze; both publishers on silver)
-    names the oldest table version it has not read. A publisher that has not started will
-    read silver from its starting version (default 0) and so holds VACUUM back, unless
-    named with --ignore-service.
+    service is reading. --force-short-retention lifts that only when no service answers
+    on its configured /health port, holds a writer lease, and no data commit on bronze or
+    silver and no group checkpoint progress happened within --quiet-minutes. Nor may the
+    retention delete files a service has not read: the merger reads bronze from each
+    table's progress (in silver's log), both publishers read silver from theirs (the
+    change topic's progress group, the progress document). A publisher that has not
+    started will read silver from its starting version (default 0) and so holds VACUUM
+    back, unless named with --ignore-service. Tables and checkpoints of releases before
+    one bronze are left alone: the report says which exist and which can be deleted.
 
     Tombstones expire once the merger has merged events ingested
     merger.tombstone_retention_hours after them (bronze's ingest time, not the wall clock;
@@ -297,7 +301,7 @@ def maintenance_command(
 
     --dry-run makes the same checks (and refuses what a run would), then reports what a
     run would do, changing nothing. It starts no Spark session: it reads the tables' logs
-    (delta-rs), the streams' checkpoint files and the writer leases directly.
+    (delta-rs), the checkpoint files and the writer leases directly.
     """
     import datetime as dt
 

@@ -1,12 +1,13 @@
 """The storage root read without a JVM: Delta tables through delta-rs, other files through pyarrow.
 
 The read-only commands (``cdc status``, ``cdc quarantine list``, ``cdc maintenance
---dry-run``) need table versions, a table's history and properties, small column reads,
-a stream checkpoint's files and, for a VACUUM dry run, the table's files and log. Starting
-Spark for that costs more than all the reading: here delta-rs (the ``deltalake`` package)
-reads the tables, the same Delta log the services' Delta Lake writes, and delta-rs'
-storage layer (as a pyarrow file system) reads checkpoint and log files. :class:`DeltaLogState`
-is the :class:`cdc_cli.checkpoints.StateReader` that does so, and the
+--dry-run``) need table versions, a table's history, properties and recorded progress
+(``txn``), small column reads, commit files, a stream checkpoint's files and, for a
+VACUUM dry run, the table's files and log. Starting Spark for that costs more than all
+the reading: here delta-rs (the ``deltalake`` package) reads the tables, the same Delta
+log the services' Delta Lake writes, and delta-rs' storage layer (as a pyarrow file
+system) reads checkpoint and log files. :class:`DeltaLogState` is the
+:class:`cdc_cli.checkpoints.StateReader` that does so, and the
 ``cdc_cli.maintenance.TableState`` of a dry run.
 
 Paths are the configured ones (``StorageLayout``): a local folder, or ``s3a://`` (Hadoop's
@@ -28,6 +29,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
@@ -40,6 +42,7 @@ from cdc_cli.checkpoints import Commit
 if TYPE_CHECKING:
     from deltalake import DeltaTable
     from pyarrow import fs as pafs
+
 
 class DeltaLogState:
     """A :class:`cdc_cli.checkpoints.StateReader` without a JVM, for one pipeline's root.
@@ -178,6 +181,14 @@ class DeltaLogState:
             self._histories[path] = cached
         return {v: c for v, c in cached[1].items() if v >= since}
 
+    def transaction_version(self, path: str, app_id: str) -> int | None:
+        """The version ``app_id`` last recorded in the table at ``path`` (Delta's ``txn``).
+
+        As the services read their progress at start (``cdc_shared.delta_rs``).
+        """
+        written = self._existing(path).transaction_version(app_id)
+        return None if written is None else int(written)
+
     def table_properties(self, path: str) -> dict[str, str]:
         """The table properties (``delta.*`` among them) of the Delta table at ``path``."""
         return dict(self._existing(path).metadata().configuration)
@@ -186,24 +197,61 @@ class DeltaLogState:
         """The data files of the table's latest version (Delta's ``numFiles``)."""
         return int(self._existing(path).get_add_actions().num_rows)
 
-    def column_max(self, path: str, column: str, version: int) -> Any:
-        """The greatest value of ``column`` in version ``version`` of the table at ``path``."""
+    def column_max(
+        self,
+        path: str,
+        column: str,
+        version: int,
+        where: Mapping[str, str] | None = None,
+        below: dt.datetime | None = None,
+    ) -> Any:
+        """The greatest value of ``column`` in version ``version`` of the table at ``path``.
+
+        ``where``: only the rows whose columns hold these values (a partition column's
+        prunes the files read); ``below``: only the rows whose timestamp ``column`` is
+        before it.
+        """
         from deltalake import DeltaTable, QueryBuilder
 
         self._existing(path)
         table = DeltaTable(table_uri(path), version=version, storage_options=self._options or None)
         result = QueryBuilder().register("t", table)
-        rows = result.execute(f'SELECT max("{column}") AS m FROM t').read_all()
+        conditions = [f'"{name}" = {_sql_string(value)}' for name, value in (where or {}).items()]
+        if below is not None:
+            conditions.append(f'"{column}" < {_sql_timestamp(below)}')
+        sql = f'SELECT max("{column}") AS m FROM t'
+        if conditions:
+            sql += " WHERE " + " AND ".join(conditions)
+        rows = result.execute(sql).read_all()
         return rows.column("m").to_pylist()[0]
+
+    def change_feed_min(
+        self, path: str, column: str, since: int, until: int, where: Mapping[str, str]
+    ) -> Any:
+        """The least value of ``column`` among rows a range of versions changed.
+
+        The versions after ``since`` up to ``until`` (the table's Change Data Feed), the
+        rows whose columns hold the ``where`` values; None when there are none.
+        """
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        table = self._existing(path)
+        predicate = " AND ".join(f"{name} = {_sql_string(v)}" for name, v in where.items())
+        changes = table.load_cdf(
+            starting_version=since + 1,
+            ending_version=until,
+            columns=[column],
+            predicate=predicate or None,
+        )
+        values = pa.table(changes.read_all()).column(column)
+        return pc.min(values).as_py()
 
     def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
         """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
         self._existing(path)
-        micros = round(moment.timestamp() * 1_000_000)
         rows = self.query(
-            f'SELECT count(*) AS n FROM t WHERE "{column}" < '
-            f"arrow_cast(to_timestamp_micros({micros}), 'Timestamp(Microsecond, Some(\"UTC\"))')",
-            t=path,
+            f'SELECT count(*) AS n FROM t WHERE "{column}" < {_sql_timestamp(moment)}', t=path
         )
         return int((rows or [{"n": 0}])[0]["n"])
 
@@ -340,6 +388,17 @@ class DeltaLogState:
             dict(zip(columns, values, strict=True))
             for values in zip(*columns.values(), strict=True)
         ]
+
+
+def _sql_timestamp(moment: dt.datetime) -> str:
+    """``moment`` as a DataFusion UTC timestamp literal (microseconds, as Delta stores it)."""
+    micros = round(moment.timestamp() * 1_000_000)
+    return f"arrow_cast(to_timestamp_micros({micros}), 'Timestamp(Microsecond, Some(\"UTC\"))')"
+
+
+def _sql_string(value: str) -> str:
+    """``value`` as an SQL string literal (a quote in it doubled)."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 def _commit(entry: dict[str, Any]) -> Commit:

@@ -29,7 +29,12 @@ def run(
     service: list[str] = typer.Option(
         None, "--service", help="Service to run (repeatable; default all four)."
     ),
-    entity: list[str] = typer.Option(None, "--entity", help="Entity to run (repeatable)."),
+    entity: list[str] = typer.Option(
+        None, "--entity", help="Run these tables as one group of their own (repeatable)."
+    ),
+    group: list[str] = typer.Option(
+        None, "--group", help="Run only this group of tables (repeatable)."
+    ),
     once: bool = typer.Option(
         False, "--once", help="Carry what the sources hold through each service, then exit."
     ),
@@ -45,7 +50,9 @@ def run(
     from cdc_cli.application import run_application
 
     configure_logging()
-    code = run_application(str(config) if config else None, service or None, entity or None, once)
+    code = run_application(
+        str(config) if config else None, service or None, entity or None, once, group or None
+    )
     raise typer.Exit(code)
 
 

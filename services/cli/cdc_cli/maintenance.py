@@ -1,4 +1,8 @@
-"""``cdc maintenance``: OPTIMIZE, VACUUM that never breaks a table or a stream, tombstone expiry.
+"""``cdc maintenance``: OPTIMIZE, VACUUM that never breaks a table or a service, tombstone expiry.
+
+The tables: ``bronze`` (one table for every entity, shared: maintained whatever entities
+are selected), and per entity ``silver/<entity>`` and its tombstones
+(``silver/_tombstones/<entity>``).
 
 VACUUM deletes data files that left the table (replaced by a MERGE or an OPTIMIZE, or
 change-data files) longer ago than the retention. Two limits keep it safe:
@@ -7,23 +11,39 @@ change-data files) longer ago than the retention. Two limits keep it safe:
   default when unset: ``DEFAULT_RETENTION_HOURS``): a writer's files are unreferenced
   until its commit lands, and a reader may still be reading a version whose files a later
   commit removed; a shorter retention can delete either, corrupting a commit or failing a
-  stream. Below it VACUUM is refused, unless
-  ``force_short_retention`` is given and no service shows signs of running: no
-  configured ``/health`` endpoint answers, and no data commit on bronze or silver and no
-  progress in any service's checkpoint within the quiet period (:func:`signs_of_life`).
-- **What the streams still need**: a stream that still has to read table version ``v``
-  needs every file that version ``v`` or a later one added or referenced; such a file can
-  only have left the table at a commit after ``v``. So the retention is safe for a stream
-  when ``now - retention`` is not later than the commit time of ``v``, the oldest version
-  the stream has not read completely (from its checkpoint; see :mod:`cdc_cli.checkpoints`),
-  not counting commits that add no data (an OPTIMIZE, a VACUUM), which streams skip. Per
-  table: ``bronze/<entity>`` is read by the merger; ``silver/<entity>`` by
-  publisher-kafka and publisher-es (a publisher that has not started yet will read from
-  its configured ``starting_version`` (default 0) or ``starting_timestamp``, so it holds
-  VACUUM back to that point unless it is ignored as not deployed);
-  ``silver/_tombstones/<entity>`` is read as a whole by the merger, never streamed.
+  read. Below it VACUUM is refused, unless ``force_short_retention`` is given and no
+  service shows signs of running: no live writer lease, no configured ``/health``
+  endpoint that answers, and no data commit on bronze or silver and no progress in any
+  service's group checkpoint within the quiet period (:func:`signs_of_life`).
+- **What the services still need**: a service that still has to read table version
+  ``v`` needs every file that version ``v`` or a later one added or referenced; such a
+  file can only have left the table at a commit after ``v``. So the retention is safe
+  when ``now - retention`` is not later than the commit time of ``v``, the oldest
+  version a service still has to read, not counting versions that hold nothing it reads
+  (an OPTIMIZE, a VACUUM, a MERGE that changed nothing). Each table's progress is read
+  where the service keeps it (see :mod:`cdc_cli.checkpoints`):
 
-Both are checked before anything runs, and again right before each VACUUM.
+  - bronze is read by the merger, each table from its own progress (silver's log, app id
+    ``cdc-merger``) through bronze's Change Data Feed: per table, the oldest version
+    after its progress that holds rows of it (a table without progress is read from
+    bronze's start). Bronze keeps what every table still needs: the oldest of them;
+  - ``silver/<entity>`` is read by publisher-kafka (its change topic's progress group)
+    and publisher-es (its progress document), each from the last version it published
+    through silver's Change Data Feed. A publisher that has not started yet will read
+    from its configured ``starting_version`` (default 0) or ``starting_timestamp``, so it
+    holds VACUUM back to that point unless it is ignored as not deployed; a progress that
+    cannot be read (Kafka, Elasticsearch down) refuses VACUUM of silver;
+  - ``silver/_tombstones/<entity>`` is read as a whole by the merger, never by version.
+
+Both are checked before anything runs, and again right before each VACUUM. Reading a
+version also needs its commit in the table's log, which Delta removes after
+``delta.logRetentionDuration`` (30 days unless set) at a log checkpoint, whoever
+writes it: a version needed for longer is reported (``notices``), never fixed here.
+
+The tables of the releases before one bronze (``bronze/<entity>``) and their stream
+checkpoints (``_checkpoints/``) are left alone: the services read them only at their
+first start of this release (the merger drains each old bronze table into silver then).
+Maintenance says which exist, and which can be deleted (``notices``).
 
 A dry run (``dry_run``) makes the same checks, refuses what a run would refuse, and
 changes nothing: it lists the files each VACUUM would delete (by Delta's own rules for
@@ -31,15 +51,15 @@ changes nothing: it lists the files each VACUUM would delete (by Delta's own rul
 OPTIMIZE aside), the tombstones that would expire (counted by the same cutoff), and each
 table's file count for OPTIMIZE, which Delta cannot plan without running it. It reads
 through a :class:`TableState`: without a JVM by default
-(:class:`cdc_cli.delta_log.DeltaLogState`: delta-rs, the streams' checkpoint files and
-the tables' logs read directly), or through Spark (:class:`SparkTables`), as a run does.
+(:class:`cdc_cli.delta_log.DeltaLogState`: delta-rs, the tables' logs and the
+checkpoint files read directly), or through Spark (:class:`SparkTables`), as a run does.
 
 Tombstones (deleted keys and the sequence of their delete) stop a late, older event
 from resurrecting a deleted row. They expire as the merger expires them
 (``merger.tombstone_retention_hours``; ``null`` keeps them): once the merger has merged
-bronze events ingested that many hours after the tombstone, counted in bronze's ingest
-time, not the wall clock, so a quiet or lagging pipeline keeps what its late events may
-still need. A retention given here may only lengthen the configured one.
+bronze events of the entity ingested that many hours after the tombstone, counted in
+bronze's ingest time, not the wall clock, so a quiet or lagging pipeline keeps what its
+late events may still need. A retention given here may only lengthen the configured one.
 """
 
 from __future__ import annotations
@@ -49,6 +69,7 @@ import math
 import re
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -59,33 +80,51 @@ from cdc_shared.config import (
     StreamingServiceConfig,
     s3a_bucket,
 )
-from cdc_shared.layout import MERGER, PUBLISHER_ES, PUBLISHER_KAFKA, SERVICES, display_name
+from cdc_shared.layout import (
+    MERGER,
+    MERGER_LEGACY_APP,
+    MERGER_PROGRESS_APP,
+    PUBLISHER_ES,
+    PUBLISHER_KAFKA,
+    SERVICES,
+    display_name,
+)
 from cdc_shared.silver import DELETED_AT
-from cdc_shared.stream_checkpoint import entity_source
 
 from cdc_cli.checkpoints import (
+    ENTITY_COLUMN,
+    Commit,
+    DeltaLog,
     SparkState,
     StateReader,
     as_utc,
-    commit_file_counter,
+    change_feed_versions,
     data_commits_from,
-    delta_position,
-    last_committed_batch,
+    group_checkpoints,
+    merger_backlog,
+    recorded_positions,
     state_reader,
 )
 
 if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
+    from elasticsearch import Elasticsearch
     from pyspark.sql import SparkSession
 
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 DEFAULT_RETENTION_HOURS = 168.0  # Delta's default deletedFileRetentionDuration: 7 days
+DEFAULT_LOG_RETENTION_HOURS = 720.0  # Delta's default logRetentionDuration: 30 days
 DEFAULT_QUIET = dt.timedelta(minutes=10)
 SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
 RETENTION_PROPERTY = "delta.deletedFileRetentionDuration"
+LOG_RETENTION_PROPERTY = "delta.logRetentionDuration"
 HEALTH_TIMEOUT_S = 2.0
+#: How many of a table's newest commits are read at a time looking for its last data commit.
+_HISTORY_WINDOW = 100
+#: The one bronze table, as maintenance names it.
+BRONZE = "bronze"
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
-_INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_ingestor.decode)
+_INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_shared.bronze)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
@@ -101,6 +140,10 @@ _INTERVAL_UNITS = {
 
 class RetentionTooShortError(RuntimeError):
     """A requested retention would delete files (or tombstones) a table or stream still needs."""
+
+
+class ProgressUnknownError(RetentionTooShortError):
+    """A service's progress cannot be read: what VACUUM may delete cannot be told."""
 
 
 class WritersMayRunError(RuntimeError):
@@ -130,8 +173,29 @@ class TableState(StateReader, Protocol):
         """The newest modification time of an entry of ``folder``; None when it has none."""
         ...
 
-    def column_max(self, path: str, column: str, version: int) -> Any:
-        """The greatest value of ``column`` in version ``version`` of the table at ``path``."""
+    def column_max(
+        self,
+        path: str,
+        column: str,
+        version: int,
+        where: Mapping[str, str] | None = None,
+        below: dt.datetime | None = None,
+    ) -> Any:
+        """The greatest value of ``column`` in version ``version`` of the table at ``path``.
+
+        ``where``: only the rows whose columns hold these values; ``below``: only the rows
+        whose timestamp ``column`` is before it.
+        """
+        ...
+
+    def change_feed_min(
+        self, path: str, column: str, since: int, until: int, where: Mapping[str, str]
+    ) -> Any:
+        """The least value of ``column`` among rows a range of versions changed.
+
+        The versions after ``since`` up to ``until`` (the table's Change Data Feed), the
+        rows whose columns hold the ``where`` values; None when there are none.
+        """
         ...
 
     def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
@@ -173,12 +237,50 @@ class SparkTables(SparkState):
         times = [int(status.getModificationTime()) for status in fs.listStatus(path)]
         return dt.datetime.fromtimestamp(max(times) / 1000, dt.UTC) if times else None
 
-    def column_max(self, path: str, column: str, version: int) -> Any:
-        """The greatest value of ``column`` in version ``version`` of the table at ``path``."""
+    def column_max(
+        self,
+        path: str,
+        column: str,
+        version: int,
+        where: Mapping[str, str] | None = None,
+        below: dt.datetime | None = None,
+    ) -> Any:
+        """The greatest value of ``column`` in version ``version`` of the table at ``path``.
+
+        ``where``: only the rows whose columns hold these values; ``below``: only the rows
+        whose timestamp ``column`` is before it.
+        """
         from pyspark.sql import functions as F
 
         rows = self.spark.read.format("delta").option("versionAsOf", version).load(path)
+        for name, wanted in (where or {}).items():
+            rows = rows.where(F.col(name) == F.lit(wanted))
+        if below is not None:
+            rows = rows.where(F.col(column) < F.lit(below))
         row = rows.agg(F.max(column)).head()
+        value = None if row is None else row[0]
+        return as_utc(value) if isinstance(value, dt.datetime) else value
+
+    def change_feed_min(
+        self, path: str, column: str, since: int, until: int, where: Mapping[str, str]
+    ) -> Any:
+        """The least value of ``column`` among rows a range of versions changed.
+
+        The versions after ``since`` up to ``until`` (the table's Change Data Feed), the
+        rows whose columns hold the ``where`` values; None when there are none.
+        """
+        from pyspark.sql import functions as F
+
+        rows = (
+            self.spark.read.format("delta")
+            .option("readChangeFeed", "true")
+            .option("startingVersion", since + 1)
+            .option("endingVersion", until)
+            .load(path)
+        )
+        for name, wanted in where.items():
+            rows = rows.where(F.col(name) == F.lit(wanted))
+        row = rows.agg(F.min(column)).head()
         value = None if row is None else row[0]
         return as_utc(value) if isinstance(value, dt.datetime) else value
 
@@ -197,16 +299,16 @@ class SparkTables(SparkState):
 
 @dataclass(frozen=True)
 class StreamNeed:
-    """The oldest point of a table a stream still has to read, and since when."""
+    """The oldest point of a table a service still has to read, and since when."""
 
     service: str
-    table: str  # e.g. "silver/customers"
-    version: int | None  # the oldest version not read completely; None: from a timestamp
+    table: str  # "bronze" or e.g. "silver/customers"
+    version: int | None  # the oldest version it still has to read; None: from a timestamp
     since: dt.datetime  # commit time of that version (or the configured timestamp)
     note: str
 
     def hours(self, now: dt.datetime) -> float:
-        """The shortest retention (hours) that keeps what this stream needs, with margin."""
+        """The shortest retention (hours) that keeps what this service needs, with margin."""
         return max(0.0, (now - self.since + SAFETY_MARGIN).total_seconds() / 3600)
 
 
@@ -226,16 +328,20 @@ class TableResult:
 
 @dataclass(frozen=True)
 class MaintenanceReport:
-    """Every table touched, and the stream needs the retention was checked against."""
+    """Every table touched, and the services' needs the retention was checked against."""
 
     tables: list[TableResult] = field(default_factory=list)
     needs: list[StreamNeed] = field(default_factory=list)
     dry_run: bool = False  # nothing was changed: the figures are what a run would do
+    #: What an operator should know and maintenance left alone (earlier releases' tables
+    #: and checkpoints, versions needed beyond the log's retention).
+    notices: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready form (``cdc maintenance --json``)."""
         return {
             "dry_run": self.dry_run,
+            "notices": self.notices,
             "tables": [asdict(t) for t in self.tables],
             "needs": [
                 {**asdict(n), "since": n.since.isoformat(timespec="seconds")} for n in self.needs
@@ -243,44 +349,84 @@ class MaintenanceReport:
         }
 
 
-def _need_from_checkpoint(
-    state: StateReader,
-    service: str,
-    table: str,
-    path: str,
-    checkpoint: str,
-    change_feed: bool,
-    entity: str,
-) -> tuple[bool, StreamNeed | None]:
-    """(whether the stream started, what it needs: None when it is caught up).
+def _too_old(service: str, table: str, version: int) -> RetentionTooShortError:
+    return RetentionTooShortError(
+        f"{service} still has to read {table} version {version}, which is no longer in the "
+        "table's log: its files may already be gone; rebuild what it feeds from the table"
+    )
 
-    Versions that add no data (OPTIMIZE, VACUUM) are skipped by a stream reading changes,
-    so the need starts at the first data-changing version it has not read; a stream still
-    reading a snapshot needs that snapshot's version whatever it was. ``change_feed``: the
-    stream reads the table's Change Data Feed (the publishers) rather than its added files.
+
+def _ingested(
+    config: PipelineConfig,
+    state: StateReader,
+    bronze: DeltaLog,
+    entities: list[EntityConfig],
+) -> dict[str, dict[str, int] | None]:
+    """Per entity, the furthest the ingestor may have written its topic (None: unknown).
+
+    Bronze's own newest record of the topic; without one, the last batch its group's
+    checkpoint planned.
     """
-    batch = last_committed_batch(state, checkpoint)
-    offset = None if batch is None else entity_source(batch, state, checkpoint, entity)
-    if batch is None or offset is None:
-        return False, None
-    position = delta_position(offset, commit_file_counter(state, path, change_feed))
-    history = state.history(path)
-    note = f"checkpoint batch {batch.batch_id}"
-    if position.snapshot and position.next_version in history:
-        commit = history[position.next_version]
-        return True, StreamNeed(service, table, commit.version, commit.timestamp, note)
-    if position.next_version > max(history, default=-1):
-        return True, None  # caught up: it needs only versions still to come
-    if position.next_version < min(history):
-        raise RetentionTooShortError(
-            f"{service} still has to read {table} version {position.next_version}, which is "
-            "no longer in the table's history: its files may already be gone; rebuild that "
-            "stream"
+    from cdc_cli.status import ingestor_checkpoint
+
+    positions = recorded_positions(bronze, {e.source_topic: e.name for e in entities})
+    furthest: dict[str, dict[str, int] | None] = {}
+    for entity in entities:
+        position = positions.get(entity.source_topic)
+        if position is not None:
+            furthest[entity.name] = position.offsets
+            continue
+        checkpoint = ingestor_checkpoint(config, state, entity, planned=True)
+        furthest[entity.name] = None if checkpoint is None else checkpoint.offsets
+    return furthest
+
+
+def merger_progress(config: PipelineConfig, state: StateReader, entity: str) -> int | None:
+    """The bronze version the merger merged ``entity`` through (silver's log); None: none."""
+    silver = config.layout.silver(entity)
+    if state.table_version(silver) is None:
+        return None
+    return state.transaction_version(silver, MERGER_PROGRESS_APP)
+
+
+def bronze_needs(config: PipelineConfig, source: StateReader | SparkSession) -> list[StreamNeed]:
+    """What the merger still needs of bronze: per table, the oldest version it has to read.
+
+    Every table of the pipeline, whatever the selection: bronze is one table. A table's
+    need is the oldest bronze version after its progress that holds rows of it
+    (:func:`cdc_cli.checkpoints.merger_backlog`); an idle table needs nothing, however
+    old its progress.
+    """
+    state = state_reader(source)
+    bronze = DeltaLog(state, config.layout.bronze())
+    if bronze.latest is None:
+        return []
+    ingested = _ingested(config, state, bronze, list(config.entities))
+    needs: list[StreamNeed] = []
+    for entity in config.entities:
+        progress = merger_progress(config, state, entity.name)
+        written = ingested[entity.name]
+        if progress is None and written is not None and not any(written.values()):
+            continue  # nothing of it ingested yet: nothing of bronze to read
+        backlog = merger_backlog(
+            bronze,
+            entity.name,
+            entity.source_topic,
+            -1 if progress is None else progress,
+            ingested[entity.name],
         )
-    unread = data_commits_from(history, position.next_version)
-    if not unread:
-        return True, None
-    return True, StreamNeed(service, table, unread[0].version, unread[0].timestamp, note)
+        if backlog.unreadable:
+            raise _too_old(MERGER, BRONZE, min(backlog.unreadable))
+        if not backlog.versions:
+            continue
+        oldest = backlog.versions[0]
+        note = (
+            f"{entity.name} not merged yet"
+            if progress is None
+            else f"{entity.name} merged through version {progress}"
+        )
+        needs.append(StreamNeed(MERGER, BRONZE, oldest.version, oldest.timestamp, note))
+    return needs
 
 
 def _unstarted_publisher_need(
@@ -299,56 +445,222 @@ def _unstarted_publisher_need(
     return StreamNeed(service, table, version, since, f"not started: reads from version {version}")
 
 
-def stream_needs(
+class PublisherProgress:
+    """Where each publisher stands in a silver table: the last version it published.
+
+    publisher-kafka's in its change topic's progress group, publisher-es's in its progress
+    document (before its first start of this release: an earlier release's checkpoint).
+    One Elasticsearch client for every table, made on first use.
+    """
+
+    def __init__(self, config: PipelineConfig, state: StateReader) -> None:
+        self.config = config
+        self.state = state
+        self._es: Elasticsearch | None = None
+
+    def version(self, service: str, entity: EntityConfig) -> tuple[int | None, str]:
+        """(the last silver version ``service`` published, None: not started; a note).
+
+        ProgressUnknownError when its store does not answer.
+        """
+        from confluent_kafka import KafkaException
+        from elasticsearch import ApiError, TransportError
+
+        from cdc_cli import status
+
+        try:
+            if service == PUBLISHER_KAFKA:
+                published = status.published_version(self.config, entity)
+                return published, f"published up to version {published}"
+            indexed = status.indexed_version(self._elasticsearch(), self.config, entity)
+            if indexed is not None:
+                return indexed, f"indexed up to version {indexed}"
+            legacy = status.legacy_indexed_version(self.state, self.config, entity)
+            return legacy, f"indexed up to version {legacy} (an earlier release's checkpoint)"
+        except (KafkaException, ApiError, TransportError) as exc:
+            raise ProgressUnknownError(
+                f"cannot read {display_name(service)}'s progress for {entity.name} ({exc}): "
+                f"VACUUM of silver/{entity.name} could delete what it has not published; "
+                f"retry when it answers, or --ignore-service {service} if it is not deployed"
+            ) from None
+
+    def _elasticsearch(self) -> Elasticsearch:
+        if self._es is None:
+            from cdc_cli.status import status_client
+
+            self._es = status_client(self.config)
+        return self._es
+
+    def close(self) -> None:
+        """Release the Elasticsearch client, if one was made."""
+        if self._es is not None:
+            self._es.close()
+
+
+def silver_needs(
     config: PipelineConfig,
     entity: EntityConfig,
     source: StateReader | SparkSession,
     ignore_services: tuple[str, ...] = (),
+    progress: PublisherProgress | None = None,
 ) -> list[StreamNeed]:
-    """What the merger needs of bronze and the publishers of silver, for one entity.
+    """What the publishers still need of the entity's silver: the oldest version to read.
+
+    Per publisher: the oldest version after its progress whose Change Data Feed holds
+    changes; where a publisher that has not started will begin. ``progress`` reads the
+    publishers' progress (one is made, and closed, when not given).
+    """
+    state = state_reader(source)
+    silver = DeltaLog(state, config.layout.silver(entity.name))
+    if silver.latest is None:
+        return []
+    settings: dict[str, ChangeFeedConfig] = {
+        PUBLISHER_KAFKA: config.publisher_kafka,
+        PUBLISHER_ES: config.publisher_es,
+    }
+    reading = progress or PublisherProgress(config, state)
+    table = f"silver/{entity.name}"
+    needs: list[StreamNeed] = []
+    try:
+        for service in SILVER_READERS:
+            if service in ignore_services:
+                continue
+            published, note = reading.version(service, entity)
+            if published is None:
+                need = _unstarted_publisher_need(
+                    state, service, table, silver.path, settings[service]
+                )
+                if need is not None:
+                    needs.append(need)
+                continue
+            changed, unreadable = change_feed_versions(silver, published)
+            if unreadable:
+                raise _too_old(service, table, unreadable[0])
+            if changed:
+                needs.append(
+                    StreamNeed(service, table, changed[0].version, changed[0].timestamp, note)
+                )
+    finally:
+        if progress is None:
+            reading.close()
+    return needs
+
+
+def stream_needs(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    source: StateReader | SparkSession,
+    ignore_services: tuple[str, ...] = (),
+) -> list[StreamNeed]:
+    """What the merger needs of bronze and the publishers of the entities' silver tables.
 
     Read through ``source``, a reader or a SparkSession (read through :class:`SparkState`).
     """
     state = state_reader(source)
-    needs: list[StreamNeed] = []
-    bronze = config.layout.bronze(entity.name)
-    if MERGER not in ignore_services and state.table_version(bronze) is not None:
-        _, need = _need_from_checkpoint(
-            state,
-            MERGER,
-            f"bronze/{entity.name}",
-            bronze,
-            config.checkpoint_path(MERGER, entity.name),
-            change_feed=False,
-            entity=entity.name,
-        )
-        # A merger that has not started reads bronze's latest snapshot when it does.
-        if need is not None:
-            needs.append(need)
-    silver = config.layout.silver(entity.name)
-    if state.table_version(silver) is not None:
-        settings: dict[str, ChangeFeedConfig] = {
-            PUBLISHER_KAFKA: config.publisher_kafka,
-            PUBLISHER_ES: config.publisher_es,
-        }
-        for service in SILVER_READERS:
-            if service in ignore_services:
-                continue
-            table = f"silver/{entity.name}"
-            started, need = _need_from_checkpoint(
-                state,
-                service,
-                table,
-                silver,
-                config.checkpoint_path(service, entity.name),
-                change_feed=True,
-                entity=entity.name,
-            )
-            if not started:
-                need = _unstarted_publisher_need(state, service, table, silver, settings[service])
-            if need is not None:
-                needs.append(need)
+    needs = [] if MERGER in ignore_services else bronze_needs(config, state)
+    progress = PublisherProgress(config, state)
+    try:
+        for entity in entities:
+            needs.extend(silver_needs(config, entity, state, ignore_services, progress))
+    finally:
+        progress.close()
     return needs
+
+
+def log_retention_notices(
+    needs: list[StreamNeed], state: TableState, paths: Mapping[str, str], now: dt.datetime
+) -> list[str]:
+    """A notice per need older than its table's log retention (``delta.logRetentionDuration``).
+
+    Delta removes such versions' commits at its next log checkpoint, whoever commits:
+    the service that needs them then fails to read them. VACUUM cannot help that.
+    """
+    notices = []
+    for need in needs:
+        path = paths.get(need.table)
+        if path is None or need.version is None:
+            continue
+        hours = _log_retention_hours(state, path)
+        if now - need.since > dt.timedelta(hours=hours):
+            notices.append(
+                f"{need.table}: {need.service} still has to read version {need.version}, "
+                f"committed more than {LOG_RETENTION_PROPERTY} ({hours:g} hours) ago: Delta "
+                "removes its commit from the log at the next log checkpoint, and the "
+                f"service cannot read it then ({need.note})"
+            )
+    return notices
+
+
+def _log_retention_hours(state: TableState, path: str) -> float:
+    value = state.table_properties(path).get(LOG_RETENTION_PROPERTY)
+    return DEFAULT_LOG_RETENTION_HOURS if value is None else interval_hours(str(value))
+
+
+def merger_log_notices(config: PipelineConfig, state: TableState, now: dt.datetime) -> list[str]:
+    """A notice when the oldest table's merger progress is beyond bronze's log retention.
+
+    A table without changes keeps its progress at its last change, and needs nothing of
+    bronze's files; but a merger query that starts on a new checkpoint (its first start,
+    a table moved to another group) reads bronze's log from the oldest progress of its
+    tables, which Delta removes after ``delta.logRetentionDuration``.
+    """
+    bronze = DeltaLog(state, config.layout.bronze())
+    if bronze.latest is None:
+        return []
+    progresses = {e.name: merger_progress(config, state, e.name) for e in config.entities}
+    behind = {name: p for name, p in progresses.items() if p is not None and p < bronze.latest}
+    if not behind:
+        return []
+    entity, oldest = min(behind.items(), key=lambda item: item[1])
+    hours = _log_retention_hours(state, bronze.path)
+    commit = bronze.commit(oldest)
+    if commit is not None and now - commit.timestamp <= dt.timedelta(hours=hours):
+        return []
+    return [
+        f"bronze: {entity} is merged through version {oldest}, older than "
+        f"{LOG_RETENTION_PROPERTY} ({hours:g} hours) or no longer in the log: a merger query "
+        "starting on a new checkpoint reads bronze's log from the oldest progress of its "
+        "tables, and fails once Delta has removed those commits"
+    ]
+
+
+def legacy_notices(config: PipelineConfig, state: StateReader) -> list[str]:
+    """What the releases before one bronze left: their bronze tables, their checkpoints.
+
+    Left alone by maintenance. An old bronze table is drained into silver at the merger's
+    first start (silver's log records it): then it can be deleted. Old checkpoints are
+    read only at each service's first start of this release.
+    """
+    notices = []
+    layout = config.layout
+    for entity in config.entities:
+        old = layout.legacy_bronze(entity.name)
+        if state.table_version(old) is None:
+            continue
+        silver = layout.silver(entity.name)
+        drained = (
+            state.table_version(silver) is not None
+            and state.transaction_version(silver, MERGER_LEGACY_APP) is not None
+        )
+        notices.append(
+            f"bronze/{entity.name}: the entity's bronze table of an earlier release, left "
+            "alone: "
+            + (
+                "the merger drained it into silver, it can be deleted"
+                if drained
+                else "the merger drains it into silver at its first start, delete it after"
+            )
+        )
+    for service in SERVICES:
+        folder = layout.legacy_checkpoint(service, "_").rsplit("/", 1)[0]
+        names = sorted(state.list_names(folder) or [])
+        if names:
+            notices.append(
+                f"{folder}: stream checkpoints of an earlier release ({', '.join(names)}), "
+                f"left alone: {display_name(service)} reads them only at its first start "
+                "of this release; once it has run, they can be deleted"
+            )
+    return notices
 
 
 def check_vacuum_retention(
@@ -367,9 +679,9 @@ def check_vacuum_retention(
         ]
         raise RetentionTooShortError(
             f"refusing VACUUM with a retention of {hours:g} hours: it would delete files "
-            "that streams have not read yet:\n"
+            "that services have not read yet:\n"
             + "\n".join(lines)
-            + "\nlet those streams catch up (see `cdc status`), or use a longer --vacuum-hours"
+            + "\nlet those services catch up (see `cdc status`), or use a longer --vacuum-hours"
         )
 
 
@@ -504,6 +816,26 @@ def health_answer(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
     return f"answers {status}" if status in (200, 503) else None
 
 
+def _recent_data_commit(state: StateReader, path: str, since: dt.datetime) -> Commit | None:
+    """The table's last data commit if it is after ``since``; None otherwise.
+
+    The history is read from the newest commits back, a window at a time, only as far as
+    ``since``: a table of many versions costs the few read.
+    """
+    newest = state.table_version(path)
+    end = -1 if newest is None else newest
+    while end >= 0:
+        start = max(0, end - _HISTORY_WINDOW + 1)
+        window = {v: c for v, c in state.history(path, start).items() if v <= end}
+        written = data_commits_from(window, start)
+        if written:
+            return written[-1] if written[-1].timestamp > since else None
+        if not window or min(c.timestamp for c in window.values()) <= since:
+            return None
+        end = start - 1
+    return None
+
+
 def signs_of_life(
     config: PipelineConfig,
     entities: list[EntityConfig],
@@ -513,17 +845,19 @@ def signs_of_life(
 ) -> list[str]:
     """What suggests a service may be running; empty when nothing does.
 
-    A live writer lease (``cdc_shared.writer_lease``); a configured ``/health`` endpoint
-    that answers; a data commit on an entity's bronze (the ingestor) or silver (the
-    merger) within ``quiet``; a stream checkpoint of any
-    service for an entity that planned or committed a micro-batch within ``quiet``
-    (the publishers, which write no table). OPTIMIZE and VACUUM commits do not count: they
-    add no data and are maintenance's own. A service idle for longer than ``quiet`` whose
-    ``/health`` cannot be reached from here is not seen: that is what the operator's
-    ``--force-short-retention`` vouches for. Leases are read the way ``state`` reads
-    files (without a JVM from object storage too).
+    A live writer lease of ``entities`` (``cdc_shared.writer_lease``); a configured
+    ``/health`` endpoint that answers; a data commit on bronze (the ingestor) or an
+    entity's silver (the merger) within ``quiet``; a group checkpoint of any service
+    (``_streams/<service>/<group>``) that planned or committed a micro-batch within
+    ``quiet`` (the publishers, which write no table). OPTIMIZE and VACUUM commits do not
+    count: they add no data and are maintenance's own. A service idle for longer than
+    ``quiet`` whose ``/health`` cannot be reached from here is not seen: that is what the
+    operator's ``--force-short-retention`` vouches for. Leases are read the way ``state``
+    reads files (without a JVM from object storage too).
     """
     from cdc_shared.writer_lease import live_leases
+
+    from cdc_cli.status import streams_folder
 
     def read_lease(path: str) -> bytes | None:
         text = state.read_text_if_exists(path)
@@ -537,30 +871,25 @@ def signs_of_life(
         if answer is not None:
             signs.append(f"{service}: {url} {answer}")
     minutes = f"{quiet.total_seconds() / 60:g} minutes"
-    for entity in entities:
-        tables = {
-            f"bronze/{entity.name}": config.layout.bronze(entity.name),
-            f"silver/{entity.name}": config.layout.silver(entity.name),
-        }
-        for table, path in tables.items():
-            if state.table_version(path) is None:
-                continue
-            written = data_commits_from(state.history(path), 0)
-            if written and written[-1].timestamp > since:
-                last = written[-1]
-                signs.append(
-                    f"{table}: {last.operation} committed version {last.version} at "
-                    f"{last.timestamp.isoformat(timespec='seconds')}, within {minutes}"
-                )
-        for service in SERVICES:
-            checkpoint = config.checkpoint_path(service, entity.name).rstrip("/")
+    tables = {BRONZE: config.layout.bronze()}
+    tables.update({f"silver/{e.name}": config.layout.silver(e.name) for e in entities})
+    for table, path in tables.items():
+        last = _recent_data_commit(state, path, since)
+        if last is not None:
+            signs.append(
+                f"{table}: {last.operation} committed version {last.version} at "
+                f"{last.timestamp.isoformat(timespec='seconds')}, within {minutes}"
+            )
+    for service in SERVICES:
+        for checkpoint in group_checkpoints(state, streams_folder(config, service)):
             progressed = [
                 state.newest_modification(f"{checkpoint}/{d}") for d in ("offsets", "commits")
             ]
             latest = max((t for t in progressed if t is not None), default=None)
             if latest is not None and latest > since:
+                group = checkpoint.rsplit("/", 1)[1]
                 signs.append(
-                    f"{display_name(service)}'s checkpoint for {entity.name} progressed at "
+                    f"{display_name(service)}'s checkpoint of group {group} progressed at "
                     f"{latest.isoformat(timespec='seconds')}, within {minutes}"
                 )
     return signs
@@ -608,37 +937,44 @@ def tombstone_retention(configured: float | None, requested: float | None) -> fl
     return requested
 
 
-def merged_ingest_time(
-    config: PipelineConfig, entity: EntityConfig, state: TableState
-) -> dt.datetime | None:
-    """The latest bronze ingest time among the events the merger has merged.
+def merged_ingest_times(
+    config: PipelineConfig, entities: list[EntityConfig], state: TableState
+) -> dict[str, tuple[dt.datetime | None, str]]:
+    """Per entity, the latest bronze ingest time among its events the merger has merged.
 
-    The clock the merger ages tombstones by (``EntityMerge.expire_tombstones``: the latest
-    ingest time of its batch). Bronze's snapshot just before the first data commit the
-    merger has not read completely holds exactly what it merged (the commits between add
-    no data), and VACUUM keeps that snapshot's files while the merger needs the next one.
-    The history is read before the checkpoint, so a commit landing meanwhile is not taken
-    for merged. None when the merger has merged nothing yet (or is still reading its first
-    snapshot).
+    The clock the merger ages tombstones by (``TableMerge.expire_tombstones``: the latest
+    ingest time of what it merged), as (that time, "") or (None, why nothing expires).
+    The entity's rows up to its progress (silver's log) are what the merger merged. When
+    no later bronze version holds rows of it (its backlog is empty), those are all its
+    rows in bronze's version read now. Otherwise they are its rows ingested before the
+    first of its rows the merger has not merged (the ingestor stamps each batch with one
+    time, and its batches come one after the other), found in bronze's Change Data Feed
+    after the progress: both reads need only files VACUUM keeps (the current version's,
+    and those the merger still needs), never an older version's.
     """
-    bronze = config.layout.bronze(entity.name)
-    if state.table_version(bronze) is None:
-        return None
-    history = state.history(bronze)
-    checkpoint = config.checkpoint_path(MERGER, entity.name)
-    batch = last_committed_batch(state, checkpoint)
-    offset = None if batch is None else entity_source(batch, state, checkpoint, entity.name)
-    if batch is None or offset is None:
-        return None
-    position = delta_position(offset, commit_file_counter(state, bronze, False))
-    if position.snapshot:
-        return None
-    unread = data_commits_from(history, position.next_version)
-    merged = unread[0].version - 1 if unread else max(history)
-    if merged < min(history):
-        return None
-    newest = state.column_max(bronze, _INGESTED_AT, merged)
-    return None if newest is None else as_utc(newest)
+    times: dict[str, tuple[dt.datetime | None, str]] = {}
+    bronze = DeltaLog(state, config.layout.bronze())
+    ingested = {} if bronze.latest is None else _ingested(config, state, bronze, entities)
+    for entity in entities:
+        progress = merger_progress(config, state, entity.name)
+        if progress is None or bronze.latest is None:
+            times[entity.name] = None, "kept: the merger has merged nothing of bronze yet"
+            continue
+        where = {ENTITY_COLUMN: entity.name}
+        backlog = merger_backlog(
+            bronze, entity.name, entity.source_topic, progress, ingested[entity.name]
+        )
+        unmerged = None
+        if backlog.count:
+            unmerged = state.change_feed_min(
+                bronze.path, _INGESTED_AT, progress, bronze.latest, where
+            )
+        newest = state.column_max(bronze.path, _INGESTED_AT, bronze.latest, where, unmerged)
+        if newest is None:
+            times[entity.name] = None, "kept: the merger has merged nothing of it from bronze"
+        else:
+            times[entity.name] = as_utc(newest), ""
+    return times
 
 
 def expire_by_ingest_time(
@@ -646,20 +982,21 @@ def expire_by_ingest_time(
     entity: EntityConfig,
     state: TableState,
     hours: float | None,
+    merged: tuple[dt.datetime | None, str],
     spark: SparkSession | None = None,
 ) -> tuple[int, str]:
     """Expire the entity's tombstones as the merger does: (how many, which and why).
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
-    recorded (:func:`merged_ingest_time`), through the merger's own ``expire_tombstones``
-    on ``spark``. Without ``spark`` (a dry run): count those that would go, by the same
-    column and cutoff, and expire none.
+    recorded (``merged``: from :func:`merged_ingest_times`), through the merger's own
+    ``expire_tombstones`` on ``spark``. Without ``spark`` (a dry run): count those that
+    would go, by the same column and cutoff, and expire none.
     """
     if hours is None:
         return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
-    until = merged_ingest_time(config, entity, state)
+    until, why = merged
     if until is None:
-        return 0, "kept: the merger has merged nothing yet"
+        return 0, why
     cutoff = until - dt.timedelta(hours=hours)
     path = config.layout.tombstones(entity.name)
     dry_run = spark is None
@@ -708,13 +1045,13 @@ def _vacuum(
     return None if deleted is None else int(deleted)
 
 
-def _tables(config: PipelineConfig, entity: EntityConfig) -> dict[str, str]:
-    """The tables maintenance touches for ``entity``, by name: bronze, silver, tombstones."""
-    return {
-        f"bronze/{entity.name}": config.layout.bronze(entity.name),
-        f"silver/{entity.name}": config.layout.silver(entity.name),
-        f"silver/_tombstones/{entity.name}": config.layout.tombstones(entity.name),
-    }
+def _tables(config: PipelineConfig, entities: list[EntityConfig]) -> dict[str, str]:
+    """The tables maintenance touches, by name: bronze, then each entity's silver, tombstones."""
+    tables = {BRONZE: config.layout.bronze()}
+    for entity in entities:
+        tables[f"silver/{entity.name}"] = config.layout.silver(entity.name)
+        tables[f"silver/_tombstones/{entity.name}"] = config.layout.tombstones(entity.name)
+    return tables
 
 
 def _table_state(
@@ -739,6 +1076,50 @@ def _table_state(
 
     spark = spark or build_spark_session(config.spark, "cdc-maintenance")
     return SparkTables(spark), spark
+
+
+def _table_needs(
+    config: PipelineConfig,
+    table: str,
+    entity: EntityConfig | None,
+    state: StateReader,
+    ignore_services: tuple[str, ...],
+) -> list[StreamNeed]:
+    """What the services need of one table now (tombstones: nothing, they are read whole)."""
+    if table == BRONZE:
+        return [] if MERGER in ignore_services else bronze_needs(config, state)
+    if entity is None or "/_tombstones/" in table:
+        return []
+    return silver_needs(config, entity, state, ignore_services)
+
+
+def _needs_and_notices(
+    config: PipelineConfig,
+    entities: list[EntityConfig],
+    state: TableState,
+    tables: Mapping[str, str],
+    ignore_services: tuple[str, ...],
+    vacuum_hours: float | None,
+) -> tuple[list[StreamNeed], list[str]]:
+    """What the services need of the tables (checked against ``vacuum_hours``), and notices.
+
+    Without VACUUM the needs only inform: a progress that cannot be read is a notice.
+    """
+    notices = legacy_notices(config, state)
+    try:
+        needs = stream_needs(config, entities, state, ignore_services)
+    except ProgressUnknownError as unknown:
+        if vacuum_hours is not None:
+            raise
+        needs = []
+        notices.append(str(unknown))
+    if vacuum_hours is not None:
+        check_vacuum_retention(needs, vacuum_hours)
+    now = dt.datetime.now(dt.UTC)
+    notices += log_retention_notices(needs, state, tables, now)
+    if MERGER not in ignore_services:
+        notices += merger_log_notices(config, state, now)
+    return needs, notices
 
 
 def _check_minimums(
@@ -780,6 +1161,7 @@ def run_maintenance(
 ) -> MaintenanceReport:
     """Check every retention first, then OPTIMIZE, VACUUM, expire tombstones.
 
+    Bronze, shared by every entity, then each selected entity's silver and tombstones.
     ``dry_run``: the same checks and refusals, then what each step would do, changing
     nothing (see the module docstring). It reads as ``engine`` says (one of
     ``cdc_cli.status.ENGINES``): delta-rs, without a JVM, or spark, through ``spark`` or
@@ -789,11 +1171,12 @@ def run_maintenance(
     Tombstones expire by ``merger.tombstone_retention_hours`` or by a longer
     ``tombstone_retention_hours``. Before changing anything it raises
     RetentionTooShortError when a retention is below a table's Delta minimum (unless
-    ``force_short_retention``), would break a stream, or shortens the tombstone
-    retention; ServicesMayRunError when a forced short retention meets signs of a running
-    service. The stream and service checks are repeated right before each VACUUM
-    (OPTIMIZE may have taken long). On an ``s3a://`` root it needs ``writers_stopped``
-    (else WritersMayRunError, before anything runs).
+    ``force_short_retention``), would delete what a service still has to read (or that
+    cannot be told: ProgressUnknownError), or shortens the tombstone retention;
+    ServicesMayRunError when a forced short retention meets signs of a running service.
+    The needs and the service checks are repeated right before each VACUUM (OPTIMIZE may
+    have taken long). On an ``s3a://`` root it needs ``writers_stopped`` (else
+    WritersMayRunError, before anything runs).
     """
     entities = config.select_entities(entity_names)
     if s3a_bucket(config.storage_root) is not None and not writers_stopped and not dry_run:
@@ -810,10 +1193,10 @@ def run_maintenance(
     state, spark = _table_state(config, engine, dry_run, spark)
     tables = {
         name: path
-        for entity in entities
-        for name, path in _tables(config, entity).items()
+        for name, path in _tables(config, entities).items()
         if (tombstones or "/_tombstones/" not in name) and state.table_version(path) is not None
     }
+    every_entity = list(config.entities)  # a forced VACUUM of bronze concerns every writer
     minimums: dict[str, RetentionMinimum] = {}
     short: list[RetentionMinimum] = []
     if vacuum_hours is not None:
@@ -821,26 +1204,28 @@ def run_maintenance(
         short = [m for m in minimums.values() if vacuum_hours < m.hours]
         _check_minimums(
             config,
-            entities,
+            every_entity,
             state,
             [*minimums.values()],
             vacuum_hours,
             force_short_retention,
             quiet,
         )
-    all_needs = [n for e in entities for n in stream_needs(config, e, state, ignore_services)]
-    if vacuum_hours is not None:
-        check_vacuum_retention(all_needs, vacuum_hours)
+    all_needs, notices = _needs_and_notices(
+        config, entities, state, tables, ignore_services, vacuum_hours
+    )
+    expiring = [e for e in entities if f"silver/_tombstones/{e.name}" in tables]
+    merged = merged_ingest_times(config, expiring, state) if expiry_hours is not None else {}
 
     below = {m.table for m in short}
 
-    def vacuum(entity: EntityConfig, table: str) -> int | None:
+    def vacuum(table: str, entity: EntityConfig | None) -> int | None:
         assert vacuum_hours is not None
-        if "/_tombstones/" not in table:  # the merger reads tombstones whole, never streamed
-            fresh = stream_needs(config, entity, state, ignore_services)
-            check_vacuum_retention([n for n in fresh if n.table == table], vacuum_hours)
+        check_vacuum_retention(
+            _table_needs(config, table, entity, state, ignore_services), vacuum_hours
+        )
         if table in below:
-            check_services_stopped(config, entities, state, short, vacuum_hours, quiet)
+            check_services_stopped(config, every_entity, state, short, vacuum_hours, quiet)
         if dry_run:
             return state.vacuum_dry_run(tables[table], vacuum_hours, minimums[table].hours)
         assert spark is not None
@@ -855,19 +1240,24 @@ def run_maintenance(
         assert spark is not None
         return (*compact(spark, tables[table]), None)
 
-    report = MaintenanceReport(needs=all_needs, dry_run=dry_run)
+    def maintain(table: str, entity: EntityConfig | None) -> None:
+        removed, added, files = optimized(table)
+        vacuumed = None if vacuum_hours is None else vacuum(table, entity)
+        report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
+
+    report = MaintenanceReport(needs=all_needs, dry_run=dry_run, notices=notices)
+    if BRONZE in tables:
+        maintain(BRONZE, None)
     for entity in entities:
-        for table in (f"bronze/{entity.name}", f"silver/{entity.name}"):
-            if table not in tables:
-                continue
-            removed, added, files = optimized(table)
-            vacuumed = None if vacuum_hours is None else vacuum(entity, table)
-            report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
+        if f"silver/{entity.name}" in tables:
+            maintain(f"silver/{entity.name}", entity)
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:
             writer = None if dry_run else spark
-            expired, note = expire_by_ingest_time(config, entity, state, expiry_hours, writer)
-            vacuumed = None if vacuum_hours is None else vacuum(entity, table)
+            expired, note = expire_by_ingest_time(
+                config, entity, state, expiry_hours, merged.get(entity.name, (None, "")), writer
+            )
+            vacuumed = None if vacuum_hours is None else vacuum(table, entity)
             report.tables.append(
                 TableResult(
                     table,
@@ -881,10 +1271,11 @@ def run_maintenance(
 
 
 def render(report: MaintenanceReport) -> str:
-    """The report as text: the streams' needs, then one line per table."""
+    """The report as text: notices, the services' needs, then one line per table."""
     now = dt.datetime.now(dt.UTC)
     lines = ["dry run: nothing was changed"] if report.dry_run else []
-    lines.append("streams still reading older versions:" if report.needs else "no stream lags")
+    lines.extend(f"note: {notice}" for notice in report.notices)
+    lines.append("services still reading older versions:" if report.needs else "no service lags")
     lines.extend(
         f"  {n.table:<28} {n.service:<16} version {n.version} ({n.note}), "
         f"needs >= {math.ceil(n.hours(now))} h retention"

@@ -28,7 +28,12 @@ from typing import Any
 
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import ALL_ENTITIES, INGESTOR
+from cdc_shared.layout import (
+    ALL_ENTITIES,
+    INGESTOR,
+    INGESTOR_COMMIT_KEY,
+    POSITIONS_COMMITS_READ,
+)
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
     HadoopFiles,
@@ -47,10 +52,8 @@ log = logging.getLogger("cdc_ingestor")
 Offsets = dict[str, dict[str, int]]
 #: Spark's Kafka source offsets for "from the start" and "from the end" of a partition.
 EARLIEST, LATEST = -2, -1
-#: The key of the ingestor's record in a bronze commit's ``userMetadata``.
-METADATA_KEY = "cdc_ingestor"
-#: How many of bronze's latest commits a start reads for the topics' positions.
-HISTORY_READ = 1000
+METADATA_KEY = INGESTOR_COMMIT_KEY
+HISTORY_READ = POSITIONS_COMMITS_READ
 METADATA_TIMEOUT_S = 30.0
 
 

@@ -476,7 +476,8 @@ def apply_batch(
     kept = [c for c in kept if c in silver.fieldNames()]
     merged = candidates if offered.keys else None
     _write_silver(spark, merged, tombstones, layout, kept, progress)
-    state.tombstones.record(offered.deletes, offered.upserts)
+    if offered.keys:  # (``Offered.none()`` has no key columns to read)
+        state.tombstones.record(offered.deletes, offered.upserts)
     lap("merge")
     return ApplyResult(
         events=int(summary["events"]),

@@ -21,7 +21,7 @@ from cdc_shared import bronze
 from cdc_shared.config import PipelineConfig
 from cdc_shared.delta_rs import transaction_versions
 from cdc_shared.jvm_bridge import delete_tree
-from cdc_shared.layout import ALL_ENTITIES
+from cdc_shared.layout import ALL_ENTITIES, MERGER_LEGACY_APP
 from cdc_shared.stream_checkpoint import (
     HadoopFiles,
     entity_source,
@@ -39,8 +39,7 @@ if TYPE_CHECKING:
     from cdc_merger.merging import TableMerge
 
 log = logging.getLogger("cdc_merger")
-#: The app id that records, in silver's log, that an entity's old bronze table is drained.
-LEGACY_APP = "cdc-merger-legacy"
+LEGACY_APP = MERGER_LEGACY_APP
 
 
 def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: TableMerge) -> None:

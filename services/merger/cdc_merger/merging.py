@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from cdc_shared import bronze
 from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import MERGER
+from cdc_shared.layout import MERGER, MERGER_PROGRESS_APP
 from cdc_shared.retry import retrying
 from cdc_shared.spark import counting_jobs
 from cdc_shared.streaming import BatchStats
@@ -56,9 +56,8 @@ from cdc_merger.write_mode import WriteMode
 
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
-#: The app id of the merger's progress in silver's (and the history's) log: the bronze
-#: version the table is merged through.
-PROGRESS_APP = "cdc-merger"
+#: The app id of the merger's progress in silver's (and the history's) log.
+PROGRESS_APP = MERGER_PROGRESS_APP
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:

@@ -28,7 +28,6 @@ from cdc_shared.config import EntityConfig, PipelineConfig, interval_seconds
 from cdc_shared.delta_rs import read_logs, transaction_versions
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import delta_version
-from cdc_shared.silver import VERSIONS_SCHEMA
 from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch, parse_offsets
 from cdc_shared.streaming import (
     BatchStats,
@@ -39,7 +38,12 @@ from cdc_shared.streaming import (
     TableGroup,
     TableQueue,
 )
-from cdc_shared.tables import ensure_table, on_conflict_retry, wait_for_table
+from cdc_shared.tables import (
+    SILVER_VERSIONS_SCHEMA,
+    ensure_table,
+    on_conflict_retry,
+    wait_for_table,
+)
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -87,7 +91,7 @@ class SilverVersions:
 
     def start(self) -> None:
         """Make the table unless it exists; start the thread."""
-        ensure_table(self.spark, self.path, VERSIONS_SCHEMA, {"delta.appendOnly": "true"})
+        ensure_table(self.spark, self.path, SILVER_VERSIONS_SCHEMA, {"delta.appendOnly": "true"})
         if not self._thread.is_alive():
             self._thread.start()
 
@@ -114,7 +118,7 @@ class SilverVersions:
                 (e, v if v is not None else delta_version(self.spark, silver(e)), now)
                 for e, v in sorted(noted.items())
             ]
-            _append(frame_from_rows(self.spark, rows, VERSIONS_SCHEMA), self.path)
+            _append(frame_from_rows(self.spark, rows, SILVER_VERSIONS_SCHEMA), self.path)
 
     def stop(self) -> None:
         """Stop the thread (what was noted is recorded by the last ``flush``)."""
