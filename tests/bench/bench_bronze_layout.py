@@ -3,13 +3,14 @@
 The ingestor's batch, with every one of ``--tables`` tables changed in it, written two
 ways from the same decoded records (``cdc_ingestor.decode``, the project's own):
 
-- ``per-table``: each table's rows appended to its own ``bronze/<entity>`` (one Delta
-  commit per changed table), ``--at-once`` tables side by side, as the ingestor's one
-  query wrote them;
-- ``one-bronze``: each table's rows projected to one shape (its entity, the Kafka
-  coordinates, op, sequence, and the decoded key and envelope as one self-describing
-  ``VARIANT`` column), unioned, and appended to one table partitioned by entity: one
-  commit per batch whatever the number of tables.
+- ``per-table``: each table's rows appended to a bronze table of its own (one Delta
+  commit per changed table, the releases before one bronze: ``support.legacy``),
+  ``--at-once`` tables side by side, as their ingestor's one query wrote them;
+- ``one-bronze``: each table's rows projected as the ingestor writes them
+  (``cdc_ingestor.projection.bronze_columns``: its entity, the Kafka coordinates, op,
+  sequence, and the decoded key and envelope as one self-describing ``VARIANT``
+  column), unioned, and appended to one table partitioned by entity: one commit per
+  batch whatever the number of tables.
 
 No servers: the records are the workload generator's Debezium-style Avro records,
 framed for the file registry, handed to the decoding as Kafka-shaped rows. The two
@@ -41,7 +42,7 @@ from cdc_devkit.local_run import EXAMPLE_CONFIG, copied_entities
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.decode import KAFKA_SCHEMA, decode
 from cdc_ingestor.framing_headers import headers_by_topic
-from cdc_ingestor.projection import bronze_rows
+from cdc_ingestor.projection import bronze_columns
 from cdc_ingestor.replay_origin import HEADERS_TYPE
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.config import PipelineConfig, load_config
@@ -52,20 +53,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run
+from support.legacy import legacy_bronze_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 KAFKA_ROWS = T.StructType([*KAFKA_SCHEMA.fields, T.StructField("headers", HEADERS_TYPE)])
-#: The one bronze's columns beside the payload (what every table's rows share).
-SHARED = (
-    "kafka_topic",
-    "kafka_partition",
-    "kafka_offset",
-    "kafka_timestamp",
-    "op",
-    "is_tombstone",
-    "sequence",
-    "writer_schema",
-    "ingested_at",
-)
 
 
 def pipeline(workdir: Path, tables: int) -> PipelineConfig:
@@ -128,16 +120,17 @@ class Layouts:
         self.one_bronze = f"{config.storage_root}/bronze_all"
 
     def decoded(self, cached: DataFrame, topic: str, headers: Any) -> DataFrame:
+        """The topic's records of the batch, decoded by the ingestor's own decoding."""
         entity, tracker = self.trackers[topic]
         rows = cached.where(F.col("topic") == topic)
         plan = tracker.update(rows, headers)
-        return bronze_rows(decode(self.spark, rows, plan, entity.sequence_by))
+        return decode(self.spark, rows, plan, entity.sequence_by)
 
     def per_table(self, cached: DataFrame, headers: Any, batch_id: int) -> None:
         def write(topic: str) -> None:
             entity, _ = self.trackers[topic]
-            path = self.config.layout.bronze(entity.name)
-            frame = self.decoded(cached, topic, headers[topic])
+            path = self.config.layout.legacy_bronze(entity.name)
+            frame = legacy_bronze_rows(self.decoded(cached, topic, headers[topic]))
             idempotent_append(frame, path, f"spike-{entity.name}", batch_id, merge_schema=True)
 
         calls = [functools.partial(write, topic) for topic in sorted(headers)]
@@ -148,16 +141,12 @@ class Layouts:
         parts = []
         for topic in sorted(headers):
             entity, _ = self.trackers[topic]
-            rows = self.decoded(cached, topic, headers[topic])
-            payload = [c for c in rows.columns if c not in SHARED]
-            parts.append(
-                rows.select(
-                    F.lit(entity.name).alias("entity"),
-                    *SHARED,
-                    F.to_variant_object(F.struct(*payload)).alias("payload"),
-                )
-            )
-        union = functools.reduce(DataFrame.unionByName, parts)
+            decoded = self.decoded(cached, topic, headers[topic])
+            envelope = decoded.schema["envelope"].dataType
+            assert isinstance(envelope, T.StructType)
+            good = decoded.where(F.col("error_kind").isNull())
+            parts.append(good.select(*bronze_columns(entity.name, envelope)))
+        union = functools.reduce(DataFrame.union, parts)
         (
             union.write.format("delta")
             .mode("append")

@@ -9,8 +9,8 @@ the example's tables instead (``bench_many_tables.many_tables_config``), ``--eve
 changes produced to each, then each service ``--once`` as its own process in pipeline
 order (one application with many tables needs more heap than the example's).
 ``--with-services`` starts the four services on the pipeline first (as processes, with
-nothing new to read) and measures once every table's stream runs in each, as an
-operator would run the command during an incident. Then it runs ``cdc status --config
+nothing new to read) and measures once each runs its queries (one per table group), as
+an operator would run the command during an incident. Then it runs ``cdc status --config
 <pipeline> --json`` ``--runs`` times per engine, each in a new process as an operator
 would: ``--engine spark`` (the Spark session reading Delta logs and checkpoints through
 Hadoop: the code before issue #39) and ``--engine delta-rs`` (the default: delta-rs and
@@ -116,11 +116,13 @@ def make_many_tables(folder: Path, tables: int, events: int) -> Path:
 
 
 def start_services(pipeline: Path, timeout_s: float = 1800.0) -> list[Any]:
-    """The four services running on ``pipeline``, once each started every table's stream."""
+    """The four services running on ``pipeline``, once each started every group's query."""
     from cdc_devkit.processes import RunMode, launch, wait_a_little
     from cdc_shared.config import load_config
+    from cdc_shared.streaming.groups import table_groups
 
-    tables = len(load_config(pipeline).entities)
+    config = load_config(pipeline)
+    queries = len(table_groups(config, config.ingestor))  # every service runs the same groups
     processes = launch(RunMode.SERVICES, pipeline, pipeline.parent / "services")
     started = time.monotonic()
     for process in processes:
@@ -131,12 +133,12 @@ def start_services(pipeline: Path, timeout_s: float = 1800.0) -> list[Any]:
         counts = [
             p.log_path.read_text(errors="replace").count('"stream started"') for p in processes
         ]
-        if all(count >= tables for count in counts):
+        if all(count >= queries for count in counts):
             break
         if time.monotonic() - started > timeout_s:
-            raise SystemExit(f"streams started after {timeout_s:.0f} s: {counts} of {tables}")
+            raise SystemExit(f"streams started after {timeout_s:.0f} s: {counts} of {queries}")
         wait_a_little(processes, 5.0)
-    print(f"services running every stream after {time.monotonic() - started:.0f} s", flush=True)
+    print(f"services running every query after {time.monotonic() - started:.0f} s", flush=True)
     return processes
 
 

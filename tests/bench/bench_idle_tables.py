@@ -4,14 +4,14 @@ The four services run as four processes (``cdc-<service> --config <file>``, as d
 apart), so the CPU of each is its own; one pipeline per table count, one after the
 other, never together, each on fresh topics, tables and indexes. The tables are copies
 of the example's entities (``bench_many_tables.many_tables_config``: shipped defaults,
-a 5 s trigger, one streaming query per table and service).
+every table in the group ``default``: one streaming query per service).
 
 Per table count:
 
 - **start**: every topic gets a few records (``--prime`` per table) before the launch,
-  so every table has data in its first batch; start is the time from the launch to the
-  first committed batch of every table's stream in every service (``commits/0`` in each
-  checkpoint).
+  so every table has data in its first batch; start is the time from the launch to
+  every table's records in its change topic and in its index (so every service has
+  written every table).
 - **idle**: after a quiet ``--settle`` (no batch with rows for that long), ``--idle``
   seconds with no load at all: CPU seconds of each service's process group, per minute.
   With N tables this is the cost of N idle tables; the difference to the 2-table run,
@@ -50,8 +50,10 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import wait_until_healthy
 from cdc_devkit.processes import RunMode, ServiceProcess, launch, stop_all, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
+from confluent_kafka import TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/bench
@@ -60,7 +62,7 @@ from e2e_bench.meter import Meter  # CPU and peak RSS per process group, from /p
 from support.servers import TEST_INFRA
 
 MIB = 2**20
-#: The services in pipeline order, as their checkpoints and logs name them.
+#: The services in pipeline order, as their logs name them.
 SERVICES = ("ingestor", "merger", "publisher-kafka", "publisher-es")
 
 
@@ -81,18 +83,48 @@ class Run:
     failure: str = ""
 
 
-def checkpoint_name(service: str) -> str:
-    """The service's name in checkpoint paths (``publisher-kafka`` -> ``publisher_kafka``)."""
-    return service.replace("-", "_")
+class FirstWrites:
+    """Which tables' records are in their change topic and their index yet.
+
+    The last two services' outputs: a table there has been written by every service.
+    """
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.config = config
+        self.waiting = {e.name: e for e in config.entities}
+
+    def done(self) -> bool:
+        """Whether every table's records reached both (tables found are not looked at again)."""
+        consumer = make_consumer(self.config.kafka, "bench-idle-tables")
+        try:
+            with make_elasticsearch(self.config.elasticsearch) as es:
+                for name, entity in list(self.waiting.items()):
+                    if _in_topic(consumer, entity.change_topic_name) and _in_index(
+                        es, entity.es_index_name
+                    ):
+                        del self.waiting[name]
+        finally:
+            consumer.close()
+        return not self.waiting
 
 
-def first_batches_done(config: PipelineConfig) -> bool:
-    """Whether every table's stream in every service committed its first batch."""
-    return all(
-        (Path(config.checkpoint_path(checkpoint_name(s), e.name)) / "commits" / "0").exists()
-        for s in SERVICES
-        for e in config.entities
+def _in_topic(consumer: Any, topic: str) -> bool:
+    """Whether ``topic`` holds a record (its high watermarks)."""
+    metadata = consumer.list_topics(topic, timeout=10).topics.get(topic)
+    if metadata is None or metadata.error is not None:
+        return False
+    return any(
+        consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] > 0
+        for p in metadata.partitions
     )
+
+
+def _in_index(es: Any, alias: str) -> bool:
+    """Whether the index behind ``alias`` holds a document."""
+    try:
+        return int(es.count(index=alias)["count"]) > 0
+    except Exception:  # not made yet
+        return False
 
 
 def batches_with_rows(
@@ -174,14 +206,16 @@ def run_tables(tables: int, args: argparse.Namespace) -> Run:
     meter = start_metered(processes)
     try:
         wait_until_healthy(processes, config, args.start_timeout)
-        while not first_batches_done(config):
+        first_writes = FirstWrites(config)
+        while not first_writes.done():
             if time.monotonic() - launched > args.start_timeout:
-                raise RuntimeError("not every table's first batch committed in time")
+                waiting = len(first_writes.waiting)
+                raise RuntimeError(f"{waiting} tables not in their topic and index in time")
             if dead := [p.name for p in processes if not p.alive]:
                 raise RuntimeError(f"{', '.join(dead)} stopped during start-up; see its log")
             wait_a_little(processes, 2.0)
         run.start_s = time.monotonic() - launched
-        print(f"[{tables} tables] every first batch after {run.start_s:.0f} s", flush=True)
+        print(f"[{tables} tables] every table written after {run.start_s:.0f} s", flush=True)
         wait_quiet(processes, args.settle, args.start_timeout)
 
         before = meter.cpu_seconds()
@@ -229,7 +263,7 @@ def print_table(runs: list[Run]) -> None:
     base = runs[0]
     print()
     print(
-        "start (every table's first batch): "
+        "start (every table in its topic and index): "
         + ", ".join(f"{r.tables} tables {cell(r.start_s, '{:.0f} s')}" for r in runs)
     )
     header = ["service"]

@@ -4,7 +4,7 @@ Needs the local servers (``make infra-up``). Produces N customer events (the gen
 0.1% poison) to a fresh 3-partition topic, then, each in its own process with ``--once``:
 
 - ingestor: ``cdc-ingestor`` (JVM decoding of both framings, contract checks,
-  quarantine, idempotent bronze + quarantine writes);
+  quarantine, idempotent writes to the one bronze table and to the quarantine);
 - baseline: Spark's Kafka source -> ``from_avro`` of the payload after the header with
   one fixed schema -> Delta append; no quarantine, no idempotence.
 
@@ -60,6 +60,7 @@ def baseline(config_path: str) -> None:
     entity = config.entities[0]
     schema = (ROOT / "schemas/dbserver1.inventory.customers-value.avsc").read_text()
     spark = build_spark_session(config.spark, "bench-baseline")
+    scratch = f"{config.storage_root.rstrip('/')}/baseline"
     query = (
         spark.readStream.format("kafka")
         .options(**spark_kafka_options(config.kafka))
@@ -76,10 +77,10 @@ def baseline(config_path: str) -> None:
         )
         .select("topic", "partition", "offset", "timestamp", "v.*")
         .writeStream.format("delta")
-        .option("checkpointLocation", config.checkpoint_path("baseline", entity.name))
+        # The bench's own scratch table and checkpoint, not part of the pipeline's layout.
+        .option("checkpointLocation", f"{scratch}/_checkpoints/{entity.name}")
         .trigger(availableNow=True)
-        # The bench's own scratch table, not part of the pipeline's StorageLayout.
-        .start(f"{config.storage_root.rstrip('/')}/baseline/{entity.name}")
+        .start(f"{scratch}/{entity.name}")
     )
     query.awaitTermination()
     rows = sum(p["numInputRows"] for p in query.recentProgress)

@@ -1,24 +1,21 @@
-"""Benchmark: the ingestor with many tables and load on a few, per entity vs one query.
+"""Benchmark: the ingestor with many tables and load on a few.
 
 N copies of the example's ``customers`` entity (each on a topic of its own, the run's
 topic plus ``_t<i>``), the ingestor alone: ``cdc-ingestor --config <file>`` in its own
-process group, a 1 s trigger, its metrics port polled for ``/health``. The modes run one
-after the other, never together, each on fresh topics and a fresh storage root:
-``per-entity`` (one streaming query per table, the default) and ``one-query``
-(``CDC_INGESTOR__ONE_QUERY=true``: one query over every topic, split by topic inside
-foreachBatch).
+process group, a 1 s trigger, its metrics port polled for ``/health``, on fresh topics
+and a fresh storage root. Every table is one partition (``entity=<name>``) of the one
+bronze table (``cdc_shared.bronze``), written by one query per table group (all of them
+in the group ``default`` here).
 
-Per mode: every topic gets ``--prime`` records before the launch (so every table gets
-data in its first batch); start is the time from the launch to ``/health`` 200, to
-the first bronze commit holding rows of every table, and to the batch log lines of
-every primed record (those come after the batch's auto compaction). ``/health`` lists
-only the streams opened so far: per entity it may answer 200 once the first table's
-stream runs, before the others are opened, so the first-commit figure is the one to
-compare. Once the first batches are done, ``--rate`` records/s spread over the
-``--hot`` first tables only (the others stay idle): ``--warmup`` seconds not measured,
-then ``--seconds`` measured. After the load the bench waits until bronze
-holds every record produced to the hot topics (``--drain-timeout``), then SIGTERMs the
-ingestor's own process and reports its exit code.
+Every topic gets ``--prime`` records before the launch (so every table gets data in its
+first batch); start is the time from the launch to ``/health`` 200, to the first bronze
+commit holding rows of every table, and to the batch log lines of every primed record
+(those come after the batch's auto compaction). Once the first batches are done,
+``--rate`` records/s spread over the ``--hot`` first tables only (the others stay
+idle): ``--warmup`` seconds not measured, then ``--seconds`` measured. After the load
+the bench waits until bronze holds every record produced to the hot topics
+(``--drain-timeout``), then SIGTERMs the ingestor's own process and reports its exit
+code.
 
 Measured:
 
@@ -26,24 +23,24 @@ Measured:
   in bronze) is in the measured window: that timestamp -> the bronze commit that added
   its file. A commit's time is its ``_delta_log/<version>.json`` file's modification
   time (what Delta's history reports for a table on local disk); files added with
-  ``dataChange`` false (auto compaction) are skipped, their rows came earlier. The rows
-  are read from the added Parquet files with pyarrow, not Spark. p50 / p99.
+  ``dataChange`` false (auto compaction) are skipped, their rows came earlier. A file's
+  table is its add action's ``entity`` partition value. The rows' timestamps are read
+  from the added Parquet files with pyarrow, not Spark. p50 / p99.
 - CPU seconds of the ingestor's process group (Python driver, JVM and their children,
   from /proc) over the measured window, per 1,000 records measured; peak RSS of the
   group over the whole run (start included).
-- streaming queries: the number of streams ``/health`` lists (sampled in the window).
-- bronze commits to idle tables in the window (log files whose time falls in it, any
-  operation; their operations are in ``results.json``; one query should make none),
-  and to hot tables.
+- streaming queries: the streams ``/health`` lists (sampled in the window): one per
+  table group.
+- bronze commits in the window (log files whose time falls in it), by operation, those
+  that added rows of the hot tables, and the files added for idle tables in the window
+  (their tables got no records: none expected).
 
-The table printed puts the modes side by side with one-query / per-entity ratios;
 ``results.json`` under ``--workdir`` has every figure. Figures, not a test: run it alone
 on the machine (docs/benchmarks.md). Needs the test servers (``support.servers``),
 started here if they are not running, and left running.
 
     .venv/bin/python tests/bench/bench_ingestor_tables.py [--tables 24] [--hot 2]
-        [--rate 200] [--seconds 120] [--warmup 60] [--modes per-entity,one-query]
-        [--workdir /tmp/bench-ingestor-tables]
+        [--rate 200] [--seconds 120] [--warmup 60] [--workdir /tmp/bench-ingestor-tables]
 """
 
 from __future__ import annotations
@@ -52,8 +49,6 @@ import argparse
 import datetime as dt
 import itertools
 import json
-import os
-import posixpath
 import shutil
 import statistics
 import subprocess
@@ -67,12 +62,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 from cdc_devkit import infra
 from cdc_devkit.local_run import copied_entities, write_pipeline_config
 from cdc_devkit.processes import ServiceProcess, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
+from cdc_shared.bronze import ENTITY
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
 from cdc_shared.schemas import make_registry
 
@@ -81,35 +79,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/bench
 from e2e_bench.meter import Meter  # CPU and peak RSS per process group, from /proc
 from support.servers import TEST_INFRA  # the test session's servers
 
-MODES = {"per-entity": "false", "one-query": "true"}  # -> CDC_INGESTOR__ONE_QUERY
-ONE_QUERY_ENV = "CDC_INGESTOR__ONE_QUERY"
 MIB = 2**20
 
 
 @dataclass
 class Ingestor(ServiceProcess):
-    """``cdc-ingestor --config <file>`` in its own process group, with ``env`` added."""
-
-    env: dict[str, str] = field(default_factory=dict)
+    """``cdc-ingestor --config <file>`` in its own process group."""
 
     def start(self) -> None:
         """Launch it; stderr (its JSON log) to ``log_path``."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.command,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                start_new_session=True,
-                env={**os.environ, **self.env},
+                self.command, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
             )
 
 
 @dataclass
-class ModeResult:
-    """What one mode's run showed (seconds unless named otherwise)."""
+class RunResult:
+    """What the run showed (seconds unless named otherwise)."""
 
-    mode: str
     tables: int
     hot: int
     healthy_after_s: float | None = None
@@ -130,9 +119,10 @@ class ModeResult:
     streams: int | None = None  # streams /health lists
     stream_names: list[str] = field(default_factory=list)
     unhealthy_samples: int = 0  # /health not 200 while sampled in the window
-    idle_commits_window: int = 0
-    idle_commit_operations: dict[str, int] = field(default_factory=dict)  # e.g. WRITE: 3
-    hot_commits_window: int = 0
+    commits_window: int = 0  # bronze commits in the window
+    commit_operations: dict[str, int] = field(default_factory=dict)  # e.g. WRITE: 3
+    hot_commits_window: int = 0  # of those, commits adding rows of hot tables
+    idle_files_window: int = 0  # files added for idle tables in the window (none expected)
     batch_lines_window: int = 0  # the ingestor's "batch" log lines in the window
     batch_ms_p50: float | None = None
     exit_code: int | None = None
@@ -168,16 +158,22 @@ def messages(
 
 @dataclass
 class Commit:
-    """One commit of a bronze table."""
+    """One commit of bronze."""
 
     version: int
     at: float  # its log file's modification time (wall clock)
-    files: list[str]  # data files added with dataChange true
+    files: dict[str, list[str]]  # table -> data files added with dataChange true (paths)
     operation: str  # commitInfo's: WRITE, OPTIMIZE (auto compaction), CREATE TABLE...
 
 
+def epoch_seconds(column: pa.ChunkedArray) -> list[float]:
+    """A Parquet timestamp column (Spark writes UTC, without a zone) as epoch seconds."""
+    unit = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}[column.type.unit]
+    return [v / unit for v in pc.cast(column, pa.int64()).to_pylist() if v is not None]
+
+
 class BronzeLog:
-    """A local bronze table's commits, read incrementally; row counts per data file."""
+    """Bronze's commits on local disk, read incrementally; row counts per data file."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -197,12 +193,14 @@ class BronzeLog:
                 lines = entry.read_text().splitlines()
             except OSError:
                 continue
-            files, operation = [], "?"
+            files: dict[str, list[str]] = {}
+            operation = "?"
             for line in lines:
                 action = json.loads(line)
                 add = action.get("add")
                 if add is not None and add.get("dataChange", True):
-                    files.append(posixpath.basename(unquote(add["path"])))
+                    table = (add.get("partitionValues") or {}).get(ENTITY, "?")
+                    files.setdefault(table, []).append(unquote(add["path"]))
                 operation = action.get("commitInfo", {}).get("operation", operation)
             self.commits[int(entry.stem)] = Commit(int(entry.stem), at, files, operation)
 
@@ -212,34 +210,41 @@ class BronzeLog:
             self._rows[name] = pq.ParquetFile(self.path / name).metadata.num_rows
         return self._rows[name]
 
-    def rows(self) -> int:
-        """Rows added by every commit read so far."""
-        return sum(self.rows_of(f) for c in self.commits.values() for f in c.files)
+    def rows(self, tables: set[str]) -> int:
+        """Rows of ``tables`` added by every commit read so far."""
+        return sum(
+            self.rows_of(f)
+            for c in self.commits.values()
+            for table, files in c.files.items()
+            if table in tables
+            for f in files
+        )
 
-    def first_data_commit(self) -> Commit | None:
-        """The first commit that added rows (the table's creation adds none)."""
+    def first_data_commits(self) -> dict[str, Commit]:
+        """Each table's first commit that added rows of it."""
+        firsts: dict[str, Commit] = {}
         for version in sorted(self.commits):
             commit = self.commits[version]
-            if any(self.rows_of(f) for f in commit.files):
-                return commit
-        return None
+            for table, files in commit.files.items():
+                if table not in firsts and any(self.rows_of(f) for f in files):
+                    firsts[table] = commit
+        return firsts
 
     def commits_between(self, start: float, end: float) -> list[Commit]:
         """Commits whose time is in [start, end)."""
         return [c for c in self.commits.values() if start <= c.at < end]
 
-    def delays(self, start: float, end: float) -> list[float]:
-        """Commit time - Kafka timestamp of each row whose Kafka timestamp is in [start, end)."""
+    def delays(self, tables: set[str], start: float, end: float) -> list[float]:
+        """Commit time - Kafka timestamp of each row of ``tables`` whose Kafka timestamp is
+        in [start, end)."""
         out = []
         for commit in self.commits.values():
-            for name in commit.files:
-                column = pq.read_table(self.path / name, columns=["kafka_timestamp"])[0]
-                for stamp in column.to_pylist():
-                    if stamp is None:
-                        continue
-                    at = stamp.replace(tzinfo=dt.UTC).timestamp()  # Spark writes UTC
-                    if start <= at < end:
-                        out.append(commit.at - at)
+            for table, files in commit.files.items():
+                if table not in tables:
+                    continue
+                for name in files:
+                    column = pq.read_table(self.path / name, columns=["kafka_timestamp"])[0]
+                    out += [commit.at - at for at in epoch_seconds(column) if start <= at < end]
         return out
 
 
@@ -281,31 +286,31 @@ def batch_lines_between(ingestor: ServiceProcess, start: float, end: float) -> l
     return chosen
 
 
-class ModeRun:
-    """One mode: fresh topics and storage, prime, start, load, measure, stop."""
+class IngestorRun:
+    """The run: fresh topics and storage, prime, start, load, measure, stop."""
 
-    def __init__(self, mode: str, args: argparse.Namespace) -> None:
-        self.mode, self.args = mode, args
-        self.result = ModeResult(mode, args.tables, args.hot)
-        folder = args.workdir / mode
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.result = RunResult(args.tables, args.hot)
+        folder = args.workdir / "run"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         config_path = tables_config(folder, args.tables, args.driver_memory)
         self.config = load_config(config_path)
         self.entities = list(self.config.entities)
         self.hot = self.entities[: args.hot]
-        self.logs = {e.name: BronzeLog(self.config.layout.bronze(e.name)) for e in self.entities}
+        self.hot_names = {e.name for e in self.hot}
+        self.bronze = BronzeLog(self.config.layout.bronze())
         self.port = self.config.ingestor.metrics_port
         self.ingestor = Ingestor("ingestor", config_path, folder / "logs" / "ingestor.log")
-        self.ingestor.env = {ONE_QUERY_ENV: MODES[mode]}
         self.meter = Meter()
         self.launched = self.window_start = self.window_end = 0.0
 
     def say(self, text: str) -> None:
         """A progress line."""
-        print(f"[{self.mode}] {text}", flush=True)
+        print(f"[ingestor, {self.args.tables} tables] {text}", flush=True)
 
-    def run(self) -> ModeResult:
+    def run(self) -> RunResult:
         """Every phase; a failure is noted in the result, the ingestor always stopped."""
         args, config = self.args, self.config
         ensure_topics(config.kafka, [e.source_topic for e in self.entities])
@@ -359,12 +364,9 @@ class ModeRun:
             if result.healthy_after_s is None and health(self.port)[0] == 200:
                 result.healthy_after_s = time.time() - self.launched
                 self.say(f"healthy after {result.healthy_after_s:.1f} s")
-            for name, log in self.logs.items():
-                if name not in firsts:
-                    log.refresh()
-                    commit = log.first_data_commit()
-                    if commit is not None:
-                        firsts[name] = commit.at - self.launched
+            self.bronze.refresh()
+            for name, commit in self.bronze.first_data_commits().items():
+                firsts.setdefault(name, commit.at - self.launched)
             wait_a_little([self.ingestor], 0.5)
         result.first_commit_every_table_s = max(firsts.values())
         result.first_commit_median_s = statistics.median(firsts.values())
@@ -433,9 +435,8 @@ class ModeRun:
         deadline = time.monotonic() + self.args.drain_timeout
         held = 0
         while time.monotonic() < deadline and self.ingestor.alive:
-            for entity in self.hot:
-                self.logs[entity.name].refresh()
-            held = sum(self.logs[e.name].rows() for e in self.hot)
+            self.bronze.refresh()
+            held = self.bronze.rows(self.hot_names)
             if held >= expected:
                 result.drained_after_s = time.time() - load_end
                 return ""
@@ -444,20 +445,21 @@ class ModeRun:
         return f"{result.missing_records} records not in bronze after the drain"
 
     def figures(self) -> None:
-        """Delays, commits and CPU per 1,000 events, from bronze's logs and the batch log."""
+        """Delays, commits and CPU per 1,000 events, from bronze's log and the batch log."""
         result, start, end = self.result, self.window_start, self.window_end
-        for log in self.logs.values():
-            log.refresh()
-        idle = [e.name for e in self.entities[self.args.hot :]]
-        idle_commits = [c for n in idle for c in self.logs[n].commits_between(start, end)]
-        result.idle_commits_window = len(idle_commits)
-        for commit in idle_commits:
-            operations = result.idle_commit_operations
+        self.bronze.refresh()
+        commits = self.bronze.commits_between(start, end)
+        result.commits_window = len(commits)
+        for commit in commits:
+            operations = result.commit_operations
             operations[commit.operation] = operations.get(commit.operation, 0) + 1
         result.hot_commits_window = sum(
-            len(self.logs[e.name].commits_between(start, end)) for e in self.hot
+            1 for c in commits if any(t in self.hot_names and f for t, f in c.files.items())
         )
-        delays = [d for e in self.hot for d in self.logs[e.name].delays(start, end)]
+        result.idle_files_window = sum(
+            len(files) for c in commits for t, files in c.files.items() if t not in self.hot_names
+        )
+        delays = self.bronze.delays(self.hot_names, start, end)
         result.measured_records = len(delays)
         result.delay_p50_s = percentile(delays, 0.50)
         result.delay_p99_s = percentile(delays, 0.99)
@@ -473,9 +475,10 @@ class ModeRun:
 # --- the report -----------------------------------------------------------------------------
 
 
-ROWS: list[tuple[str, str, str]] = [  # label, ModeResult field, format
+ROWS: list[tuple[str, str, str]] = [  # label, RunResult field, format
     ("healthy after (s)", "healthy_after_s", "{:.1f}"),
     ("every table's 1st commit (s)", "first_commit_every_table_s", "{:.1f}"),
+    ("median table's 1st commit (s)", "first_commit_median_s", "{:.1f}"),
     ("first batches done (s)", "prime_done_s", "{:.1f}"),
     ("ingest delay p50 (s)", "delay_p50_s", "{:.2f}"),
     ("ingest delay p99 (s)", "delay_p99_s", "{:.2f}"),
@@ -483,8 +486,9 @@ ROWS: list[tuple[str, str, str]] = [  # label, ModeResult field, format
     ("CPU s in window", "cpu_s_window", "{:.1f}"),
     ("peak RSS (MiB)", "peak_rss_mib", "{:,.0f}"),
     ("streaming queries", "streams", "{}"),
-    ("idle-table commits in window", "idle_commits_window", "{}"),
-    ("hot-table commits in window", "hot_commits_window", "{}"),
+    ("bronze commits in window", "commits_window", "{}"),
+    ("  adding rows of hot tables", "hot_commits_window", "{}"),
+    ("files added for idle tables in window", "idle_files_window", "{}"),
     ("records measured", "measured_records", "{:,}"),
     ("records missing after drain", "missing_records", "{:,}"),
     ("batch log lines in window", "batch_lines_window", "{}"),
@@ -499,33 +503,24 @@ def cell(value: Any, form: str) -> str:
     return "-" if value is None else form.format(value)
 
 
-def print_table(results: list[ModeResult], args: argparse.Namespace) -> None:
-    """The modes side by side, with one-query / per-entity where both ran."""
-    by_mode = {r.mode: r for r in results}
-    ratio = "per-entity" in by_mode and "one-query" in by_mode
+def print_table(result: RunResult, args: argparse.Namespace) -> None:
+    """The figures, one per line."""
     print(
         f"\n{args.tables} tables, {args.hot} hot at {args.rate:.0f} events/s, "
         f"{args.warmup:.0f} s warm-up + {args.seconds:.0f} s measured, ingestor alone\n"
     )
-    header = ["", *by_mode] + (["one-query / per-entity"] if ratio else [])
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print("| | ingestor |")
+    print("|---|---|")
     for label, name, form in ROWS:
-        row = [label] + [cell(getattr(r, name), form) for r in results]
-        if ratio:
-            base, ours = getattr(by_mode["per-entity"], name), getattr(by_mode["one-query"], name)
-            usable = isinstance(base, int | float) and isinstance(ours, int | float)
-            row.append(f"{ours / base:.2f}x" if usable and base and name != "exit_code" else "")
-        print("| " + " | ".join(row) + " |")
-    for r in results:
-        if r.failure:
-            print(f"\n{r.mode}: FAILED: {r.failure}")
-        if r.errors:
-            print(f"\n{r.mode}: error log lines: {r.errors[:5]}")
-        more = " ..." if len(r.stream_names) > 6 else ""
-        print(f"{r.mode}: streams {r.stream_names[:6]}{more}")
-        if r.idle_commit_operations:
-            print(f"{r.mode}: idle-table commits in the window: {r.idle_commit_operations}")
+        print(f"| {label} | {cell(getattr(result, name), form)} |")
+    if result.failure:
+        print(f"\nFAILED: {result.failure}")
+    if result.errors:
+        print(f"\nerror log lines: {result.errors[:5]}")
+    more = " ..." if len(result.stream_names) > 6 else ""
+    print(f"streams {result.stream_names[:6]}{more}")
+    if result.commit_operations:
+        print(f"bronze commits in the window by operation: {result.commit_operations}")
 
 
 def main() -> None:
@@ -535,7 +530,6 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=200.0, help="events/s over the hot tables")
     parser.add_argument("--seconds", type=float, default=120.0, help="measured load")
     parser.add_argument("--warmup", type=float, default=60.0, help="load before the window")
-    parser.add_argument("--modes", default="per-entity,one-query")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-ingestor-tables"))
     parser.add_argument("--prime", type=int, default=5, help="records per topic before start")
     parser.add_argument("--keys", type=int, default=2_000, help="key space per hot table")
@@ -544,21 +538,17 @@ def main() -> None:
     parser.add_argument("--drain-timeout", type=float, default=300.0)
     parser.add_argument("--stop-grace", type=float, default=120.0)
     args = parser.parse_args()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not 0 < args.hot <= args.tables:
-        parser.error(f"modes are {', '.join(MODES)}; 0 < --hot <= --tables")
+    if not 0 < args.hot <= args.tables:
+        parser.error("0 < --hot <= --tables")
     infra.up(TEST_INFRA)  # idempotent: the servers of a test session already running
     args.workdir.mkdir(parents=True, exist_ok=True)
-    results = [ModeRun(mode, args).run() for mode in modes]
-    print_table(results, args)
+    result = IngestorRun(args).run()
+    print_table(result, args)
     out = args.workdir / "results.json"
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    out.write_text(
-        json.dumps({"settings": settings, "modes": [asdict(r) for r in results]}, indent=2)
-    )
+    out.write_text(json.dumps({"settings": settings, "result": asdict(result)}, indent=2))
     print(f"\nresults: {out}")
-    sys.exit(0 if all(not r.failure and r.exit_code == 0 for r in results) else 1)
+    sys.exit(0 if not result.failure and result.exit_code == 0 else 1)
 
 
 if __name__ == "__main__":

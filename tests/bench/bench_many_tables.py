@@ -1,11 +1,12 @@
 """Benchmark: the driver's memory with many tables in one application (``cdc run``).
 
-N copies of the example's tables (each on topics, tables and an index of its own) run as
-one Spark application with the shipped defaults (the driver's heap among them: nothing
-in ``spark.conf``, the Spark UI on). A steady load spread over every table is produced
-once all streams are healthy. The driver JVM is sampled every ``--sample-every``
-seconds: ``jcmd GC.class_histogram`` (which collects the whole heap first), then
-``jcmd GC.heap_info``, so the heap figure is the heap in use after a full collection.
+N copies of the example's tables (each on topics, a silver table and an index of its own;
+bronze is one table for all) run as one Spark application with the shipped defaults (the
+driver's heap among them: nothing in ``spark.conf``, the Spark UI on). A steady load
+spread over every table is produced once all streams are healthy. The driver JVM is
+sampled every ``--sample-every`` seconds: ``jcmd GC.class_histogram`` (which collects
+the whole heap first), then ``jcmd GC.heap_info``, so the heap figure is the heap in use
+after a full collection.
 
 Printed per variant: time to healthy, peak heap used after a full collection, peak RSS
 of the application's processes, whether it survived the load (still running, then a

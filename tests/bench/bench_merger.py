@@ -35,11 +35,15 @@ silver of ``--rows`` rows; for history on, the history table holds one current v
 per silver row, written straight in the merger's history schema (``history_schema``
 via ``ensure_tables``) and checked on a sample against the merger's own rebuild
 (``rebuilt_versions``). Then ``--warmup`` + ``--small`` 1,000-change batches, each
-applied to both through ``apply_batch`` (the service's per-batch call), the order
-flipping every batch. Side by side (p50): batch seconds and p95, on/off, ``apply_batch``'s
-laps, the silver MERGE and the history step's parts (reading and the rebuild; its
-replacing write, with Delta's ``operationMetrics``), Spark jobs, and the files
-and MiB each batch's scans read per table (from Spark's status store). At the end it
+applied to both as the merger applies a table's batch, the order flipping every batch:
+silver's step (``apply_batch``), then, with history on, the history's step
+(``apply_history``), run once silver's has committed (the merger queues it as a write of
+its own; it reads the batch from bronze again there, here both steps read the same
+computed batch). Side by side (p50): batch seconds (both steps) and p95, on/off, each
+step's seconds, ``apply_batch``'s laps, the silver MERGE and the history step's parts
+(reading and the rebuild; its replacing write, with Delta's ``operationMetrics``), Spark
+jobs, and the files and MiB each batch's scans read per table (from Spark's status
+store). At the end it
 checks history on gained a write per batch and one current version per silver row,
 history off has no history table, and the two silvers agree. The full run, alone on
 the machine (about 15 minutes)::
@@ -70,7 +74,6 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
-from cdc_ingestor.projection import bronze_rows  # noqa: E402
 from cdc_merger import apply as merger_apply  # noqa: E402
 from cdc_merger import history as merger_history  # noqa: E402
 from cdc_merger.apply import (  # noqa: E402
@@ -109,6 +112,7 @@ from pyspark.sql import Column, DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 from pyspark.sql import types as T  # noqa: E402
 from support.entities import CUSTOMERS, SCHEMAS  # noqa: E402
+from support.ingestion import typed_bronze_rows  # noqa: E402
 
 UPDATE_SHARE, INSERT_SHARE = 0.8, 0.15  # the rest are deletes
 
@@ -333,7 +337,9 @@ def lean_variant(
 
     ``placeholder``: the unavailable-value placeholder it looks for (None: the path
     without that check, for its cost). ``history``: the entity's history; its table
-    (``<root>/history``) is loaded with the silver rows' versions (``load_history``).
+    (``<root>/history``) is loaded with the silver rows' versions (``load_history``) and
+    each batch's history step (``apply_history``) runs after silver's. The laps returned:
+    ``apply_batch``'s, and each step's wall time (``silver_ms``, ``history_ms``).
     """
     table = None if history is None else HistoryTable(str(root / "history"), history)
     layout = SilverLayout(
@@ -350,7 +356,15 @@ def lean_variant(
         raise SystemExit(f"bench events rejected: {rejected.limit(3).collect()}")
 
     def merge(s: SparkSession, e: DataFrame) -> dict[str, int]:
-        return apply_batch(s, e, layout, refuse, state, placeholder).step_ms
+        lap = time.perf_counter()
+        steps = dict(apply_batch(s, e, layout, refuse, state, placeholder).step_ms)
+        steps["silver_ms"] = round((time.perf_counter() - lap) * 1000)
+        if table is not None:
+            lap = time.perf_counter()
+            # Looked up in the module: HistoryProbe times it.
+            merger_apply.apply_history(s, e, layout, state, placeholder)
+            steps["history_ms"] = round((time.perf_counter() - lap) * 1000)
+        return steps
 
     tables = {"silver": layout.silver_path, "tombstones": layout.tombstone_path}
     tables |= {"truncates": layout.truncate_path} | ({"history": table.path} if table else {})
@@ -629,19 +643,19 @@ def _bytes(text: str | None) -> int:
 class HistoryProbe:
     """Times the parts of the merger's history step, and tags its Spark jobs.
 
-    Wraps ``write_history`` (where ``apply_batch`` looks it up) and the function it calls
-    that writes, ``_replace_versions`` (the changed keys' versions replacing their rows in
-    one overwrite). The same code runs; only the wall time around it is taken. What
-    ``write_history`` spends outside it is reading (the batch's events, the touched keys,
-    their rows in history and their tombstones: local checkpoints) and the rebuild (the
-    versions' local checkpoint).
+    Wraps ``apply_history`` (the step; ``lean_variant`` looks it up in its module) and the
+    function it comes to that writes, ``_replace_versions`` (the changed keys' versions
+    replacing their rows in one overwrite). The same code runs; only the wall time around
+    it is taken. What ``apply_history`` spends outside it is reading (the batch's counts,
+    its events, the touched keys, their rows in history and their tombstones: local
+    checkpoints) and the rebuild (the versions' local checkpoint).
     """
 
     def __init__(self, spark: SparkSession) -> None:
         self.spark = spark
         self.seconds: dict[str, float] = {}
         self.tag = ""
-        self._wrap(merger_apply, "write_history", "history", tagged=True)
+        self._wrap(merger_apply, "apply_history", "history", tagged=True)
         self._wrap(merger_history, "_replace_versions", "replace")
 
     def reset(self) -> None:
@@ -749,7 +763,7 @@ Metric = Callable[[Batch], float]
 
 
 def step_s(name: str) -> Metric:
-    """An ``apply_batch`` lap (``step_ms``) in seconds."""
+    """A lap of a batch (``apply_batch``'s ``step_ms``, or a step's) in seconds."""
     return lambda b: b.steps.get(f"{name}_ms", 0) / 1000
 
 
@@ -774,13 +788,13 @@ def history_read_s(b: Batch) -> float:
 
 
 HISTORY_LINES: tuple[tuple[str, Metric], ...] = (
-    ("  prepare (apply_batch lap)", step_s("prepare")),
-    ("  guard (apply_batch lap)", step_s("guard")),
-    ("  write: silver's and history's steps at once", step_s("write")),
-    ("  silver step: MERGE + tombstones (with history: every delete)", step_s("merge")),
-    ("    silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
-    ("  history step", step_s("history")),
-    ("    read batch, keys, rows, tombs; rebuild", history_read_s),
+    ("  silver step (apply_batch)", step_s("silver")),
+    ("    prepare (lap)", step_s("prepare")),
+    ("    guard (lap)", step_s("guard")),
+    ("    MERGE + tombstones (with history: every delete)", step_s("merge")),
+    ("      silver MERGE executionTimeMs", merge_metric("silver", "executionTimeMs", 1000)),
+    ("  history step (apply_history, after silver's)", step_s("history")),
+    ("    read counts, batch, keys, rows, tombs; rebuild", history_read_s),
     ("    replace: delete (DVs) + append", history_s("replace")),
     ("history table's files after the batch", lambda b: b.detail.get("history_files", 0)),
     ("JVM CPU s", lambda b: b.jvm_cpu_s),
@@ -806,17 +820,17 @@ def report_history(off: Variant, on: Variant, rows: int, warmup: int) -> None:
     def line(label: str, get: Metric, digits: int = 2) -> None:
         a, b = (statistics.median(get(x) for x in v.batches) for v in (off, on))
         shown = f"{a:>9.{digits}f}" if a else f"{'-':>9}"
-        print(f"{label:<44}{shown}{b:>9.{digits}f}" + (f"{b / a:>8.2f}" if a else ""))
+        print(f"{label:<52}{shown}{b:>9.{digits}f}" + (f"{b / a:>8.2f}" if a else ""))
 
     seconds = [[b.seconds for b in v.batches] for v in (off, on)]
     print(
         f"\nhistory off vs on: silver of {rows:,} rows, {len(on.batches)} 1,000-change "
         f"batches each (after {warmup} warm-up), interleaved; p50 unless said"
     )
-    print(f"{'':<44}{'off':>9}{'on':>9}{'on/off':>8}")
+    print(f"{'':<52}{'off':>9}{'on':>9}{'on/off':>8}")
     line("batch s", lambda b: b.seconds)
     p95 = [p(s, 0.95) for s in seconds]
-    print(f"{'batch p95 s':<44}{p95[0]:>9.2f}{p95[1]:>9.2f}{p95[1] / p95[0]:>8.2f}")
+    print(f"{'batch p95 s':<52}{p95[0]:>9.2f}{p95[1]:>9.2f}{p95[1] / p95[0]:>8.2f}")
     for label, get in HISTORY_LINES:
         line(label, get, 1 if label in JOB_LINES else 2)
     everything = [*off.batches, *on.batches]
@@ -945,7 +959,7 @@ def main() -> None:
     registry = FileSchemaRegistry([SCHEMAS])
     decode_plan = DecodePlan.from_schemas(entity_schemas(CUSTOMERS, registry), registry)
     empty = spark.createDataFrame([], KAFKA_SCHEMA)
-    bronze = bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
+    bronze = typed_bronze_rows(decode(spark, empty, decode_plan, CUSTOMERS.sequence_by)).schema
     plan = [10_000] * args.repeats + [100_000] * args.repeats
     workdir = Path(tempfile.mkdtemp(prefix="bench-merger-"))
     if args.copy_on_write:  # with --history: both variants keep a history

@@ -2,11 +2,14 @@
 
 Needs a running Elasticsearch (``make infra-up``, or the test servers: ``--es-url``).
 
+Silver's commits are recorded in ``silver/_versions`` as the merger records them
+(``cdc_merger.stream.SilverVersions``): how the publisher learns that silver moved.
+
 1. Throughput: a silver-shaped Delta table (Change Data Feed on) of N customer inserts in
    10 commits; then, each in its own process and on a fresh index with the same mapping:
 
-   - publisher: ``cdc-publisher-es --once`` (CDF stream, ids, external versions, retries,
-     per-document outcomes, checkpoint);
+   - publisher: ``cdc-publisher-es --once`` (silver's change feed by version, ids,
+     external versions, retries, per-document outcomes, progress in its index);
    - baseline: a Spark batch read of the same change feed -> ``row.asDict()`` ->
      ``elasticsearch.helpers.bulk`` with the same chunk size, no versioning, no outcomes.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,6 +50,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TOPIC = "dbserver1.inventory.customers"  # the example schemas in schemas/ name the mapping
+ENTITY = "customers"
 COMMITS = 10
 
 
@@ -100,20 +105,30 @@ def create_silver(spark: Any, path: str) -> None:
     ).save(path)
 
 
+def append(rows: Any, path: str, versions: Any) -> None:
+    """Append ``rows`` to silver, then record its new version as the merger does
+    (``versions``: a started ``cdc_merger.stream.SilverVersions``)."""
+    rows.write.format("delta").mode("append").save(path)
+    versions.note(ENTITY)
+    versions.flush()
+
+
 def make_silver(config_path: str, changes: int) -> None:
     """Child process: silver/customers with ``changes`` inserts in COMMITS commits."""
+    from cdc_merger.stream import SilverVersions
     from cdc_shared.config import load_config
     from cdc_shared.spark import build_spark_session
 
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-make-silver")
-    path = config.layout.silver("customers")
+    path = config.layout.silver(ENTITY)
     create_silver(spark, path)
+    versions = SilverVersions(spark, config)
+    versions.start()
     per_commit = changes // COMMITS
     for k in range(COMMITS):
-        silver_rows(spark, 1 + k * per_commit, per_commit).write.format("delta").mode(
-            "append"
-        ).save(path)
+        append(silver_rows(spark, 1 + k * per_commit, per_commit), path, versions)
+    versions.stop()
 
 
 def baseline(config_path: str, index: str) -> None:
@@ -135,7 +150,7 @@ def baseline(config_path: str, index: str) -> None:
     entity = config.entities[0]
     spark = build_spark_session(config.spark, "bench-baseline")
     es = make_elasticsearch(config.elasticsearch)
-    path = config.layout.silver("customers")
+    path = config.layout.silver(ENTITY)
     feed = (
         spark.read.format("delta")
         .option("readChangeFeed", "true")
@@ -209,6 +224,9 @@ def delete_index(es_url: str, alias: str) -> None:
 
 
 def throughput(args: argparse.Namespace, work: Path) -> None:
+    from cdc_shared.config import DEFAULT_GROUP, load_config
+    from cdc_shared.layout import PUBLISHER_ES
+
     run = uuid.uuid4().hex[:6]
     shared = write_config(work, args.es_url, f"bench_{run}_silver")
     print(f"making silver: {args.changes:,} inserts in {COMMITS} commits ...", flush=True)
@@ -221,9 +239,10 @@ def throughput(args: argparse.Namespace, work: Path) -> None:
     for r in range(args.rounds):
         index = f"bench_{run}_ours_{r}"
         config = write_config(work, args.es_url, index)
-        # Same silver for every run: a fresh checkpoint per round.
-        checkpoint = work / "data" / "_checkpoints" / "publisher_es"
-        subprocess.call(["rm", "-rf", str(checkpoint)])
+        # Same silver for every run: a fresh checkpoint per round (and a fresh index, so
+        # no progress in the progress index).
+        checkpoint = load_config(config).layout.checkpoint(PUBLISHER_ES, DEFAULT_GROUP)
+        shutil.rmtree(checkpoint, ignore_errors=True)
         ours.append(publisher_round(config, work, str(r)))
         delete_index(args.es_url, index)
         index = f"bench_{run}_base_{r}"
@@ -261,6 +280,7 @@ def commit_timestamp_s(table: Path, version: int) -> float:
 
 
 def delay(args: argparse.Namespace, work: Path) -> None:
+    from cdc_merger.stream import SilverVersions
     from cdc_shared.config import load_config
     from cdc_shared.spark import build_spark_session
     from elasticsearch import Elasticsearch
@@ -271,8 +291,10 @@ def delay(args: argparse.Namespace, work: Path) -> None:
     config_path = write_config(root, args.es_url, index, trigger_interval="250 milliseconds")
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-silver-writer")
-    table = Path(config.layout.silver("customers"))
+    table = Path(config.layout.silver(ENTITY))
     create_silver(spark, str(table))
+    versions = SilverVersions(spark, config)
+    versions.start()
     process = subprocess.Popen(
         [str(BIN / "cdc-publisher-es"), "--config", str(config_path)],
         stdout=subprocess.DEVNULL,
@@ -297,9 +319,7 @@ def delay(args: argparse.Namespace, work: Path) -> None:
         # be searchable first, so the JVM's first jobs and bulk requests are not counted.
         warmup = max(1, args.warmup_seconds)
         for w in range(warmup):
-            silver_rows(spark, -(w + 1) * per_commit, per_commit).write.format("delta").mode(
-                "append"
-            ).save(str(table))
+            append(silver_rows(spark, -(w + 1) * per_commit, per_commit), str(table), versions)
             time.sleep(1.0)
         while es.count(index=index, query={"range": {"id": {"lt": 0}}})["count"] < (
             warmup * per_commit
@@ -308,9 +328,7 @@ def delay(args: argparse.Namespace, work: Path) -> None:
         polling.start()
         started = next_commit = time.monotonic()
         for k in range(args.seconds):
-            silver_rows(spark, 1 + k * per_commit, per_commit).write.format("delta").mode(
-                "append"
-            ).save(str(table))
+            append(silver_rows(spark, 1 + k * per_commit, per_commit), str(table), versions)
             with lock:
                 committed[k] = commit_timestamp_s(table, k + 1 + warmup)  # 0: creation
             next_commit += 1.0
@@ -325,6 +343,18 @@ def delay(args: argparse.Namespace, work: Path) -> None:
             polling.join()
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(120)
+        versions.stop()
+    print_delays(args, warmup, writing_s, committed, visible)
+
+
+def print_delays(
+    args: argparse.Namespace,
+    warmup: int,
+    writing_s: float,
+    committed: dict[int, float],
+    visible: dict[int, float],
+) -> None:
+    """Each commit's delay to searchable: p50, p99 and max."""
     delays = sorted(visible[k] - committed[k] for k in visible)
     missing = len(committed) - len(visible)
     p50 = statistics.median(delays)

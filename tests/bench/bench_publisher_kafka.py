@@ -1,7 +1,9 @@
 """Benchmark: publisher-kafka draining a silver change feed, beside the seed-style baseline.
 
 Needs the local servers (``make infra-up``). Builds a customers silver table (Change Data
-Feed on) holding N inserts in 10 commits, then, each in its own process:
+Feed on) holding N inserts in 10 commits, each recorded in ``silver/_versions`` as the
+merger records its commits (``cdc_merger.stream.SilverVersions``: how the publisher
+learns that silver moved), then, each in its own process:
 
 - publisher: ``cdc-publisher-kafka --once`` (JVM Avro encoding, one Kafka transaction per
   micro-batch with its progress: exactly-once for read_committed consumers);
@@ -36,15 +38,17 @@ import fastavro
 import yaml
 from bench_ingestor import run_measured
 from cdc_devkit.oracle import load_fingerprints
+from cdc_merger.stream import SilverVersions
 from cdc_shared.config import load_config
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import ensure_table
 from confluent_kafka import Consumer, TopicPartition
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+ENTITY = "customers"
 SILVER_COLUMNS = (
     "id int not null, first_name string, last_name string, email string, phone string, "
     "created_at timestamp, _cdc_seq array<bigint> not null, _cdc_op string not null, "
@@ -52,7 +56,7 @@ SILVER_COLUMNS = (
 )
 
 
-def silver_rows(spark: SparkSession, start: int, count: int):  # type: ignore[no-untyped-def]
+def silver_rows(spark: SparkSession, start: int, count: int) -> DataFrame:
     return spark.range(start, start + count).select(
         F.col("id").cast("int").alias("id"),
         F.concat(F.lit("first"), F.col("id")).alias("first_name"),
@@ -112,7 +116,7 @@ out = feed.select(
 query = (out.writeStream.format("kafka")
          .option("kafka.bootstrap.servers", config.kafka.bootstrap_servers)
          .option("topic", sys.argv[2])
-         .option("checkpointLocation", config.storage_root + "/_checkpoints/baseline")
+         .option("checkpointLocation", config.storage_root + "/baseline/_checkpoint")
          .trigger(availableNow=True).start())
 query.awaitTermination()
 print(json.dumps({"batch_ms": sum(p["batchDuration"] for p in query.recentProgress)}))
@@ -144,8 +148,21 @@ def topic_size(bootstrap: str, topic: str) -> int:
         consumer.close()
 
 
+def append(rows: DataFrame, silver: str, versions: SilverVersions) -> None:
+    """Append ``rows`` to silver, then record its new version as the merger does."""
+    rows.write.format("delta").mode("append").save(silver)
+    versions.note(ENTITY)
+    versions.flush()
+
+
 def steady_delays(
-    spark: SparkSession, config_path: Path, silver: str, topic: str, rate: int, seconds: int
+    spark: SparkSession,
+    config_path: Path,
+    silver: str,
+    topic: str,
+    rate: int,
+    seconds: int,
+    versions: SilverVersions,
 ) -> list[float]:
     """Run the publisher while appending ``rate`` changes/s; delays in ms as read."""
     config = load_config(config_path)
@@ -188,7 +205,7 @@ def steady_delays(
     time.sleep(5)
     # Warm-up, not measured: one commit must be read back first, so the publisher's own
     # start (its first batches take seconds) does not count as steady-state delay.
-    silver_rows(spark, 9_000_000, rate).write.format("delta").mode("append").save(silver)
+    append(silver_rows(spark, 9_000_000, rate), silver, versions)
     deadline = time.monotonic() + 180
     while len(delays) < rate and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -199,7 +216,7 @@ def steady_delays(
     started = time.monotonic()
     while time.monotonic() - started < seconds:
         tick = time.monotonic()
-        silver_rows(spark, next_id, rate).write.format("delta").mode("append").save(silver)
+        append(silver_rows(spark, next_id, rate), silver, versions)
         next_id += rate
         time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
     time.sleep(10)
@@ -221,8 +238,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-publisher-kafka-"))
     config_path = write_config(workdir, args.bootstrap, run)
     config = load_config(config_path)
-    silver = config.layout.silver("customers")
+    silver = config.layout.silver(ENTITY)
     spark = build_spark_session(config.spark, "bench-setup")
+    versions = SilverVersions(spark, config)
+    versions.start()
     ensure_table(
         spark,
         silver,
@@ -231,9 +250,7 @@ def main() -> None:
     )
     per_commit = args.changes // 10
     for commit in range(10):
-        silver_rows(spark, commit * per_commit, per_commit).write.format("delta").mode(
-            "append"
-        ).save(silver)
+        append(silver_rows(spark, commit * per_commit, per_commit), silver, versions)
     print(f"silver: {args.changes:,} inserts in 10 commits at {silver}", flush=True)
 
     ours_log, base_log = workdir / "publisher.log", workdir / "baseline.log"
@@ -259,7 +276,10 @@ def main() -> None:
     if ours_n != args.changes:  # offsets, so one transaction marker per batch counts too
         print(f"note: the change topic spans {ours_n:,} offsets for {args.changes:,} changes")
 
-    delays = steady_delays(spark, config_path, silver, ours_topic, args.rate, args.seconds)
+    delays = steady_delays(
+        spark, config_path, silver, ours_topic, args.rate, args.seconds, versions
+    )
+    versions.stop()
     if len(delays) > 2:
         cuts = statistics.quantiles(delays, n=100)
         print(

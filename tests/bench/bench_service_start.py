@@ -1,25 +1,27 @@
-"""Benchmark: how long each service takes to start with many tables, by one setting.
+"""Benchmark: how long each service takes to start with many tables.
 
 N copies of the example's tables (``bench_many_tables.many_tables_config``) on topics of
 their own, empty or with ``--events`` changes each. Per variant, on a storage root of its
 own, each service runs ``--once`` as its own process, in pipeline order (the ingestor
 makes bronze, the merger silver, ...). With no data a ``--once`` run is its start
-(session, leases, every table's stream opened and started) and one empty trigger per
-table, so its wall time is the start's cost; with data it is also every table's first
-batch (a first start, or a restart after downtime with something waiting everywhere).
-Variants differ in one ``spark.conf`` entry, ``--setting`` (by default
-``spark.cdc.streams.startParallelism``: how many streams a service opens side by side;
-``spark.cdc.streams.batchParallelism``: how many of its batches run at once), one value
-each; they run one after the other after a warm-up run, never together. Printed per
-service: wall time and peak RSS of its processes (Python and JVM).
+(session, leases, every table's set-up, each table group's query started) and one empty
+trigger per group, so its wall time is the start's cost; with data it is also every
+table's first write (a first start, or a restart after downtime with something waiting
+everywhere). Printed per service: wall time and peak RSS of its processes (Python and
+JVM), the median of ``--rounds`` runs after a warm-up run.
+
+``--setting NAME --values A,B`` runs a variant per value of one setting, one after the
+other, never together: a ``spark.*`` name is a ``spark.conf`` entry, any other a setting
+of every streaming service's section (e.g. ``tables_at_once``: how many tables a batch
+writes side by side). Without it, one variant: the shipped defaults.
 
 ``--restart PIPELINE`` measures a restart instead: every run starts the services on the
 tables, checkpoints and topics that pipeline file names (made before, e.g. by
 ``bench_cli_status.py --tables N --folder DIR``), with nothing new to read, so a run is
-each service's start with every table's stream resumed from its checkpoint.
+each service's start with every table group's stream resumed from its checkpoint.
 
-    .venv/bin/python tests/bench/bench_service_start.py [--tables 24] [--values 1,4]
-        [--setting spark.cdc.streams.startParallelism] [--events 0] [--rounds 1]
+    .venv/bin/python tests/bench/bench_service_start.py [--tables 24] [--events 0]
+        [--setting tables_at_once --values 1,4] [--rounds 1]
         [--workdir /tmp/bench-service-start] [--restart PIPELINE]
 """
 
@@ -32,21 +34,36 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import yaml
 from cdc_devkit.processes import group_rss_bytes
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.config import PipelineConfig, load_config
 from cdc_shared.layout import SERVICES, command_name
 from cdc_shared.schemas import make_registry
-from cdc_shared.spark import START_PARALLELISM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_many_tables import many_tables_config, restarted_config  # the same N tables
 
 BIN = Path(sys.executable).parent
-
-
 MIB = 2**20
+DEFAULTS = "defaults"  # the one variant without --setting
+
+
+def variant_config(folder: Path, args: argparse.Namespace, setting: str | None, value: str) -> Path:
+    """The pipeline file of one variant: ``setting`` at ``value`` (none: shipped defaults)."""
+    conf = {setting: value} if setting and setting.startswith("spark.") else {}
+    if args.restart:
+        path = restarted_config(args.restart, folder, conf)
+    else:
+        path = many_tables_config(folder, args.tables, conf)
+    if setting and not setting.startswith("spark."):
+        document: dict[str, Any] = yaml.safe_load(path.read_text())
+        for service in SERVICES:
+            document.setdefault(service, {})[setting] = yaml.safe_load(value)
+        path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
 
 
 def run_services(config: Path, logs: Path) -> dict[str, tuple[float, float]]:
@@ -84,33 +101,36 @@ def produce_changes(pipeline: PipelineConfig, events: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--tables", type=int, default=24)
-    parser.add_argument("--setting", default=START_PARALLELISM, help="the spark.conf entry")
-    parser.add_argument("--values", default="1,4", help="its value in each variant")
+    parser.add_argument(
+        "--setting", help="a spark.conf entry (spark.*) or a setting of every service"
+    )
+    parser.add_argument("--values", default="", help="the setting's value in each variant")
     parser.add_argument("--events", type=int, default=0, help="changes per table before")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each variant")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/bench-service-start"))
     parser.add_argument("--restart", type=Path, help="a pipeline file whose tables exist")
     args = parser.parse_args()
+    if bool(args.setting) != bool(args.values):
+        parser.error("--setting and --values go together")
     shutil.rmtree(args.workdir, ignore_errors=True)
-    variants = args.values.split(",")
+    variants = args.values.split(",") if args.setting else [DEFAULTS]
     results: dict[str, list[dict[str, tuple[float, float]]]] = {v: [] for v in variants}
     plan = [("warm-up", variants[-1])] + [
         (f"round {r + 1}", v) for r in range(args.rounds) for v in variants
     ]
+    named = f"{args.setting} " if args.setting else ""
     for number, (label, value) in enumerate(plan):
         folder = args.workdir / f"run-{number}"
         folder.mkdir(parents=True)
-        if args.restart:
-            config = restarted_config(args.restart, folder, {args.setting: value})
-        else:
-            config = many_tables_config(folder, args.tables, {args.setting: value})
+        config = variant_config(folder, args, args.setting, value)
+        if not args.restart:
             pipeline = load_config(config)
             ensure_topics(pipeline.kafka, [e.source_topic for e in pipeline.entities])
             if args.events:
                 produce_changes(pipeline, args.events)
         figures = run_services(config, folder / "logs")
         print(
-            f"{label:>8}  {args.setting} {value}: "
+            f"{label:>8}  {named}{value}: "
             + "  ".join(f"{s} {t:5.1f} s {m:,.0f} MiB" for s, (t, m) in figures.items()),
             flush=True,
         )
@@ -121,10 +141,8 @@ def main() -> None:
         if args.restart
         else f"{args.tables} tables, {args.events} changes each"
     )
-    print(
-        f"\n{what}, every service --once (median of {args.rounds}):"
-        f" wall time / peak RSS by {args.setting}"
-    )
+    by = f" by {args.setting}" if args.setting else ""
+    print(f"\n{what}, every service --once (median of {args.rounds}): wall time / peak RSS{by}")
     print(f"{'service':<16}" + "".join(f"{v:>20}" for v in variants))
     for service in [*SERVICES, "total"]:
         cells = []

@@ -13,8 +13,10 @@ SparkContext), all on this machine:
 Each setup makes a silver table as the merger does (``ensure_tables``) with ``--rows``
 rows, merges ``--warmup`` uncounted 1,000-change batches, then ``--batches`` counted ones
 with the merger's own ``apply_batch``; then it appends ``--batches`` bronze batches of
-1,000 rows to a bronze Delta table, as the ingestor's sink does (its checkpoint's two
-small files per batch are not included). Per batch: wall time, and on S3 the requests the
+1,000 rows to a bronze table made as the ingestor makes it (``cdc_shared.bronze``: one
+table, partitioned by ``entity``, the payload a VARIANT), each one append with the
+ingestor's idempotent-write options (its checkpoint's two small files per batch are not
+included). Per batch: wall time, and on S3 the requests the
 driver's S3A file system made, by kind (its IOStatistics). In ``local-s3`` the executors
 run in the driver's JVM and share that file system, so the counts are every request of
 the batch; on the cluster they are the driver's part only (Delta's log reads, listings,
@@ -49,15 +51,18 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 from bench_merger import Workload, bronze_batch, load_silver, p  # noqa: E402
 from cdc_devkit import infra  # noqa: E402
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
-from cdc_ingestor.projection import bronze_rows  # noqa: E402
 from cdc_merger.apply import MergeState, SilverLayout, apply_batch, ensure_tables  # noqa: E402
+from cdc_shared import bronze as bronze_table  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import ObjectStorageConfig, SparkConfig  # noqa: E402
 from cdc_shared.schemas import entity_schemas  # noqa: E402
 from cdc_shared.spark import build_spark_session  # noqa: E402
+from cdc_shared.tables import ensure_table  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
 from support.entities import CUSTOMERS, SCHEMAS  # noqa: E402
+from support.ingestion import typed_bronze_rows  # noqa: E402
 
 SETUPS = ("local-disk", "local-s3", "cluster-disk", "cluster-s3")
 
@@ -125,7 +130,7 @@ def child(setup: str, rows: int, batches: int, warmup: int, master: str, s3: str
     registry = FileSchemaRegistry([SCHEMAS])
     plan = DecodePlan.from_schemas(entity_schemas(CUSTOMERS, registry), registry)
     empty = spark.createDataFrame([], KAFKA_SCHEMA)
-    bronze = bronze_rows(decode(spark, empty, plan, CUSTOMERS.sequence_by)).schema
+    bronze = typed_bronze_rows(decode(spark, empty, plan, CUSTOMERS.sequence_by)).schema
     layout = SilverLayout(f"{root}/silver", f"{root}/tombstones", f"{root}/truncates", ["id"])
     ensure_tables(spark, bronze, layout)
     load_silver(spark, layout.silver_path, rows)
@@ -138,8 +143,21 @@ def child(setup: str, rows: int, batches: int, warmup: int, master: str, s3: str
     def merge(events: DataFrame) -> None:
         apply_batch(spark, events, layout, refuse, state)
 
+    bronze_path = f"{root}/bronze/_all"
+    ensure_table(
+        spark, bronze_path, bronze_table.SCHEMA, bronze_table.PROPERTIES, [bronze_table.ENTITY]
+    )
+    appended = iter(range(1_000_000))
+
     def append(events: DataFrame) -> None:
-        events.write.format("delta").mode("append").save(f"{root}/bronze")
+        (
+            as_bronze_rows(events)
+            .write.format("delta")
+            .mode("append")
+            .option("txnAppId", "bench-storage")
+            .option("txnVersion", next(appended))
+            .save(bronze_path)
+        )
 
     steps: dict[str, Callable[[DataFrame], None]] = {"merge": merge, "append": append}
     for step, write in steps.items():
@@ -155,6 +173,18 @@ def child(setup: str, rows: int, batches: int, warmup: int, master: str, s3: str
                 line = {"setup": setup, "step": step, "seconds": seconds, "requests": requests}
                 print(json.dumps(line), flush=True)
     spark.stop()
+
+
+def as_bronze_rows(events: DataFrame) -> DataFrame:
+    """Typed bronze rows (``cdc_shared.bronze.typed``'s columns) as the ingestor writes
+    them: the key and the envelope's fields in the ``payload`` VARIANT."""
+    shared = set(bronze_table.SHARED_COLUMNS)
+    payload = F.struct(*[F.col(f"`{c}`") for c in events.columns if c not in shared])
+    return events.select(
+        F.lit(CUSTOMERS.name).alias(bronze_table.ENTITY),
+        *bronze_table.SHARED_COLUMNS,
+        F.to_variant_object(payload).alias(bronze_table.PAYLOAD),
+    )
 
 
 def run_setup(setup: str, args: argparse.Namespace, master: str, s3: str) -> list[dict[str, Any]]:

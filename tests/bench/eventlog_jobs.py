@@ -7,7 +7,7 @@ application's event files joined in order (``cat $(ls -v events_*)``)::
 
     .venv/bin/python tests/bench/eventlog_jobs.py events.json [--skip-s 600 --span-s 180]
 
-For each query (the job description's first line, e.g. ``ingestor-_all``) it prints the
+For each query (the job description's first line, e.g. ``ingestor-default``) it prints the
 jobs run, their wall time (submission to end: what a batch waits for), the time their
 tasks ran, and how long their first task waited for a core after submission; plus the
 share of each query's job wall time during which tasks of other queries ran. A job

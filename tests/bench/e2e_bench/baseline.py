@@ -19,6 +19,11 @@ from pyspark.sql.streaming.listener import StreamingQueryListener
 ENTRY_POINT = Path(__file__).resolve().parents[1] / "bench_e2e.py"
 
 
+def baseline_bronze(config: PipelineConfig, entity: EntityConfig) -> str:
+    """The baseline's bronze table of ``entity``: a table per entity, as the seed kept it."""
+    return f"{config.storage_root.rstrip('/')}/baseline/bronze/{entity.name}"
+
+
 class BaselineProcess(ServiceProcess):
     """The seed-style pipeline as one process, watched like a service (log, RSS, stop)."""
 
@@ -93,7 +98,7 @@ def baseline_queries(spark: Any, config: PipelineConfig, entity: EntityConfig) -
     assert entity.key_schema is not None and entity.value_schema is not None
     key_schema = Path(entity.key_schema).read_text()
     value_schema = Path(entity.value_schema).read_text()
-    bronze_path = config.layout.bronze(entity.name)
+    bronze_path = baseline_bronze(config, entity)
     silver_path = config.layout.silver(entity.name)
     trigger = config.ingestor.trigger_interval
     raw = (
@@ -161,7 +166,7 @@ def baseline_queries(spark: Any, config: PipelineConfig, entity: EntityConfig) -
             .execute()
         )
 
-    checkpoints = f"{config.storage_root}/_checkpoints/baseline"
+    checkpoints = f"{config.storage_root.rstrip('/')}/baseline/_checkpoints"
     queries.append(
         decoded.writeStream.format("delta")
         .queryName(f"bronze/{entity.name}")

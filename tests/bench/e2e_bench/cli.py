@@ -78,23 +78,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "database); default: the example's own",
     )
     parser.add_argument(
+        "--hot",
         "--hot-tables",
+        dest="hot",
         type=int,
         default=0,
-        help="the first N tables take --hot-tables-share of the changes, the others the "
-        "rest; delays are then also given for each group (default 0: even)",
+        help="the first K tables take --hot-share of the changes, the others the rest "
+        "(every table changes); delays are then also given for the hot and the cold "
+        "tables apart (default 0: the changes spread evenly)",
     )
-    parser.add_argument("--hot-tables-share", type=float, default=0.7)
+    parser.add_argument(
+        "--hot-share",
+        "--hot-tables-share",
+        dest="hot_share",
+        type=float,
+        default=0.7,
+        help="the share of the changes the --hot tables take (default 0.7)",
+    )
     parser.add_argument(
         "--snapshot-rows",
         type=int,
         default=None,
         help="rows of each table's snapshot (the warm-up); default half the key space",
-    )
-    parser.add_argument(
-        "--one-query",
-        action="store_true",
-        help="every service of ours as one query for all its tables (one_query)",
     )
     _switch(
         parser,
@@ -130,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--tables copies every entity of the example: no --entities with it")
     if not args.baseline:
         runs = [(kind, tables) for kind, tables in runs if kind != "baseline"]
+    if args.hot < 0 or not 0.0 <= args.hot_share <= 1.0:
+        raise SystemExit("--hot is a number of tables (0 or more), --hot-share a share (0 to 1)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.workdir.exists():
         shutil.rmtree(args.workdir)
@@ -146,7 +153,10 @@ def main(argv: list[str] | None = None) -> None:
             {
                 **asdict(r),
                 "highest_sustainable": r.highest_sustainable,
-                "steps": [{**asdict(s), "achieved": s.achieved} for s in r.steps],
+                "steps": [
+                    {**asdict(s), "achieved": s.achieved, "worst_tables": s.worst_tables()}
+                    for s in r.steps
+                ],
             }
             for r in results
         ],

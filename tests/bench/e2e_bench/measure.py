@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import math
+import operator
 import posixpath
 import statistics
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from urllib.parse import unquote
 
 from cdc_shared.config import PipelineConfig
 
+from .baseline import baseline_bronze
 from .probes import Key, Mark, Seq
 from .watch import IndexWatcher, TopicWatcher, index_sequence
 
@@ -34,6 +37,9 @@ class StepResult:
     delays_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> p50..
     # With hot tables: "hot tables" / "cold tables" -> stage -> p50..
     group_delays_ms: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # Per table (entity name, every table) -> stage -> p50.. and n (its probe events that
+    # reached the stage; a p99 needs 2): every table's delay, not only the whole's
+    table_delays_ms: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     # hop (ingest, merge, publish ...) -> p50..: each event's time between two outputs
     hops_ms: dict[str, dict[str, float]] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
@@ -53,6 +59,31 @@ class StepResult:
         """The rule of the package docstring."""
         return self.verdict == "sustainable"
 
+    def worst_tables(self) -> dict[str, dict[str, Any]]:
+        """Per stage, the table whose delay p99 is the highest: its name, p50, p99 (ms) and
+        samples; with the number of tables measured and of tables with too few samples
+        (under 2) for a p99, whose delays it does not cover."""
+        worst: dict[str, dict[str, Any]] = {}
+        stages = sorted({stage for by_stage in self.table_delays_ms.values() for stage in by_stage})
+        for stage in stages:
+            measured = [
+                (name, by_stage[stage])
+                for name, by_stage in self.table_delays_ms.items()
+                if "p99" in by_stage.get(stage, {})
+            ]
+            if not measured:
+                continue
+            name, cuts = max(measured, key=lambda item: item[1]["p99"])
+            worst[stage] = {
+                "table": name,
+                "p50": cuts["p50"],
+                "p99": cuts["p99"],
+                "n": int(cuts["n"]),
+                "tables": len(measured),
+                "too_few": len(self.table_delays_ms) - len(measured),
+            }
+        return worst
+
 
 @dataclass
 class PipelineResult:
@@ -68,6 +99,12 @@ class PipelineResult:
     notes: list[str] = field(default_factory=list)
     processes: list[str] = field(default_factory=list)  # the pipeline's own, not servers
     start_s: float = 0.0  # from launch until healthy (the baseline: its queries started)
+    # From launch until every table's first change event was readable in its change topic
+    # (each table held a snapshot when the pipeline was launched); None: not every table's
+    first_start_s: float | None = None
+    snapshot_s: float | None = None  # from launch until every table's snapshot was there
+    # The most the pipeline's own processes held at one time (sampled every second)
+    peak_pipeline_rss_mib: float = 0.0
 
     @property
     def highest_sustainable(self) -> float | None:
@@ -102,16 +139,80 @@ def _data_file_commit_times(table: str) -> dict[str, float]:
     return landed
 
 
+def _at(timestamp: dt.datetime) -> float:
+    """Seconds since the epoch of a timestamp Spark hands back (the session's time zone: UTC)."""
+    return timestamp.replace(tzinfo=dt.UTC).timestamp()
+
+
 def _bronze_times(
+    spark: SparkSession, config: PipelineConfig, probes: set[tuple[str, Key]]
+) -> tuple[dict[Mark, float], dict[Mark, float]]:
+    """Kafka timestamps of the probes' bronze rows, and when the bronze commit that added
+    each landed: ours, every table in one bronze (``cdc_shared.bronze``).
+
+    Bronze only appends, so its Change Data Feed holds each row once, with the commit that
+    added it (``_commit_timestamp``: that commit's time, as silver's feed gives silver's).
+    One read of the feed for every table: a table's rows are picked by its ``entity``
+    partition and the first column of its key (in the ``payload`` VARIANT), the key itself
+    compared as JSON (the example's keys are integers).
+    """
+    from cdc_shared.bronze import ENTITY, PAYLOAD, read_payload_types
+    from pyspark.sql import functions as F
+    from pyspark.sql import types as T
+
+    path = config.layout.bronze()
+    types = read_payload_types(spark, path)
+    entities = {e.name: e for e in config.entities}
+    picked = []
+    for entity in config.entities:
+        firsts = sorted({k[0] for name, k in probes if name == entity.name})
+        if not firsts or entity.name not in types:
+            continue
+        key_type = types[entity.name]["key"].dataType
+        assert isinstance(key_type, T.StructType)
+        first_type = key_type[entity.key[0]].dataType.simpleString()
+        first = F.variant_get(F.col(PAYLOAD), f"$.key.{entity.key[0]}", first_type)
+        picked.append((F.col(ENTITY) == F.lit(entity.name)) & first.isin(firsts))
+    if not picked:
+        return {}, {}
+    rows = (
+        spark.read.format("delta")
+        .option("readChangeFeed", "true")
+        .option("startingVersion", 0)
+        .load(path)
+        .where(functools.reduce(operator.or_, picked))
+        .groupBy(
+            F.col(ENTITY),
+            F.to_json(F.variant_get(F.col(PAYLOAD), "$.key", "variant")).alias("key"),
+            F.col("sequence"),
+        )
+        .agg(F.min("kafka_timestamp").alias("produced"), F.min("_commit_timestamp").alias("added"))
+        .collect()
+    )
+    produced: dict[Mark, float] = {}
+    in_bronze: dict[Mark, float] = {}
+    for r in rows:
+        name = r[ENTITY]
+        fields = json.loads(r["key"])
+        key = tuple(fields.get(k) for k in entities[name].key)
+        if (name, key) in probes:
+            mark = (name, key, tuple(r["sequence"]))
+            produced[mark] = _at(r["produced"])
+            in_bronze[mark] = _at(r["added"])
+    return produced, in_bronze
+
+
+def _baseline_file_times(
     spark: SparkSession, table: str, key: list[str], firsts: list[Any]
 ) -> dict[tuple[Key, Seq], float]:
-    """(key, sequence) of the probes' bronze rows -> when bronze first had them."""
+    """(key, sequence) of the probes' rows in one of the baseline's bronze tables -> when
+    that table first had them (its log: ``_data_file_commit_times``)."""
     from pyspark.sql import functions as F
 
     landed = _data_file_commit_times(table)
     if not landed:
         return {}
-    files = [f"{table}/{name}" for name in landed]  # bronze is not partitioned
+    files = [f"{table}/{name}" for name in landed]  # the baseline's bronze: not partitioned
     rows = (
         spark.read.option("mergeSchema", "true")
         .parquet(*files)
@@ -128,43 +229,60 @@ def _bronze_times(
     return out
 
 
+def _baseline_bronze_times(
+    spark: SparkSession, config: PipelineConfig, probes: set[tuple[str, Key]]
+) -> tuple[dict[Mark, float], dict[Mark, float]]:
+    """As ``_bronze_times``, for the baseline's bronze tables (one per table, key a column).
+
+    Their commit times come from their logs, so only on a local storage root.
+    """
+    from pyspark.sql import functions as F
+
+    produced: dict[Mark, float] = {}
+    in_bronze: dict[Mark, float] = {}
+    for entity in config.entities:
+        first = entity.key[0]
+        firsts = sorted({k[0] for name, k in probes if name == entity.name})
+        path = baseline_bronze(config, entity)
+        rows = (
+            spark.read.format("delta")
+            .load(path)
+            .where(F.col(f"key.{first}").isin(firsts))
+            .groupBy("key", "sequence")
+            .agg(F.min("kafka_timestamp").alias("at"))
+            .collect()
+        )
+        for r in rows:
+            key = tuple(r["key"][k] for k in entity.key)
+            if (entity.name, key) in probes:
+                produced[(entity.name, key, tuple(r["sequence"]))] = _at(r["at"])
+        if "://" not in path:
+            for (key, seq), at in _baseline_file_times(spark, path, entity.key, firsts).items():
+                if (entity.name, key) in probes:
+                    in_bronze[(entity.name, key, seq)] = at
+    return produced, in_bronze
+
+
 def _silver_times(
-    config: PipelineConfig, probes: set[tuple[str, Key]]
+    config: PipelineConfig, probes: set[tuple[str, Key]], baseline: bool
 ) -> tuple[
     dict[Mark, float], dict[Mark, float], dict[Mark, float], dict[tuple[str, Key, int], Seq]
 ]:
-    """Kafka timestamps and bronze commit times from bronze; silver commit times and commit
-    versions from its CDF. Bronze commit times need a local storage root (else none)."""
+    """Kafka timestamps and bronze commit times (ours: ``_bronze_times``; ``baseline``:
+    ``_baseline_bronze_times``); silver commit times and commit versions from silver's CDF."""
     from cdc_shared.spark import build_spark_session
     from pyspark.sql import functions as F
 
     spark = build_spark_session(config.spark, "bench-e2e-measure")
     spark.sparkContext.setLogLevel("ERROR")
-    produced: dict[Mark, float] = {}
-    in_bronze: dict[Mark, float] = {}
     committed: dict[Mark, float] = {}
     commit_seq: dict[tuple[str, Key, int], Seq] = {}
     try:
+        read_bronze = _baseline_bronze_times if baseline else _bronze_times
+        produced, in_bronze = read_bronze(spark, config, probes)
         for entity in config.entities:
             first = entity.key[0]
             firsts = sorted({k[0] for name, k in probes if name == entity.name})
-            bronze = spark.read.format("delta").load(config.layout.bronze(entity.name))
-            rows = (
-                bronze.where(F.col(f"key.{first}").isin(firsts))
-                .groupBy("key", "sequence")
-                .agg(F.min("kafka_timestamp").alias("at"))
-                .collect()
-            )
-            for r in rows:
-                key = tuple(r["key"][k] for k in entity.key)
-                if (entity.name, key) in probes:
-                    at = r["at"].replace(tzinfo=dt.UTC).timestamp()
-                    produced[(entity.name, key, tuple(r["sequence"]))] = at
-            bronze_path = config.layout.bronze(entity.name)
-            if "://" not in bronze_path:
-                for (key, seq), at in _bronze_times(spark, bronze_path, entity.key, firsts).items():
-                    if (entity.name, key) in probes:
-                        in_bronze[(entity.name, key, seq)] = at
             feed = (
                 spark.read.format("delta")
                 .option("readChangeFeed", "true")
@@ -178,7 +296,7 @@ def _silver_times(
             for r in feed:
                 key = tuple(r[k] for k in entity.key)
                 seq = tuple(r["_cdc_seq"])
-                at = r["_commit_timestamp"].replace(tzinfo=dt.UTC).timestamp()
+                at = _at(r["_commit_timestamp"])
                 mark = (entity.name, key, seq)
                 committed[mark] = min(at, committed.get(mark, at))
                 commit_seq[(entity.name, key, int(r["_commit_version"]))] = seq
@@ -215,14 +333,16 @@ def measure_delays(
     index: IndexWatcher | None,
     started: float,
     hot: set[str] | None = None,
+    baseline: bool = False,
 ) -> None:
     """Delays per step and stage, the growth rule, and the delay series for the plot.
 
-    With ``hot`` tables (entity names), each step's delays also for the hot tables and
-    for the others, apart.
+    Each step's delays also per table (``StepResult.table_delays_ms``) and, with ``hot``
+    tables (entity names), for the hot tables and for the others, apart. ``baseline``:
+    the pipeline is the baseline (its bronze tables are its own).
     """
     probes = {(name, key) for name, key, _ in produced_at}
-    kafka_ts, in_bronze, committed, commit_seq = _silver_times(config, probes)
+    kafka_ts, in_bronze, committed, commit_seq = _silver_times(config, probes, baseline)
     arrived: dict[str, dict[Mark, float]] = {"silver": committed, "topic": topic.seen}
     if index is not None:
         arrived["index"] = _index_arrivals(config, index, commit_seq)
@@ -238,16 +358,14 @@ def measure_delays(
         for stage in result.stages:
             all_, mid, end = [], [], []
             points = []
-            groups: dict[str, list[float]] = {}
+            tables: dict[str, list[float]] = {e.name: [] for e in config.entities}
             for mark, (wrapper_at, at_step) in produced_at.items():
                 if at_step != number or mark not in arrived[stage]:
                     continue
                 at = kafka_ts.get(mark, wrapper_at)
                 delay = arrived[stage][mark] - at
                 all_.append(delay * 1000)
-                if hot:
-                    group = "hot tables" if mark[0] in hot else "cold tables"
-                    groups.setdefault(group, []).append(delay * 1000)
+                tables[mark[0]].append(delay * 1000)
                 offset = at - started - begun
                 if quarter <= offset < 2 * quarter:
                     mid.append(delay)
@@ -255,8 +373,7 @@ def measure_delays(
                     end.append(delay)
                 points.append((at - started, delay))
             step.delays_ms[stage] = _cuts(all_)
-            for group, delays in groups.items():
-                step.group_delays_ms.setdefault(group, {})[stage] = _cuts(delays)
+            _apart(step, stage, tables, hot or set())
             step.samples[stage] = len(all_)
             result.series.setdefault(stage, []).extend(_bins(points, 10.0))
             if mid and end:
@@ -270,6 +387,24 @@ def measure_delays(
                 )
         step.hops_ms = _hops(produced_at, number, kafka_ts, outputs)
         step.verdict = _verdict(step, result.stages)
+
+
+def _apart(step: StepResult, stage: str, tables: dict[str, list[float]], hot: set[str]) -> None:
+    """The step's delays (ms) to ``stage`` of each table, and of the ``hot`` tables and
+    the others (when some are hot)."""
+    for name, delays in tables.items():
+        step.table_delays_ms.setdefault(name, {})[stage] = {
+            **_cuts(delays),
+            "n": float(len(delays)),
+        }
+    if not hot:
+        return
+    groups: dict[str, list[float]] = {"hot tables": [], "cold tables": []}
+    for name, delays in tables.items():
+        groups["hot tables" if name in hot else "cold tables"].extend(delays)
+    for group, delays in groups.items():
+        if delays:
+            step.group_delays_ms.setdefault(group, {})[stage] = _cuts(delays)
 
 
 def _hops(

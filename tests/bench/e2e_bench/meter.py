@@ -14,7 +14,9 @@ class Meter(threading.Thread):
     """CPU seconds and peak RSS per process group (or single process), sampled every second.
 
     CPU per process is the largest total seen (user + system, with reaped children), so
-    a process that ends keeps its share.
+    a process that ends keeps its share. ``together`` names a set of those names whose
+    RSS is also summed at each sample: its peak is the most they held at one time (the
+    sum of their own peaks may add peaks of different moments).
     """
 
     def __init__(self) -> None:
@@ -23,6 +25,8 @@ class Meter(threading.Thread):
         self.single: dict[int, str] = {}  # process id -> name (its children not included)
         self.cpu_ticks: dict[str, dict[int, int]] = {}
         self.peak_rss: dict[str, int] = {}
+        self.sums: dict[str, tuple[str, ...]] = {}  # name of a sum -> the names summed
+        self.peak_sum_rss: dict[str, int] = {}
         self.done = threading.Event()
         self.lock = threading.Lock()
 
@@ -32,6 +36,12 @@ class Meter(threading.Thread):
             (self.groups if group else self.single)[pid] = name
             self.cpu_ticks.setdefault(name, {})
             self.peak_rss.setdefault(name, 0)
+
+    def together(self, name: str, members: list[str]) -> None:
+        """Also keep the peak of the RSS ``members`` (watched names) hold at one time."""
+        with self.lock:
+            self.sums[name] = tuple(members)
+            self.peak_sum_rss.setdefault(name, 0)
 
     def run(self) -> None:
         """Sample until ``done``."""
@@ -53,6 +63,9 @@ class Meter(threading.Thread):
                     rss[name] += process.resident_bytes
             for name, value in rss.items():
                 self.peak_rss[name] = max(self.peak_rss[name], value)
+            for name, members in self.sums.items():
+                total = sum(rss.get(member, 0) for member in members)
+                self.peak_sum_rss[name] = max(self.peak_sum_rss[name], total)
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far per name."""

@@ -32,6 +32,8 @@ CDC_MODES = {"cdc": RunMode.SERVICES, "cdc-app": RunMode.APPLICATION}
 PIPELINES = ("cdc", "cdc-app", "baseline")
 #: Our services without publisher-es (``--no-index``), like the baseline's queries.
 UNINDEXED = tuple(s for s in SERVICES if s != layout.display_name(layout.PUBLISHER_ES))
+#: The meter's name for the pipeline's own processes together (their RSS at one time).
+PIPELINE_RSS = "pipeline (together)"
 
 
 def _wait_for_group_coordinator(config: PipelineConfig, timeout_s: float = 120.0) -> None:
@@ -64,15 +66,14 @@ def _configure(
     port_base: int,
     entities: list[str] | None = None,
     tables: int | None = None,
-    one_query: bool = False,
     history: bool = True,
 ) -> Path:
     """The example pipeline file, metrics ports from ``port_base``, only ``entities``.
 
-    ``tables`` and ``one_query`` as ``write_pipeline_config`` takes them; ``history``
-    False: no entity keeps SCD type 2 history.
+    ``tables`` as ``write_pipeline_config`` takes it; ``history`` False: no entity keeps
+    SCD type 2 history.
     """
-    path = write_pipeline_config(workdir, served, prefix=prefix, tables=tables, one_query=one_query)
+    path = write_pipeline_config(workdir, served, prefix=prefix, tables=tables)
     document = yaml.safe_load(path.read_text())
     if entities:
         document["entities"] = [e for e in document["entities"] if e["name"] in entities]
@@ -113,7 +114,6 @@ class PipelineRun:
             args.port_base,
             args.entities,
             tables,
-            args.one_query and self.is_cdc,
             args.history,
         )
         self.config = load_config(self.config_path)
@@ -137,27 +137,51 @@ class PipelineRun:
         self.topic = TopicWatcher(self.config, self.probes, headers=not self.is_cdc)
         self.index = IndexWatcher(self.config, self.probes) if indexed else None
         self.load: Load | None = None
+        self.launched_at = 0.0  # wall clock, as the watchers note times
         self.expected: dict[tuple[str, Key], tuple[Seq, str]] = {}
         self.produced_at: dict[Mark, tuple[float, int]] = {}  # first time, step (-1: warm-up)
 
     def start(self) -> None:
-        """Topics, processes, watchers and producers; returns when all are ready."""
+        """Topics, producers, the snapshot, watchers, then the processes; returns when all
+        are ready.
+
+        Every table holds its snapshot in its source topic before the pipeline is launched
+        (produced unthrottled, the warm-up's load), so the launch is a first start on
+        tables that each hold a snapshot: ``warm_up`` times it. The change topics are made
+        beforehand, as publisher-kafka makes them, so the topic watcher reads each from
+        its first event.
+        """
         topics = [e.source_topic for e in self.config.entities]
-        if not self.is_cdc:
-            topics += [e.change_topic_name for e in self.config.entities]
         ensure_topics(self.config.kafka, topics)
+        changes = [e.change_topic_name for e in self.config.entities]
+        ensure_topics(self.config.kafka, changes, self.config.publisher_kafka.topic_partitions)
         _wait_for_group_coordinator(self.config)
+        self.meter.watch("bench (this process)", os.getpid(), group=False)
+        for name in ("kafka", "elasticsearch"):
+            pid_file = infra.InfraSettings().state_dir / f"{name}.pid"
+            if pid_file.exists():
+                self.meter.watch(name, int(pid_file.read_text().strip()))
+        self.load = Load(self.config_path, self.args, self.probes)
+        for shard, pid in self.load.pids().items():
+            self.meter.watch(shard, pid, group=False)
+        print(f"{self.kind}: the snapshot to every table's topic, unthrottled", flush=True)
+        produced, took, marks = self.load.run(None, None)
+        self._note(marks, -1)
+        print(f"{self.kind}: {produced:,} snapshot messages in {took:.0f} s", flush=True)
+        self.topic.start()
+        if not self.topic.assigned.wait(120):
+            raise RuntimeError("the topic watcher got no partitions of the change topics")
+        if self.index is not None:
+            self.index.start()
         print(f"{self.kind}: starting; logs in {self.workdir / 'logs'}", flush=True)
+        self.launched_at = time.time()
         launched = time.monotonic()
         for service in self.services:
             service.start()
             assert service.process is not None
             self.meter.watch(service.name, service.process.pid)
-        for name in ("kafka", "elasticsearch"):
-            pid_file = infra.InfraSettings().state_dir / f"{name}.pid"
-            if pid_file.exists():
-                self.meter.watch(name, int(pid_file.read_text().strip()))
-        self.meter.watch("bench (this process)", os.getpid(), group=False)
+        self.meter.together(PIPELINE_RSS, [s.name for s in self.services])
+        self.meter.start()
         self.progress.start()
         if isinstance(self.services[0], BaselineProcess):
             baseline = self.services[0]
@@ -170,13 +194,6 @@ class PipelineRun:
             wait_until_healthy(self.services, self.config, self.args.start_timeout)
         self.result.start_s = time.monotonic() - launched
         print(f"{self.kind}: ready after {self.result.start_s:.1f} s", flush=True)
-        self.meter.start()
-        self.topic.start()
-        if self.index is not None:
-            self.index.start()
-        self.load = Load(self.config_path, self.args, self.probes)
-        for shard, pid in self.load.pids().items():
-            self.meter.watch(shard, pid, group=False)
 
     def _note(self, marks: list[tuple[str, Key, Seq, str, float]], step: int) -> None:
         for entity, key, seq, op, at in marks:
@@ -203,24 +220,44 @@ class PipelineRun:
         )
 
     def warm_up(self) -> None:
-        """The snapshot, unthrottled, until it is everywhere (not measured)."""
+        """Until the snapshot is everywhere (not measured as delays): the first start.
+
+        ``first_start_s``: from the launch until every table's first change event was
+        readable; ``snapshot_s``: until every table's whole snapshot was in its change
+        topic (and the probes' last changes in every output).
+        """
         assert self.load is not None
-        print(f"{self.kind}: warm-up: the snapshot, unthrottled", flush=True)
-        produced, _, marks = self.load.run(None, None)
-        self._note(marks, -1)
+        rows, counts = self.load.snapshot_rows, self.topic.events_by_entity
+        entities = [e.name for e in self.config.entities]
         timeout = self.args.drain_timeout * 2
-        drained, took = self._drain(timeout)
-        if drained:
-            # The probes alone do not tell: a small snapshot holds no probe key of most
-            # tables, and the load would start while the merger still works through their
-            # first batches. Each snapshot row is one event on its table's change topic.
-            rows, counts = self.load.snapshot_rows, self.topic.events_by_entity
-            drained, more = self._wait(
-                lambda: all(counts[e.name] >= rows for e in self.config.entities),
-                timeout - took,
+        # The probes alone do not tell: a small snapshot holds no probe key of most
+        # tables. Each snapshot row is one event on its table's change topic.
+        drained, took = self._wait(
+            lambda: (
+                not pending(self.config, self.expected, self.topic, self.index)
+                and all(counts[name] >= rows for name in entities)
+            ),
+            timeout,
+        )
+        firsts = [self.topic.first_at[name] for name in entities if name in self.topic.first_at]
+        if rows and len(firsts) == len(entities):
+            self.result.first_start_s = max(firsts) - self.launched_at
+        elif rows:
+            self.result.notes.append(
+                f"first start: {len(entities) - len(firsts)} of {len(entities)} tables had "
+                "no change event by the end of the warm-up"
             )
-            took += more
-        print(f"{self.kind}: warm-up {produced:,} messages, drained={drained} in {took:.0f} s")
+        else:
+            self.result.notes.append("first start: no snapshot (--snapshot-rows 0), not timed")
+        if drained:
+            self.result.snapshot_s = time.time() - self.launched_at
+        first = self.result.first_start_s
+        print(
+            f"{self.kind}: every table's first change event after "
+            f"{'-' if first is None else f'{first:.1f} s'}; snapshot everywhere: "
+            f"drained={drained} in {took:.0f} s",
+            flush=True,
+        )
 
     def step(self, number: int, rate: float) -> StepResult:
         """Offer ``rate`` for the step's length, then wait for the pipeline to drain."""
@@ -275,10 +312,18 @@ class PipelineRun:
                     (at.timestamp() - self.started, float(batch["lag"]))
                 )
         self.result.peak_rss_mib = {n: v / 2**20 for n, v in self.meter.peak_rss.items()}
-        spec = WorkloadSpec(hot_tables=self.args.hot_tables)  # the producers' split
+        self.result.peak_pipeline_rss_mib = self.meter.peak_sum_rss.get(PIPELINE_RSS, 0) / 2**20
+        spec = WorkloadSpec(hot_tables=self.args.hot)  # the producers' split
         hot = {e.name for e in spec.hot_of(self.config.entities)}
         measure_delays(
-            self.config, self.result, self.produced_at, self.topic, self.index, self.started, hot
+            self.config,
+            self.result,
+            self.produced_at,
+            self.topic,
+            self.index,
+            self.started,
+            hot,
+            baseline=not self.is_cdc,
         )
         return self.result
 

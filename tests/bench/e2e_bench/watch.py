@@ -24,6 +24,10 @@ class TopicWatcher(threading.Thread):
 
     Only probe keys' values are decoded: a key's bytes are looked up once, then cached.
     ``headers``: the baseline's messages carry key, sequence and op as headers.
+    ``first_at``: when each table's first change event was read (any key): its first
+    commit to the change topic, to within a poll. ``assigned`` is set once the consumer
+    holds its partitions (the topics must exist then), so a watcher started before the
+    pipeline misses no first event.
     """
 
     def __init__(
@@ -37,6 +41,8 @@ class TopicWatcher(threading.Thread):
         self.commit_seq: dict[tuple[str, Key, int], Seq] = {}
         self.read = 0
         self.events_by_entity: Counter[str] = Counter()  # every change event, probe or not
+        self.first_at: dict[str, float] = {}  # entity -> when its first change event was read
+        self.assigned = threading.Event()
         self.done = threading.Event()
         self._schemas: dict[bytes, Any] = {}
         self._keys: dict[tuple[str, bytes], Key | None] = {}
@@ -62,7 +68,7 @@ class TopicWatcher(threading.Thread):
                 "topic.metadata.refresh.interval.ms": 2000,
             },
         )
-        consumer.subscribe(list(self.entity_of))
+        consumer.subscribe(list(self.entity_of), on_assign=lambda *_: self.assigned.set())
         try:
             while not self.done.is_set():
                 messages = consumer.consume(5000, timeout=0.2)
@@ -77,6 +83,7 @@ class TopicWatcher(threading.Thread):
     def _note(self, message: Any, now: float) -> None:
         entity = self.entity_of[message.topic()]
         self.events_by_entity[entity.name] += 1
+        self.first_at.setdefault(entity.name, now)
         if self.headers:
             fields = {k: v for k, v in message.headers() or []}
             raw_key = fields["key"]
