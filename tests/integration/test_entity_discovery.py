@@ -4,10 +4,10 @@ The ingestor, the merger and publisher-kafka run continuously in this process (a
 ``cdc run`` runs them) over a pipeline with one table listed by hand and an entity set
 whose pattern selects a topic that does not exist yet. Once the services run, the new
 table's first changes are produced: each service takes the table up without a restart,
-and its silver and change topic end equal to the oracle and silver's feed. The ingestor,
-the merger and publisher-kafka run as one query for all tables (``<service>.one_query``):
-each takes the table up by starting that query again with the new table (the merger and
-the publisher on a new checkpoint, the old table carried over).
+and its silver and change topic end equal to the oracle and silver's feed. Both tables
+are in the group ``default``: each service takes the table up by starting the group's
+query again with the new table (the ingestor on a new checkpoint, each topic where it
+stood; the merger and the publisher on theirs, the new table from its own progress).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def test_a_table_that_appears_while_the_services_run_is_taken_up(
     pipeline = make_pipeline(
         entities=("customers",),
         entity_discovery_interval_s=2,
-        ingestor={**fast, "one_query": True},
-        merger={**fast, "one_query": True},
-        publisher_kafka={**fast, "one_query": True},
+        ingestor=fast,
+        merger=fast,
+        publisher_kafka=fast,
         entity_sets=[],  # filled in below, once the run's topic names are known
     )
     orders_topic = pipeline.topic("orders")
@@ -93,11 +93,11 @@ def test_a_table_that_appears_while_the_services_run_is_taken_up(
         assert not failures, failures
         delay = time.monotonic() - produced_at
         print(f"new table: first change in its topic {delay:.1f} s after its first record")
-        for one_query in runners:  # one query, restarted with orders' table
-            assert list(one_query.queries) == ["_all"], one_query.service
-            assert one_query.health()["streams"]["_all"]["active"], one_query.service
+        for runner in runners:  # the group's query, restarted with orders' table
+            assert list(runner.queries) == ["default"], runner.service
+            assert runner.health()["streams"]["default"]["active"], runner.service
         # Every event of the new table reaches silver and its change topic, no restart;
-        # customers', carried over onto the new checkpoints, are not published twice.
+        # customers' are not published twice.
         eventually(lambda: assert_silver_equals_oracle(spark, pipeline, kafka_config))
         eventually(lambda: assert_change_topics_exactly_once(spark, pipeline, kafka_config))
     finally:

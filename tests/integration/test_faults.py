@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_ingestor.main import start
+from cdc_ingestor.positions import recorded_positions
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
 from cdc_shared.clients import make_consumer
 from cdc_shared.config import KafkaConfig, PipelineConfig
-from cdc_shared.layout import ALL_ENTITIES
 from cdc_shared.streaming import StreamFailedError, StreamRunner
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
@@ -142,24 +142,23 @@ def stop_customers_with(
     landed_first: int,
     deploy_and_produce: Callable[[], object],
     orders: int,
-    orders_query: str = "orders",
 ) -> str:
-    """Run the ingestor until the customers stream stopped while orders go on (in the query
-    ``orders_query``); the error the service ended with."""
+    """Run the ingestor until customers is held while orders go on in the group's query;
+    the error the service ended with."""
     thread, failed = run_in_thread(runner)
     try:
         wait_for(lambda: landed(spark, pipeline) == landed_first)
         deploy_and_produce()  # while the ingestor runs
 
         def customers_stopped() -> bool:
-            customers = runner.health()["streams"].get("customers", {})  # one query: _all
+            customers = runner.health()["streams"].get("customers", {})  # held: by its name
             problem = customers.get("problem") or ""
             return problem.startswith("stopped")
 
         wait_for(customers_stopped, timeout_s=300)
         wait_for(lambda: bronze(spark, pipeline, "orders").count() == orders, timeout_s=300)
         assert not failed and thread.is_alive(), f"orders stopped too: {failed}"
-        assert runner.queries[orders_query].isActive
+        assert runner.queries["default"].isActive  # the group's query goes on
     finally:
         runner.request_stop()
         thread.join(180)
@@ -167,30 +166,26 @@ def stop_customers_with(
     return str(failed[0])
 
 
-@pytest.mark.parametrize("one_query", [False, True], ids=["query-per-table", "one-query"])
-def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
+def test_incompatible_writer_schema_holds_its_table_then_can_be_quarantined(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     caplog: pytest.LogCaptureFixture,
-    one_query: bool,
 ) -> None:
     """A producer deploys, as the subject's newest version, a value schema whose ``id`` is a
     string (the reader's is an int), and another producer writes with a schema lacking a
-    required field. By default (docs/design.md) the customers stream stops with a clear error
-    before the first such record's batch, writing nothing of it, while orders go on; the
-    service exits with that error. Restarted with ``on_incompatible_schema: quarantine``,
-    their records go to quarantine as ``incompatible_schema`` with an error logged, and
+    required field. By default (docs/design.md) customers is held with a clear error: none
+    of its records is written from its first record of the batch that brought such a
+    record, and bronze's commits record where it was held, while orders go on in the same
+    query; the service exits with that error. Restarted with ``on_incompatible_schema:
+    quarantine``, the table is read again from where it was held: the incompatible
+    records go to quarantine as ``incompatible_schema`` with an error logged, and
     compatible records before, between and after them reach bronze: nothing is lost or
-    doubled.
-
-    As one query for both tables (``ingestor.one_query``) the same holds: customers is held
-    back from its first record of the failing batch (``cdc_shared.streaming.held``) while
-    orders go on in the query, and the restart writes what it left unwritten."""
+    doubled."""
     caplog.set_level(logging.INFO)
     pipeline = make_pipeline(
         entities=("customers", "orders"),
-        ingestor={"trigger_interval": "1 second", "metrics_port": 0, "one_query": one_query},
+        ingestor={"trigger_interval": "1 second", "metrics_port": 0},
     )
     topic = pipeline.topic("customers")
     registry = FileSchemaRegistry([pipeline.schema_dir])
@@ -222,10 +217,7 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
         produce(kafka_config, iter(then + orders[400:]))
 
     runner = start(pipeline.config, once=False, spark=spark)
-    orders_query = ALL_ENTITIES if one_query else "orders"
-    stop = stop_customers_with(
-        spark, pipeline, runner, len(first), deploy_and_produce, len(orders), orders_query
-    )
+    stop = stop_customers_with(spark, pipeline, runner, len(first), deploy_and_produce, len(orders))
     assert "entity 'customers' stopped:" in stop and "cannot be resolved" in stop, stop
     assert "on_incompatible_schema: quarantine" in stop, stop
     assert "\n" not in stop, stop
@@ -233,12 +225,13 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     before_the_stop = {(r.kafka_partition, r.kafka_offset) for r in rows.collect()}
     assert len(first) <= len(before_the_stop) < len(good)
     assert quarantine(spark, pipeline).count() == 0, "quarantined although the default stops"
+    values = topic_values(kafka_config, topic)
+    assert_held_from_its_first_record(spark, pipeline, before_the_stop, set(values))
 
-    # The operator chooses to set such records aside: the same checkpoint goes on.
+    # The operator chooses to set such records aside: the table is read again from there.
     start(quarantining(pipeline.config), once=True, spark=spark).run()
 
     # The oracle: the topic read back, each record classified by its framing header.
-    values = topic_values(kafka_config, topic)
     writers = {retyped.header: retyped, without_email.header: without_email}
     expected = {c: writers[v[:10]] for c, v in values.items() if v and v[:10] in writers}
     assert len(expected) == len(bad_type) + len(bad_field)
@@ -257,18 +250,42 @@ def test_incompatible_writer_schema_stops_its_entity_then_can_be_quarantined(
     table = bronze(spark, pipeline, "customers")
     assert table.schema["after"].dataType["id"].dataType.simpleString() == "int"  # type: ignore[index]
     assert table.where("after.email is null and after is not null").count() == 0
+    assert_orders_once_and_nothing_held(spark, pipeline, len(orders))
+    assert_stop_logged(caplog)
 
-    assert_stop_logged(caplog, one_query)
+
+def assert_orders_once_and_nothing_held(
+    spark: SparkSession, pipeline: Pipeline, orders: int
+) -> None:
+    """Orders went on beside the held table: each record once; no table is held now."""
+    entity = pipeline.config.entity("customers")
+    assert not recorded_positions(spark, pipeline.config.layout.bronze(), [entity]).held
+    rows = bronze(spark, pipeline, "orders").select("kafka_partition", "kafka_offset")
+    assert rows.count() == rows.distinct().count() == orders
 
 
-def assert_stop_logged(caplog: pytest.LogCaptureFixture, one_query: bool) -> None:
-    """An error was logged for the incompatible records; as one query, the restart wrote
-    the records the hold left unwritten (not the query reading them again)."""
+def assert_held_from_its_first_record(
+    spark: SparkSession,
+    pipeline: Pipeline,
+    in_bronze: set[tuple[int, int]],
+    topic: set[tuple[int, int]],
+) -> None:
+    """Customers is held from its first record of a batch: bronze's commits record it
+    held, and bronze holds exactly the records below its held position, none past it."""
+    entity = pipeline.config.entity("customers")
+    recorded = recorded_positions(spark, pipeline.config.layout.bronze(), [entity])
+    assert "cannot be resolved" in recorded.held.get("customers", ""), recorded
+    held_at = recorded.positions[entity.source_topic]
+    assert in_bronze == {(p, o) for p, o in topic if o < held_at.get(str(p), 0)}
+
+
+def assert_stop_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """An error was logged for the incompatible records; the restart read the held table
+    again from where it was held."""
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("incompatible" in m for m in errors), errors
-    if one_query:
-        messages = [r.getMessage() for r in caplog.records]
-        assert "a table held back is taken up again: its records since were written" in messages
+    messages = [r.getMessage() for r in caplog.records]
+    assert "a table held by an earlier run is read again from where it was held" in messages
 
 
 def assert_bronze_holds_the_rest(
@@ -381,12 +398,13 @@ def test_full_disk_stops_clearly_commits_nothing_half_way_and_resumes(
         if '"level": "error", "logger": "cdc_ingestor"' in line
     ]
     assert len(failure) == 1, f"not one error line from the ingestor; see {log}"
-    assert "'customers' stopped: no space left on device under the storage root" in failure[0]
+    # The group's query failed: it is named (every table of the group stopped with it).
+    assert "'default' stopped: no space left on device under the storage root" in failure[0]
     assert str(small_disk) in failure[0], failure[0]
 
     # Nothing half-way: bronze reads, its log has every version, and it holds whole batches
     # in order: a gap-free prefix of each partition.
-    table = pipeline.config.layout.bronze("customers")
+    table = pipeline.config.layout.bronze()
     history = spark.sql(f"DESCRIBE HISTORY delta.`{table}`").orderBy("version").collect()
     assert [h.version for h in history] == list(range(len(history)))
     appended = sum(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from collections import Counter
@@ -14,6 +15,7 @@ from cdc_devkit.workload import (
     produce,
 )
 from cdc_ingestor import ingestion as ingestor_main
+from cdc_ingestor import positions
 from cdc_ingestor.main import start
 from cdc_shared.config import KafkaConfig
 from cdc_shared.streaming import StreamFailedError
@@ -28,6 +30,7 @@ from support.ingestion import (
     generate,
     generate_across_schema_change,
     ingest_once,
+    ingestor_checkpoint,
     quarantine,
 )
 from support.pipelines import Pipeline, PipelineFactory
@@ -82,7 +85,7 @@ def test_replayed_batch_writes_nothing_twice(
         kafka_config, iter(generate(pipeline, events=2000, keys=200, poison_share=0.01))
     )
     ingest_once(pipeline, spark)
-    checkpoint = Path(pipeline.config.checkpoint_path("ingestor", "customers"))
+    checkpoint = ingestor_checkpoint(pipeline)
     commits = sorted(
         (p for p in (checkpoint / "commits").iterdir() if p.name.isdigit()),
         key=lambda p: int(p.name),
@@ -130,39 +133,44 @@ def test_crash_between_bronze_and_quarantine_commits_loses_nothing(
     assert_quarantine_exactly_once(spark, pipeline, report)
 
 
-def test_new_checkpoint_gets_a_new_app_id_and_writes(
+def test_a_lost_checkpoint_starts_where_bronze_stands_under_a_new_app_id(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
-    """Resetting the checkpoint must not make Delta skip the new stream's writes."""
+    """Bronze's commits record how far each topic is written: a new checkpoint starts
+    there, reads nothing twice, and writes under a new ``txnAppId`` (the new query's id),
+    so Delta does not skip its batches as ones the old query wrote."""
     pipeline = make_pipeline(entities=("customers",))
-    produce(kafka_config, iter(generate(pipeline, events=1000, keys=100, poison_share=0)))
+    report = produce(kafka_config, iter(generate(pipeline, events=1000, keys=100)))
     ingest_once(pipeline, spark)
     first = bronze(spark, pipeline, "customers").count()
-    shutil.rmtree(pipeline.config.checkpoint_path("ingestor", "customers"))
-    ingest_once(pipeline, spark)  # starts from the earliest offsets again
-    assert bronze(spark, pipeline, "customers").count() == 2 * first
-    app_ids = (
-        spark.sql(f"DESCRIBE HISTORY delta.`{pipeline.config.layout.bronze('customers')}`")
-        .where("operation = 'WRITE'")
-        .count()
-    )
-    assert app_ids == 2
+    shutil.rmtree(ingestor_checkpoint(pipeline))
+    report.add(produce(kafka_config, iter(generate(pipeline, events=500, keys=100))))
+    ingest_once(pipeline, spark)  # batch ids from 0 again, under the new query's id
+    assert bronze(spark, pipeline, "customers").count() > first
+    assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
+    app_ids = {
+        action["txn"]["appId"]
+        for commit in sorted((Path(pipeline.config.layout.bronze()) / "_delta_log").glob("*.json"))
+        for action in map(json.loads, commit.read_text().splitlines())
+        if "txn" in action
+    }
+    assert len(app_ids) == 2, app_ids
 
 
-def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
+def test_a_group_goes_on_where_it_stood_without_a_table_and_with_it_back(
     spark: SparkSession,
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A table taken out of the pipeline, later put back, while the ingestor runs as one
-    query. Spark's Kafka source would report the dropped topic's records lost, and read
+    """A table taken out of the pipeline, later put back: the group's query reads other
+    topics. Spark's Kafka source would report the dropped topic's records lost, and read
     the table put back from its start; each start moves the checkpoint aside instead and
-    starts a new one where the old stood: bronze holds every record once. The second time
-    the process dies between writing where the new one starts and moving the old one
-    aside, then just after the move (before the new query plans a batch): the next start
-    begins where the first would have."""
-    pipeline = make_pipeline(ingestor={"one_query": True, "metrics_port": 0})
+    starts a new one where each topic stood (bronze's commits say): bronze holds every
+    record once. The second time the process dies just before moving the checkpoint
+    aside, then just after (before the new query plans a batch): the next start begins
+    where the first would have."""
+    pipeline = make_pipeline(ingestor={"metrics_port": 0})
     report = produce(kafka_config, iter(generate(pipeline, events=400, keys=40, poison_share=0.02)))
     ingest_once(pipeline, spark)
     document = yaml.safe_load(pipeline.path.read_text())
@@ -178,14 +186,13 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     document["entities"] = entities  # put back
     pipeline.path.write_text(yaml.safe_dump(document))
     report.add(produce(kafka_config, iter(generate(pipeline, events=300, keys=40))))
-    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
-    start_file = Path(one_query.start_file(str(checkpoint)))
-    monkeypatch.setattr(one_query, "move_aside", dying_before(one_query.move_aside))
+    checkpoint = ingestor_checkpoint(pipeline)
+    monkeypatch.setattr(positions, "move_aside", dying_before(positions.move_aside))
     with pytest.raises(Killed):
         ingest_once(pipeline, spark)
-    assert start_file.exists() and (checkpoint / "offsets").exists()  # written, not moved
+    assert (checkpoint / "offsets").exists() and len(checkpoints_aside(pipeline)) == 1
     monkeypatch.undo()
-    monkeypatch.setattr(one_query, "move_aside", dying_after(one_query.move_aside))
+    monkeypatch.setattr(positions, "move_aside", dying_after(positions.move_aside))
     with pytest.raises(Killed):
         ingest_once(pipeline, spark)
     monkeypatch.undo()
@@ -193,7 +200,6 @@ def test_one_query_goes_on_where_it_stood_without_a_table_and_with_it_back(
     ingest_once(pipeline, spark)
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)  # both: none twice
     assert_quarantine_exactly_once(spark, pipeline, report)
-    assert not start_file.exists()  # used, then dropped
 
 
 def test_schema_evolution_midway_without_restart(

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec, produce
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
-from cdc_ingestor.projection import bronze_rows
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.config import EntityConfig, KafkaConfig
 from cdc_shared.schemas import entity_schemas
@@ -22,6 +21,7 @@ from support.ingestion import (
     generate,
     ingest_once,
     quarantine,
+    typed_bronze_rows,
 )
 from support.pipelines import PipelineFactory
 from support.silver import assert_silver_equals_oracle, merge_once
@@ -57,13 +57,13 @@ def test_json_records_decode_to_the_bronze_rows_of_the_same_avro_records(
     as_json = ORDERS.model_copy(update={**JSON, "decimal_handling": decimals})
     columns = [
         c
-        for c in bronze_rows(_decoded(spark, ORDERS, [])).columns
+        for c in typed_bronze_rows(_decoded(spark, ORDERS, [])).columns
         if c not in ("writer_schema", "ingested_at")
     ]
-    avro = bronze_rows(_decoded(spark, ORDERS, _generated(ORDERS))).select(columns)
+    avro = typed_bronze_rows(_decoded(spark, ORDERS, _generated(ORDERS))).select(columns)
     json_rows = _decoded(spark, as_json, _generated(as_json))
     assert json_rows.where("error_kind is not null").count() == 0
-    got = bronze_rows(json_rows).select(columns)
+    got = typed_bronze_rows(json_rows).select(columns)
     assert got.schema.simpleString() == avro.schema.simpleString()
     expected = sorted(avro.collect(), key=lambda r: r.kafka_offset)
     assert expected and sorted(got.collect(), key=lambda r: r.kafka_offset) == expected

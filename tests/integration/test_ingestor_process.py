@@ -2,9 +2,9 @@
 a bronze commit, then a SIGTERM that lets the batch in flight finish; after a drain, bronze
 and quarantine hold every Kafka record exactly once.
 
-It runs as one query for both tables (``ingestor.one_query``), switched to from per-entity
-streams that ingested the first records: the switch repeats and loses nothing. (The
-per-entity streams are SIGKILLed by the chaos run, tests/e2e/test_chaos.py.)"""
+Both tables are in the group ``default``: one query reads both topics, and each bronze
+commit holds both tables' rows of its batch. (The chaos run, tests/e2e/test_chaos.py,
+kills the service under load too.)"""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 from cdc_devkit.workload import ProduceReport, produce
-from cdc_shared.config import ConfigError, KafkaConfig
+from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
 from support.ingestion import (
     assert_bronze_exactly_once,
     assert_quarantine_exactly_once,
+    checkpoints_aside,
     generate,
     ingest_once,
     launch_ingestor,
@@ -37,13 +38,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 KILLS = 2
 
 
-#: The launched ingestors run as one query (the test's first records were ingested by
-#: per-entity streams, in this process).
-ONE_QUERY = {"CDC_INGESTOR__ONE_QUERY": "true"}
-
-
 def bronze_commits(pipeline: Pipeline) -> int:
-    log_dir = Path(pipeline.config.layout.bronze("customers")) / "_delta_log"
+    log_dir = Path(pipeline.config.layout.bronze()) / "_delta_log"
     return len(list(log_dir.glob("*.json"))) if log_dir.is_dir() else 0
 
 
@@ -55,7 +51,6 @@ def _sigterm_finishes_the_batch(pipeline: Pipeline, log: Path) -> None:
     """A running ingestor serves /health and /metrics, and exits 0 on SIGTERM."""
     port = free_port()
     settings = {
-        **ONE_QUERY,
         "CDC_INGESTOR__METRICS_PORT": str(port),
         "CDC_INGESTOR__METRICS_HOST": "127.0.0.1",
     }
@@ -68,7 +63,7 @@ def _sigterm_finishes_the_batch(pipeline: Pipeline, log: Path) -> None:
     assert _batches_logged(log) > logged_before, f"no batch within 120 s; see {log}"
     health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
     assert health.status_code == 200
-    assert health.json()["streams"]["_all"]["active"] is True  # one query, both tables
+    assert health.json()["streams"]["default"]["active"] is True  # one query, both tables
     metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     for entity in ("customers", "orders"):  # rows counted per table, not per query
         assert f'cdc_rows_total{{entity="{entity}",outcome="bronze_rows",service="ingestor"}}' in (
@@ -86,7 +81,6 @@ def test_exactly_once_under_sigkill_then_sigterm_finishes_the_batch(
     kafka_config: KafkaConfig,
     make_pipeline: PipelineFactory,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pipeline = make_pipeline(
         entities=("customers", "orders"),
@@ -96,7 +90,7 @@ def test_exactly_once_under_sigkill_then_sigterm_finishes_the_batch(
             "metrics_port": 0,
         },
     )
-    # Per-entity streams first (one batch each): the one query carries on from them.
+    # The first records in this process: the launched processes go on from its checkpoint.
     first = produce(kafka_config, iter(generate(pipeline, events=3000, keys=300)))
     ingest_once(pipeline, spark, max_offsets=100_000)
     messages = generate(pipeline, events=30_000, keys=2000, poison_share=0.005)
@@ -110,7 +104,7 @@ def test_exactly_once_under_sigkill_then_sigterm_finishes_the_batch(
     kills = 0
     try:
         while kills < KILLS or load.is_alive():
-            process = launch_ingestor(pipeline, log, env=ONE_QUERY)
+            process = launch_ingestor(pipeline, log)
             if kills % 2 == 0:
                 # The dangerous window: right after a bronze commit, before the checkpoint's.
                 seen = bronze_commits(pipeline)
@@ -134,19 +128,11 @@ def test_exactly_once_under_sigkill_then_sigterm_finishes_the_batch(
     _sigterm_finishes_the_batch(pipeline, log)
 
     # The drain: in this process, whose Spark is warm, in batches of the whole backlog.
-    monkeypatch.setenv("CDC_INGESTOR__ONE_QUERY", "true")
     ingest_once(pipeline, spark, max_offsets=100_000)
     assert kills >= KILLS
-    # The processes ran one query: the per-entity streams stayed at their one batch.
-    layout = pipeline.config.layout
-    assert (Path(layout.checkpoint("ingestor", "_all")) / "commits").is_dir()
-    for entity in ("customers", "orders"):
-        commits = Path(layout.checkpoint("ingestor", entity)) / "commits"
-        assert sorted(p.name for p in commits.iterdir() if p.name.isdigit()) == ["0"]
+    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", "default"))
+    committed = [int(p.name) for p in (checkpoint / "commits").iterdir() if p.name.isdigit()]
+    assert max(committed) > 0  # the processes went on from the first run's checkpoint
+    assert checkpoints_aside(pipeline) == []  # a kill never makes a new one
     assert_bronze_exactly_once(spark, pipeline, kafka_config, report)
     assert_quarantine_exactly_once(spark, pipeline, report)
-
-    # Back to per-entity streams is refused: they would resume from before the switch.
-    monkeypatch.setenv("CDC_INGESTOR__ONE_QUERY", "false")
-    with pytest.raises(ConfigError, match=r"ingestor\.one_query is off"):
-        ingest_once(pipeline, spark)

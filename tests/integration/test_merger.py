@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -10,18 +9,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
-from cdc_merger.merging import silver_layout
+from cdc_merger.merging import PROGRESS_APP, silver_layout
 from cdc_shared.config import KafkaConfig
+from cdc_shared.delta_rs import transaction_versions
 from cdc_shared.spark import counting_jobs
 from cdc_shared.tables import table_properties
 from pyspark.sql import SparkSession
-from support.dying import Killed, dying_after
 from support.history import assert_history_equals_bronze
 from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once
 from support.pipelines import Pipeline, PipelineFactory
@@ -35,14 +32,9 @@ from support.waiting import wait_for
 pytestmark = pytest.mark.integration
 MERGER = str(Path(sys.executable).with_name("cdc-merger"))
 # SIGKILLs per test, both in the dangerous window (after the sink's commit, before the
-# checkpoint's), one per query mode; every restart costs a Spark start. Kills at any
+# checkpoint's); every restart costs a Spark start. Kills at any
 # moment under load are the chaos run's (tests/e2e/test_chaos.py).
 KILLS = 2
-
-
-def _with_merger(pipeline: dict[str, Any], **settings: object) -> dict[str, Any]:
-    """A pipeline file's contents with ``settings`` in its merger section."""
-    return {**pipeline, "merger": {**pipeline.get("merger", {}), **settings}}
 
 
 def silver_version(spark: SparkSession, pipeline: Pipeline, entity: str) -> int:
@@ -101,14 +93,11 @@ def test_workload_through_ingestor_and_merger_equals_oracle(
 def test_exactly_once_effect_under_sigkill(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
-    """SIGKILLs of the merger, each right after a silver commit: silver equals the
-    oracle, its feed repeats nothing, and the SCD type 2 history written in the same
-    batches (beside silver's MERGE) equals the history the bronze events make (phone
-    untracked: updated in place).
-
-    The first run has a query per table; the next runs as one query for all tables
-    (``merger.one_query``), switched to after a SIGKILL, carrying on from the per-table
-    checkpoint."""
+    """SIGKILLs of the merger, each right after a silver commit (which records the bronze
+    version merged through), before the checkpoint's: silver equals the oracle, its feed
+    repeats nothing, and the SCD type 2 history written in the same batches (after
+    silver's MERGE, with a progress of its own) equals the history the bronze events make
+    (phone untracked: updated in place)."""
     pipeline = make_pipeline(
         entities=("customers",),
         merger={
@@ -128,14 +117,10 @@ def test_exactly_once_effect_under_sigkill(
         Path(silver_layout(pipeline.config, pipeline.config.entity("customers")).silver_path)
         / "_delta_log"
     )
-    one_query = tmp_path / "pipeline-one-query.yaml"
-    one_query.write_text(
-        yaml.safe_dump(_with_merger(yaml.safe_load(pipeline.path.read_text()), one_query=True))
-    )
     log = tmp_path / "merger.log"
-    for kill in range(KILLS):
+    for _ in range(KILLS):
         process = subprocess.Popen(
-            [MERGER, "--config", str(pipeline.path if kill == 0 else one_query)],
+            [MERGER, "--config", str(pipeline.path)],
             stdout=subprocess.DEVNULL,
             stderr=log.open("ab"),
             start_new_session=True,
@@ -152,7 +137,7 @@ def test_exactly_once_effect_under_sigkill(
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
     # The drain: in this process, whose Spark is warm, in one batch.
-    update = {"max_files_per_trigger": 100_000, "one_query": True}
+    update = {"max_files_per_trigger": 100_000}
     merger = pipeline.config.merger.model_copy(update=update)
     start_merger(
         pipeline.config.model_copy(update={"merger": merger}), once=True, spark=spark
@@ -167,15 +152,12 @@ def test_exactly_once_effect_under_sigkill(
 def test_bronze_schema_change_is_merged_without_a_restart(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory, tmp_path: Path
 ) -> None:
-    """Bronze gains a column while the merger runs: the stream is rebuilt, silver evolves
-    (the new column joins silver; the one the column selection excludes never does).
-
-    The merger runs as one query for all tables (``merger.one_query``): the query is
-    rebuilt with every table's schema read again. (A query per table is rebuilt the same
-    way, by the runner: the publishers' schema-change test runs that path.)"""
+    """Bronze's payload type of a table gains a column while the merger runs: silver
+    evolves without a restart (the new column joins silver; the one the column selection
+    excludes never does)."""
     pipeline = make_pipeline(
         entities=("customers",),
-        merger={"trigger_interval": "1 second", "metrics_port": 0, "one_query": True},
+        merger={"trigger_interval": "1 second", "metrics_port": 0},
         overrides={"customers": {"except_columns": ["phone"]}},
     )
     messages, switch = generate_across_schema_change(
@@ -214,32 +196,28 @@ def test_bronze_schema_change_is_merged_without_a_restart(
     assert_change_feed_has_no_repeats(spark, pipeline)
 
 
-def test_one_query_killed_after_moving_its_checkpoint_carries_on_where_it_stood(
-    spark: SparkSession,
-    kafka_config: KafkaConfig,
-    make_pipeline: PipelineFactory,
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_table_left_out_of_a_run_is_merged_from_its_own_progress(
+    spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
-    """The merger as one query, a table taken out of the pipeline: it starts on a new
-    checkpoint, each table where the old one stood. Killed just after moving the old one
-    aside, the next start still carries customers over from there (not from bronze's
-    first commit), and silver equals the oracle."""
-    pipeline = make_pipeline(merger={"one_query": True, "metrics_port": 0})
-    produce(kafka_config, iter(generate(pipeline, events=300, keys=30, poison_share=0)))
+    """Customers is left out of a merger run (a deployment of orders alone) while bronze
+    holds new rows of both; back in the pipeline, nothing new in bronze, the next start
+    finds customers behind where the group's checkpoint stands and merges it from its own
+    progress (silver's log): silver equals the oracle, its feed repeats nothing."""
+    pipeline = make_pipeline(merger={"metrics_port": 0})
+    messages = generate(pipeline, events=600, keys=30, poison_share=0)
+    produce(kafka_config, iter(messages[:300]))
     ingest_once(pipeline, spark)
     merge_once(pipeline, spark)
-    document = yaml.safe_load(pipeline.path.read_text())
-    document["entities"] = [e for e in document["entities"] if e["name"] == "customers"]
-    pipeline.path.write_text(yaml.safe_dump(document))
-    monkeypatch.setattr(delta_union, "move_aside", dying_after(delta_union.move_aside))
-    with pytest.raises(Killed):
-        merge_once(pipeline, spark)
-    monkeypatch.undo()
-    checkpoint = pipeline.config.layout.checkpoint("merger", ALL_ENTITIES)
-    carried = json.loads(Path(start_file(checkpoint)).read_text())["starting_versions"]
-    assert carried["customers"] > 0  # where the old checkpoint stood, not bronze's start
-    merge_once(pipeline, spark)
-    recorded = json.loads((Path(checkpoint) / SOURCES_FILE).read_text())
-    assert recorded == {"entities": ["customers"], "starting_versions": carried}
-    assert not Path(start_file(checkpoint)).exists()
+    produce(kafka_config, iter(messages[300:]))
+    ingest_once(pipeline, spark)
+    config = pipeline.config
+    silver = {"customers": config.layout.silver("customers")}
+    (merged_before,) = transaction_versions(config, silver, PROGRESS_APP).values()
+    orders_only = config.model_copy(update={"entities": [config.entity("orders")]})
+    start_merger(orders_only, once=True, spark=spark).run()
+    assert transaction_versions(config, silver, PROGRESS_APP) == {"customers": merged_before}
+    merge_once(pipeline, spark)  # bronze has nothing the group's checkpoint did not read
+    (merged,) = transaction_versions(config, silver, PROGRESS_APP).values()
+    assert merged is not None and merged_before is not None and merged > merged_before
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
+    assert_change_feed_has_no_repeats(spark, pipeline)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import random
 import threading
@@ -13,28 +14,33 @@ from typing import Any
 
 import pytest
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
-from cdc_ingestor.projection import bronze_rows
 from cdc_merger.apply import (
+    DEFAULT_PLACEHOLDER,
     ERROR_KIND,
     ERROR_MESSAGE,
     ApplyResult,
     MergeState,
     SilverLayout,
     apply_batch,
+    apply_history,
     ensure_tables,
     expire_tombstones,
 )
 from cdc_merger.history import HistoryTable
-from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
+from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
+from cdc_shared import bronze
 from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.bronze import read_payload_types
 from cdc_shared.config import EntityConfig, HistoryConfig
+from cdc_shared.jvm_bridge import delta_version
 from cdc_shared.schemas import entity_schemas
-from cdc_shared.tables import table_properties
+from cdc_shared.tables import ensure_table, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS
+from support.ingestion import typed_bronze_rows
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +63,7 @@ class Silver:
         registry = FileSchemaRegistry([schema_dir])
         plan = DecodePlan.from_schemas(entity_schemas(entity, registry), registry)
         empty = spark.createDataFrame([], KAFKA_SCHEMA)
-        self.bronze_schema: T.StructType = bronze_rows(
+        self.bronze_schema: T.StructType = typed_bronze_rows(
             decode(spark, empty, plan, entity.sequence_by)
         ).schema
         self.layout = layout or SilverLayout(
@@ -118,20 +124,39 @@ class Silver:
     ) -> ApplyResult:
         frame = self.spark.createDataFrame(list(events), self.bronze_schema).persist()
         try:
-            return apply_batch(
-                self.spark,
-                frame,
-                self.layout,
-                self.quarantine,
-                self.state,
-                dropped=dropped,
-                null_updates=null_updates,
-            )
+            return self.apply_frame(frame, dropped=dropped, null_updates=null_updates)
         finally:
             frame.unpersist()
 
-    def apply_frame(self, events: DataFrame) -> ApplyResult:
-        return apply_batch(self.spark, events, self.layout, self.quarantine, self.state)
+    def apply_frame(
+        self,
+        events: DataFrame,
+        placeholder: Placeholder | None = DEFAULT_PLACEHOLDER,
+        dropped: tuple[str, ...] = (),
+        null_updates: tuple[str, ...] = (),
+    ) -> ApplyResult:
+        """Silver's step, then (the entity keeping one) the history's, as the merger."""
+        result = apply_batch(
+            self.spark,
+            events,
+            self.layout,
+            self.quarantine,
+            self.state,
+            placeholder,
+            dropped=dropped,
+            null_updates=null_updates,
+        )
+        if self.layout.history is not None:
+            apply_history(
+                self.spark,
+                events,
+                self.layout,
+                self.state,
+                placeholder,
+                dropped=dropped,
+                null_updates=null_updates,
+            )
+        return result
 
     def restart(self) -> None:
         """Forget what the process kept in memory, as a restarted merger would."""
@@ -453,11 +478,11 @@ def test_service_expiry_counts_retention_in_bronze_ingest_time(
     spark: SparkSession, make_pipeline: Any, customers: Silver
 ) -> None:
     """A merger behind on old bronze events keeps the tombstones those events still need."""
-    from cdc_merger.merging import EntityMerge
+    from cdc_merger.merging import TableMerge
 
     pipeline = make_pipeline(entities=("customers",), merger={"tombstone_retention_hours": 1})
     entity = pipeline.config.entity("customers")
-    merge = EntityMerge(spark, pipeline.config, entity, runner=None)  # type: ignore[arg-type]
+    merge = TableMerge(spark, pipeline.config, entity, announce=lambda _entity: None)
     ensure_tables(spark, customers.bronze_schema, merge.layout)
     now = dt.datetime.now(dt.UTC)
     tombstone = spark.createDataFrame(
@@ -762,9 +787,7 @@ def test_unavailable_values_stored_as_sent_when_the_placeholder_is_off(
     batch = documents.spark.createDataFrame(
         [documents.event("u", {"id": 1}, [2], customer("a") | UNSENT)], documents.bronze_schema
     )
-    apply_batch(
-        documents.spark, batch, documents.layout, documents.quarantine, documents.state, None
-    )
+    documents.apply_frame(batch, placeholder=None)
     assert large_columns(documents)[1]["bio"] == PLACEHOLDER
 
 
@@ -867,39 +890,76 @@ def test_an_empty_batch_applies_nothing(spark: SparkSession, tmp_path: Path, his
     assert silver.rows().count() == 0
 
 
-def test_events_rejected_again_under_a_new_checkpoint_are_quarantined_once(
-    spark: SparkSession, make_pipeline: Any, customers: Silver
+def test_events_rejected_again_after_a_crash_before_the_merge_are_quarantined_once(
+    spark: SparkSession,
+    make_pipeline: Any,
+    customers: Silver,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A batch read again under a new query id (a one query carried over onto a new
-    checkpoint reads each table's last version again) rejects its events again, under a
-    new txnAppId: the quarantine still holds each event once, and silver the rest."""
-    from cdc_merger.merging import EntityMerge
-    from cdc_shared.streaming import QueryIdentity, StreamRunner
+    """A table's write quarantines its rejected events, then dies before silver's MERGE
+    (which records how far the table is merged): the next write reads those events
+    again, with more, up to a later bronze version (a new ``txnVersion`` of the
+    quarantine's append). The quarantine still holds each rejected event once, and silver
+    the rest."""
+    from cdc_merger import apply as apply_module
+    from cdc_merger.merging import TableMerge, ensure_quarantine
+    from support.dying import Killed, dying_before
 
     pipeline = make_pipeline(entities=("customers",))
-    layout = pipeline.config.layout
-    empty = spark.createDataFrame([], customers.bronze_schema)
-    empty.write.format("delta").save(layout.bronze("customers"))
-    events = [
+    config = pipeline.config
+    entity = config.entity("customers")
+    first = [
         customers.event("x", {"id": 1}, [10], customer("unknown op")),
         customers.event("c", {"id": 2}, [10], customer("kept")),
         customers.event("c", None, [11], customer("no key")),
     ]
-    batch = spark.createDataFrame(events, customers.bronze_schema)
-    runner = StreamRunner(spark, "merger")
-    try:
-        merge = EntityMerge(spark, pipeline.config, pipeline.config.entity("customers"), runner)
-        merge.prepare(0)
-        for query_id in ("first-checkpoint", "second-checkpoint"):
-            merge.identity = QueryIdentity()
-            merge.identity.set(query_id)
-            merge.process_batch(batch, 0)
-    finally:
-        runner.close()
-    quarantined = spark.read.format("delta").load(layout.quarantine("merger")).collect()
-    assert sorted(r.kafka_offset for r in quarantined) == [
-        events[0]["kafka_offset"],
-        events[2]["kafka_offset"],
+    then = [
+        customers.event("c", {"id": 3}, [12], customer("kept too")),
+        customers.event("x", {"id": 4}, [13], customer("unknown op too")),
     ]
-    silver = spark.read.format("delta").load(layout.silver("customers")).collect()
-    assert [(r.id, r.first_name) for r in silver] == [(2, "kept")]
+    reached = write_bronze(spark, config.layout.bronze(), "customers", customers, first)
+    ensure_quarantine(spark, config)  # as the merger's start
+    merge = TableMerge(spark, config, entity, announce=lambda _entity: None)
+    merge.typed_as(read_payload_types(spark, config.layout.bronze())["customers"])
+    monkeypatch.setattr(apply_module, "_write_silver", dying_before(apply_module._write_silver))
+    with pytest.raises(Killed):
+        merge.write(spark, reached)
+    monkeypatch.undo()
+    quarantine = config.layout.quarantine("merger")
+    assert spark.read.format("delta").load(quarantine).count() == 2  # then the crash
+
+    later = write_bronze(spark, config.layout.bronze(), "customers", customers, then)
+    restarted = TableMerge(spark, config, entity, announce=lambda _entity: None)  # progress -1
+    restarted.typed_as(read_payload_types(spark, config.layout.bronze())["customers"])
+    restarted.write(spark, later)
+    quarantined = spark.read.format("delta").load(quarantine).collect()
+    assert sorted(r.kafka_offset for r in quarantined) == [
+        first[0]["kafka_offset"],
+        first[2]["kafka_offset"],
+        then[1]["kafka_offset"],
+    ]
+    assert {r.batch_id for r in quarantined} == {reached, later}  # the version reached
+    assert {r.source_table for r in quarantined} == {"bronze"}
+    silver = spark.read.format("delta").load(config.layout.silver("customers")).collect()
+    assert sorted((r.id, r.first_name) for r in silver) == [(2, "kept"), (3, "kept too")]
+
+
+def write_bronze(
+    spark: SparkSession, path: str, entity: str, silver: Silver, events: list[dict[str, Any]]
+) -> int:
+    """``events`` (typed as ``silver``'s bronze rows) appended to the one bronze as the
+    ingestor writes them: its shared columns, the rest in the VARIANT payload, the
+    payload's type a table property. The version the append made."""
+    typed_rows = spark.createDataFrame(events, silver.bronze_schema)
+    payload = [f for f in silver.bronze_schema.fields if f.name not in bronze.SHARED_COLUMNS]
+    rows = typed_rows.select(
+        F.lit(entity).alias(bronze.ENTITY),
+        *bronze.SHARED_COLUMNS,
+        F.to_variant_object(F.struct(*[f.name for f in payload])).alias(bronze.PAYLOAD),
+    ).select(*bronze.SCHEMA.fieldNames())
+    ensure_table(spark, path, bronze.SCHEMA, bronze.PROPERTIES, [bronze.ENTITY])
+    kind = json.dumps(T.StructType(payload).jsonValue())
+    setting = f"'{bronze.TYPE_PROPERTY}{entity}' = '{kind}'"
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({setting})")
+    rows.write.format("delta").mode("append").save(path)
+    return delta_version(spark, path)

@@ -115,7 +115,8 @@ def test_pipeline_and_operator_commands_on_object_storage(
     start_publisher_es(config, once=True, spark=spark).run()
 
     # Everything landed under the root, in the bucket.
-    fs, checkpoints = jvm_bridge.hadoop_path(spark, f"{config.storage_root}/_checkpoints")
+    streams = config.layout.checkpoint("ingestor", "default").rsplit("/", 2)[0]  # <root>/_streams
+    fs, checkpoints = jvm_bridge.hadoop_path(spark, streams)
     assert str(fs.getScheme()) == "s3a"
     assert sorted(str(s.getPath().getName()) for s in fs.listStatus(checkpoints)) == [
         "ingestor",
@@ -161,7 +162,7 @@ def test_pipeline_and_operator_commands_on_object_storage(
     )
     assert maintained.exit_code == 0, maintained.output
     tables = {t["table"] for t in json.loads(maintained.stdout)["tables"]}
-    assert {"bronze/customers", "silver/customers", "bronze/orders", "silver/orders"} <= tables
+    assert {"bronze", "silver/customers", "silver/orders"} <= tables  # one bronze, shared
     assert_silver_equals_oracle(spark, pipeline, kafka_config)  # still whole after VACUUM 0
 
     es = make_elasticsearch(es_config)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import shutil
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from cdc_devkit.workload import GeneratedMessage, produce
@@ -22,6 +20,7 @@ from cdc_publisher_es.documents import Action
 from cdc_publisher_es.index_lifecycle import IndexLostError
 from cdc_publisher_es.main import start as start_publisher
 from cdc_publisher_es.mapping import ensure_index, index_mappings
+from cdc_publisher_es.progress import IndexProgress
 from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import (
@@ -31,6 +30,7 @@ from cdc_shared.config import (
     PublisherEsConfig,
 )
 from cdc_shared.streaming import StreamFailedError
+from delta.tables import DeltaTable
 from elasticsearch import NotFoundError
 from pyspark.sql import SparkSession
 from support.entities import CUSTOMERS
@@ -141,23 +141,18 @@ def test_index_equals_oracle_after_ingestor_and_merger(
         assert "cdc_rebuild_pending" not in mapping["mappings"]["_meta"]
 
 
-def forget_batches(checkpoint: Path, first_forgotten: int) -> int:
-    """Set the checkpoint back: drop the offsets and commits of every batch from
-    ``first_forgotten`` on (with Hadoop's ``.N.crc`` files); how many commits were dropped.
-    """
-    forgotten = 0
-    for folder in ("offsets", "commits"):
-        for entry in list((checkpoint / folder).iterdir()):
-            number = entry.name.removeprefix(".").removesuffix(".crc")
-            if number.isdigit() and int(number) >= first_forgotten:
-                entry.unlink()
-                forgotten += folder == "commits" and entry.name == number
-    return forgotten
+def progress_of(config: PipelineConfig) -> IndexProgress:
+    """The progress documents of ``config``'s aliases (``publisher_es.progress_index``)."""
+    es = make_elasticsearch(config.elasticsearch)
+    return IndexProgress(es, config.publisher_es.progress_index)
 
 
 def test_replay_of_old_versions_leaves_index_unchanged(
     spark: SparkSession, kafka_config: KafkaConfig, make_pipeline: PipelineFactory
 ) -> None:
+    """The alias's progress set back (as a crash before its write would leave it, or an
+    operator): the next run publishes the changes since again, all older than the index
+    holds, and the index is unchanged, versions too."""
     pipeline = make_pipeline(
         entities=("customers",),
         **SMALL_BATCHES,
@@ -168,17 +163,23 @@ def test_replay_of_old_versions_leaves_index_unchanged(
     config = pipeline.config
     publish_once(config, spark)
     before = assert_index_equals_oracle(pipeline, kafka_config)
+    progress = progress_of(config)
+    alias = config.entity("customers").es_index_name
+    published = progress.read(alias)
+    silver = DeltaTable.forPath(spark, config.layout.silver("customers")).history(1)
+    assert published == silver.first()["version"] and published >= 3
 
-    # 1. The checkpoint set back to its second batch: the same query replays the rest.
-    checkpoint = Path(config.checkpoint_path("publisher_es", "customers"))
-    assert forget_batches(checkpoint, first_forgotten=2) >= 3
+    # 1. Set back to silver's version 1: the changes of versions 2 on are published again.
+    progress.write(alias, "customers", 1)
     publish_once(config, spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == before  # versions too
+    assert progress.read(alias) == published
 
-    # 2. A new checkpoint from silver version 0: every change replayed, older than the index.
-    shutil.rmtree(checkpoint)
+    # 2. No progress at all (the document deleted): every change since version 0 again.
+    progress.es.delete(index=config.publisher_es.progress_index, id=alias)
     publish_once(with_publisher(config, starting_version=0), spark)
     assert assert_index_equals_oracle(pipeline, kafka_config) == before
+    assert progress.read(alias) == published
 
     quarantine = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     assert quarantine.count() == 0
@@ -232,16 +233,17 @@ def test_unindexable_document_goes_to_quarantine_and_rest_of_batch_is_applied(
     assert deleted and not deleted & set(documents)
     assert set(documents) - set(good) <= bad  # only older versions of quarantined rows
 
-    # A replayed batch (crash after the quarantine write, before the checkpoint commit)
-    # writes its quarantine rows once: txnAppId/txnVersion.
+    # A write run again (a crash after the quarantine write, before the progress was
+    # recorded: the progress set back) writes its quarantine rows once: the table's
+    # txnAppId and the silver version its write reached.
     count = quarantine.count()
-    commits = Path(config.checkpoint_path("publisher_es", "customers")) / "commits"
-    last = max(int(e.name) for e in commits.iterdir() if e.name.isdigit())
-    (commits / str(last)).unlink()  # the batch's offsets stay: Spark reruns it as is
-    (commits / f".{last}.crc").unlink(missing_ok=True)
+    progress = progress_of(config)
+    published = progress.read(alias)
+    progress.write(alias, "customers", -1)
     publish_once(config, spark)
     again = spark.read.format("delta").load(config.layout.quarantine("publisher_es"))
     assert again.count() == count
+    assert progress.read(alias) == published
 
 
 def wait_for_index_equal_to_silver(
@@ -325,7 +327,9 @@ def test_index_lost_under_a_running_publisher_is_rebuilt_or_stops(
     publisher.thread.join(180)
     error = publisher.stop()
     assert isinstance(error, StreamFailedError), error
-    assert str(error).startswith("publisher_es stream for entity 'customers' stopped: "), error
+    # The group's query stops (every table of the group with it), naming the lost alias.
+    assert str(error).startswith("publisher_es stream for entity 'default' stopped: "), error
+    assert f"the alias {config.entity('customers').es_index_name!r}" in str(error), error
     assert "on_missing_index: rebuild" in str(error) and "Traceback" not in str(error)
     assert not es.indices.exists(index=index)
 

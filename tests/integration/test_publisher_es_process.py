@@ -1,9 +1,9 @@
 """publisher-es as a process: SIGKILLs at random moments and an Elasticsearch restart.
 
-The publisher runs as ``cdc-publisher-es`` in its own process group; it is killed with
-SIGKILL three times (two mid-batch, one after Elasticsearch was stopped under it and
-started again). A final ``--once`` run in the test's own process drains
-silver; the index must equal the oracle.
+Silver changes version by version while the publisher runs as ``cdc-publisher-es`` in
+its own process group; it is killed with SIGKILL three times (two mid-batch, one after
+Elasticsearch was stopped under it and started again). A final ``--once`` run in the
+test's own process drains silver; the index must equal the oracle.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,15 @@ from typing import Any
 import httpx
 import pytest
 from cdc_devkit import infra
+from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start
 from cdc_shared.config import KafkaConfig
 from pyspark.sql import SparkSession
-from support.es import assert_index_equals_oracle, build_silver
+from support.es import assert_index_equals_oracle
+from support.ingestion import generate, ingest_once
 from support.pipelines import PipelineFactory
 from support.servers import TEST_INFRA
+from support.silver import merge_in_slices
 from support.waiting import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -87,8 +91,15 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
             "metrics_host": "127.0.0.1",
         },
     )
-    build_silver(pipeline, spark, kafka_config, events=3000, keys=300, poison_share=0.0)
-    checkpoint = Path(pipeline.config.checkpoint_path("publisher_es", "customers"))
+    spec = {"delete_share": 0.2, "redelivery_share": 0.05, "poison_share": 0.0}
+    produce(kafka_config, iter(generate(pipeline, events=3000, keys=300, **spec)))
+    ingest_once(pipeline, spark)
+    # Silver changes while the publishers run: each batch has new versions to publish.
+    merging = threading.Thread(
+        target=merge_in_slices, args=(pipeline, spark, "customers", 60), kwargs={"pause_s": 1.0}
+    )
+    merging.start()
+    checkpoint = Path(pipeline.config.layout.checkpoint("publisher_es", "default"))
     log = tmp_path / "publisher-es.log"
     rng = random.Random(7)
     kills = 0
@@ -107,8 +118,8 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
                 infra.stop(TEST_INFRA, "elasticsearch")
                 try:
                     body = wait_for_health(port, 503, 120)
-                    problem = body["streams"]["customers"]["problem"]
-                    assert problem and "Elasticsearch" in problem, body
+                    problems = [str(s["problem"]) for s in body["streams"].values()]
+                    assert any("Elasticsearch" in p for p in problems), body
                     time.sleep(3)
                     assert process.poll() is None, f"publisher gave up on a down ES; see {log}"
                     stalled = committed_batches(checkpoint)
@@ -129,6 +140,8 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
             process.wait(30)
         kills += 1
     assert kills == KILLS and restarted_es
+    merging.join(600)
+    assert not merging.is_alive(), "silver's slices were not all merged"
 
     start(pipeline.config, once=True, spark=spark).run()  # the drain, with this warm Spark
     assert_index_equals_oracle(pipeline, kafka_config)

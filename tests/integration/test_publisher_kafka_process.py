@@ -1,6 +1,5 @@
-"""publisher-kafka as a process: SIGKILLs right after a Kafka commit, with a query per
-table and as one query for all tables, and a broker restart mid-run; read_committed
-consumers still see every change exactly once."""
+"""publisher-kafka as a process: SIGKILLs right after a Kafka commit, and a broker restart
+mid-run; read_committed consumers still see every change exactly once."""
 
 from __future__ import annotations
 
@@ -8,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_shared.clients import make_consumer
@@ -28,10 +27,9 @@ from support.silver import assert_silver_equals_oracle, merge_in_slices
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PUBLISHER = str(Path(sys.executable).with_name("cdc-publisher-kafka"))
-# SIGKILLs per test, each in the dangerous window (after the sink's commit, before the
-# checkpoint's): the first with a query per table, the second as one query for all
-# tables. Every restart costs a Spark start; the chaos run (tests/e2e/test_chaos.py)
-# kills this service at random moments under load.
+# SIGKILLs per test, each in the dangerous window (after the sink's commit, which records
+# the table's progress, before the checkpoint's). Every restart costs a Spark start; the
+# chaos run (tests/e2e/test_chaos.py) kills this service at random moments under load.
 KILLS = 2
 
 
@@ -103,19 +101,16 @@ def test_exactly_once_under_sigkill_and_broker_restart(
         iter(generate(pipeline, events=3000, keys=200, delete_share=0.2, redelivery_share=0.05)),
     )
     ingest_once(pipeline, spark)
-    merge_in_slices(pipeline, spark, "customers", slices=10)  # 10+ silver versions
-    assert_silver_equals_oracle(spark, pipeline, kafka_config)
+    # Silver changes while the publishers run (30 versions): each batch has new versions.
+    merging = threading.Thread(
+        target=merge_in_slices, args=(pipeline, spark, "customers", 30), kwargs={"pause_s": 1.0}
+    )
+    merging.start()
 
     watch = ProgressWatch(kafka_config, pipeline, "customers")
     log = tmp_path / "publisher.log"
-    # After the first kill, one query for all tables (``publisher_kafka.one_query``): it
-    # carries on from the per-table checkpoint, the last version read again and skipped.
-    document = yaml.safe_load(pipeline.path.read_text())
-    document["publisher_kafka"] = {**document["publisher_kafka"], "one_query": True}
-    one_query = tmp_path / "pipeline-one-query.yaml"
-    one_query.write_text(yaml.safe_dump(document))
-    for kill in range(KILLS):
-        process = _start(pipeline.path if kill == 0 else one_query, log)
+    for _ in range(KILLS):
+        process = _start(pipeline.path, log)
         # Right after a Kafka commit, before Spark's checkpoint commit.
         _wait_for_new_progress(watch, watch.version())
         assert process.poll() is None, f"publisher died by itself; see {log}"
@@ -123,7 +118,7 @@ def test_exactly_once_under_sigkill_and_broker_restart(
         process.wait(30)
 
     # The broker goes away in the middle of a run and comes back.
-    process = _start(one_query, log)
+    process = _start(pipeline.path, log)
     _wait_for_new_progress(watch, watch.version())
     infra.stop(TEST_INFRA, "kafka")
     time.sleep(5)
@@ -131,6 +126,9 @@ def test_exactly_once_under_sigkill_and_broker_restart(
     _wait_for_new_progress(watch, watch.version(), timeout_s=180)
     assert process.poll() is None, f"publisher did not survive the broker restart; see {log}"
     # The same run publishes the rest of silver, then stops on SIGTERM.
+    merging.join(600)
+    assert not merging.is_alive(), "silver's slices were not all merged"
+    assert_silver_equals_oracle(spark, pipeline, kafka_config)
     last = _last_changed_version(spark, pipeline.config.layout.silver("customers"))
     deadline = time.monotonic() + 300
     while watch.version() < last and time.monotonic() < deadline:
@@ -140,6 +138,6 @@ def test_exactly_once_under_sigkill_and_broker_restart(
     process.send_signal(signal.SIGTERM)
     assert process.wait(300) == 0, f"publisher did not stop cleanly on SIGTERM; see {log}"
     watch.consumer.close()
-    one_query_commits = Path(pipeline.config.layout.checkpoint("publisher_kafka", "_all"))
-    assert any((one_query_commits / "commits").iterdir()), "the one query committed nothing"
+    commits = Path(pipeline.config.layout.checkpoint("publisher_kafka", "default")) / "commits"
+    assert any(commits.iterdir()), "the group's query committed nothing"
     assert_change_topics_exactly_once(spark, pipeline, kafka_config)

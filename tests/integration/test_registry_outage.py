@@ -33,7 +33,7 @@ from cdc_shared.avro import (
 )
 from cdc_shared.avro.framing import confluent_header
 from cdc_shared.config import KafkaConfig
-from cdc_shared.streaming import StreamFailedError
+from cdc_shared.streaming import StreamFailedError, StreamRunner
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, quarantine, topic_offsets
 from support.pipelines import SCHEMAS, Pipeline, PipelineFactory
@@ -163,8 +163,9 @@ def test_a_registry_outage_quarantines_nothing_and_past_its_budget_stops(
 ) -> None:
     """The running ingestor meets a new schema id while the registry answers 503: it
     retries until the registry is back and every record reaches bronze. Then an outage
-    longer than the retry budget stops the service naming the registry. Nothing is
-    ever quarantined."""
+    longer than the retry budget holds the table, naming the registry: nothing of its
+    batch is written, and the service exits with that line when stopped. Nothing is ever
+    quarantined; once the registry answers, a restart writes the held records."""
     caplog.set_level(logging.WARNING, logger="cdc_shared.avro")
     pipeline = make_pipeline(
         entities=("customers",),
@@ -193,17 +194,20 @@ def test_a_registry_outage_quarantines_nothing_and_past_its_budget_stops(
             later = _load(registry_url, pipeline, events=50, keys=20, snapshot_rows=0)
             proxy.fail("503")
             produce(kafka_config, iter(later))
+            wait_for(lambda: _held(runner, "customers"), 90)
+            runner.request_stop()
             with pytest.raises(StreamFailedError) as stopped:
-                running.result(timeout=90)
+                running.result(timeout=180)
         finally:
             runner.request_stop()
 
     assert proxy.requests["503"] >= 4 + 2
     retried = _retries(caplog, proxy.url)
     assert len(retried) >= 4 + 1, "a warning for each retry"
-    # The entity stops with the registry's one line (the ingestor's failure reading).
+    # The table is held with the registry's one line.
     stop = str(stopped.value)
-    assert "stopped: " in stop and "nothing of the batch was written" in stop, stop
+    assert "entity 'customers' stopped: " in stop, stop
+    assert "nothing of the table's batch was written or quarantined" in stop, stop
     assert proxy.url in stop and "HTTP 503" in stop, stop
     assert "Traceback" not in stop, stop
     assert quarantine(spark, pipeline).count() == 0
@@ -217,3 +221,16 @@ def test_a_registry_outage_quarantines_nothing_and_past_its_budget_stops(
     assert sorted(got, key=repr) == sorted(expected, key=repr)
     assert any(e[2] for e in expected), "the load uses v2's new column"
     assert bronze(spark, pipeline, "customers").count() == len(messages)
+
+    # The registry answers again: the restart reads the held table from where it was held.
+    proxy.fail("forward")
+    start(pipeline.config, once=True, spark=spark).run()
+    rows = bronze(spark, pipeline, "customers").select("kafka_partition", "kafka_offset")
+    assert sorted(tuple(r) for r in rows.collect()) == sorted(topic_offsets(kafka_config, topic))
+    assert quarantine(spark, pipeline).count() == 0
+
+
+def _held(runner: StreamRunner, entity: str) -> bool:
+    """Whether ``entity`` is held: ``/health`` lists it stopped, by its name."""
+    problem = runner.health()["streams"].get(entity, {}).get("problem") or ""
+    return problem.startswith("stopped")

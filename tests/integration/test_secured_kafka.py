@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trustme
@@ -30,15 +29,14 @@ import yaml
 from cdc_devkit.workload import ProduceReport, ensure_topics, produce
 from cdc_ingestor.kafka_watch import KafkaWatch
 from cdc_ingestor.main import SERVICE, start
+from cdc_ingestor.positions import recorded_positions
 from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
 from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
-from cdc_shared.layout import ALL_ENTITIES as ALL
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.service import run_to_exit_code
-from cdc_shared.stream_checkpoint import HadoopFiles, held_tables
 from cdc_shared.streaming import StreamRunner
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
@@ -108,8 +106,9 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     """Exactly once through SASL_SSL, across a revoked ACL: Read on one source topic taken
-    back while the ingestor runs stops that entity with one line naming the missing
-    permission, and the other entity goes on; restored and restarted, nothing is lost.
+    back while the ingestor runs holds that table with one line naming the missing
+    permission, and the group's query goes on without its topic, the other table's records
+    landing; restored and restarted, nothing is lost.
     Then publisher-kafka the same way (:func:`publish_across_a_revoked_write`)."""
     caplog.set_level(logging.INFO)
     admin = secured_broker.kafka_config(ADMIN)
@@ -130,7 +129,8 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     )
     service.start()
     try:
-        wait_for(lambda: bool(exit_codes) or caught_up(runners, admin, "customers", "orders"), 600)
+        both = (revoked, secured_pipeline.topic("orders"))
+        wait_for(lambda: bool(exit_codes) or caught_up(runners, admin, *both), 600)
         secured_broker.revoke(INGESTOR, ResourceType.TOPIC, revoked, (AclOperation.READ,))
         report.add(produce(admin, iter(messages[half:])))
         wait_for(
@@ -138,24 +138,20 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
                 bool(exit_codes)  # the service ended
                 or (
                     "customers" in stopped_streams(runners[0])
-                    and caught_up(runners, admin, "orders")
+                    and caught_up(runners, admin, secured_pipeline.topic("orders"))
                 )
             ),
             600,
         )
         assert not exit_codes, caplog.text[-3000:]  # the service goes on
         assert stopped_streams(runners[0]) == {"customers"}  # orders still runs
+        assert runners[0].queries["default"].isActive  # the group's query, without the topic
     finally:
         if runners:
             runners[0].request_stop()
         service.join(120)
     assert exit_codes == [1]
-    stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the other")]
-    assert [getattr(r, "entity", None) for r in stops] == ["customers"]
-    reason: str = getattr(stops[0], "reason", "")
-    assert "\n" not in reason
-    assert f"refused Read on topic {revoked!r} to User:{INGESTOR}" in reason
-    assert "--operation Read" in reason and "loses nothing" in reason
+    assert_held_for_a_refused_read(caplog, revoked)
     assert landed(spark, secured_pipeline, "customers") < len(topic_offsets(admin, revoked))
 
     secured_broker.allow(INGESTOR, ResourceType.TOPIC, revoked, SOURCE_TOPIC_GRANTS)
@@ -189,22 +185,19 @@ def test_pipeline_through_sasl_ssl_exactly_once_across_revoked_acls(
     )
 
 
-def test_one_query_goes_on_without_a_table_whose_topic_read_is_revoked(
+def test_the_group_goes_on_without_a_table_whose_topic_read_is_revoked(
     spark: SparkSession,
     secured_broker: SecuredBroker,
     secured_pipeline: Pipeline,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The ingestor as one query, Read on one source topic revoked: one Kafka read serves
-    every table, so the query holds that table back where it stood and goes on without
-    its topic. The other table's records all land; the service exits 1, naming the
-    refused table. Granted again, the next start reads it from where it was held: bronze
-    holds every record of both topics exactly once."""
+    """``--once``, Read on one source topic revoked: one Kafka read serves every table of
+    the group, so the query holds that table where it stood (bronze's commits record it)
+    and goes on without its topic. The other table's records all land; the service exits
+    1, naming the refused table. Granted again, the next start reads it from where it was
+    held: bronze holds every record of both topics exactly once."""
     caplog.set_level(logging.INFO)
     admin = secured_broker.kafka_config(ADMIN)
-    document = yaml.safe_load(secured_pipeline.path.read_text())
-    document["ingestor"]["one_query"] = True
-    secured_pipeline.path.write_text(yaml.safe_dump(document))
     messages = generate(secured_pipeline, events=200, keys=20, poison_share=0)
     report = produce(admin, iter(messages[:100]))
     assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
@@ -219,17 +212,34 @@ def test_one_query_goes_on_without_a_table_whose_topic_read_is_revoked(
     assert_bronze_exactly_once(spark, secured_pipeline, admin, report, ["orders"])
     assert landed(spark, secured_pipeline, "customers") == before
     assert before < len(topic_offsets(admin, revoked))
-    checkpoint = secured_pipeline.config.layout.checkpoint(SERVICE, ALL)
-    held = held_tables(HadoopFiles(spark), checkpoint)
-    assert set(held) == {"customers"}
+    held = held_in_bronze(spark, secured_pipeline)
+    assert list(held) == ["customers"], held
+    assert f"refused Read on topic {revoked!r}" in held["customers"], held
 
     secured_broker.allow(INGESTOR, ResourceType.TOPIC, revoked, SOURCE_TOPIC_GRANTS)
     caplog.clear()
     assert run_ingestor(secured_pipeline) == 0, caplog.text[-3000:]
-    (carried,) = [r for r in caplog.records if "starts on a new checkpoint" in r.getMessage()]
-    assert carried.__dict__["starting_offsets"][revoked] == held["customers"]["position"]
+    messages_logged = [r.getMessage() for r in caplog.records]
+    taken_up = "a table held by an earlier run is read again from where it was held"
+    assert taken_up in messages_logged, caplog.text[-3000:]
     assert_bronze_exactly_once(spark, secured_pipeline, admin, report)  # both
-    assert held_tables(HadoopFiles(spark), checkpoint) == {}
+    assert held_in_bronze(spark, secured_pipeline) == {}
+
+
+def held_in_bronze(spark: SparkSession, pipeline: Pipeline) -> dict[str, str]:
+    """The tables the ingestor holds, each with why (bronze's latest commits say)."""
+    config = pipeline.config
+    return recorded_positions(spark, config.layout.bronze(), config.entities).held
+
+
+def assert_held_for_a_refused_read(caplog: pytest.LogCaptureFixture, topic: str) -> None:
+    """Customers alone was held, with one line naming the refused Read on ``topic``."""
+    stops = [r for r in caplog.records if r.getMessage().startswith("stream stopped; the other")]
+    assert [getattr(r, "entity", None) for r in stops] == ["customers"]
+    reason: str = getattr(stops[0], "reason", "")
+    assert "\n" not in reason
+    assert f"refused Read on topic {topic!r} to User:{INGESTOR}" in reason
+    assert "--operation Read" in reason and "loses nothing" in reason
 
 
 def stopped_streams(runner: StreamRunner) -> set[str]:
@@ -238,20 +248,19 @@ def stopped_streams(runner: StreamRunner) -> set[str]:
     return {e for e, s in streams.items() if str(s["problem"]).startswith("stopped")}
 
 
-def caught_up(runners: list[StreamRunner], kafka: KafkaConfig, *entities: str) -> bool:
-    """Whether the running ingestor's streams of ``entities`` read their topics to the end
-    (from their progress: no Spark job beside the service's own)."""
+def caught_up(runners: list[StreamRunner], kafka: KafkaConfig, *topics: str) -> bool:
+    """Whether the running ingestor's group query read ``topics`` to the end (from its
+    progress: no Spark job beside the service's own)."""
     if not runners:
         return False
-    for entity in entities:
-        query = runners[0].queries[entity]
-        progress = query.lastProgress
-        if not progress:
-            return False
-        ends = progress["sources"][0]["endOffset"]
-        ends = json.loads(ends) if isinstance(ends, str) else ends
-        topic = next(iter(ends))
-        read = {int(p): o for p, o in ends[topic].items() if o > 0}
+    query = runners[0].queries.get("default")
+    progress = query.lastProgress if query is not None else None
+    if not progress:
+        return False
+    ends = progress["sources"][0]["endOffset"]
+    ends = json.loads(ends) if isinstance(ends, str) else ends
+    for topic in topics:
+        read = {int(p): o for p, o in ends.get(topic, {}).items() if o > 0}
         if read != high_watermarks(kafka, topic):
             return False
     return True
@@ -291,11 +300,10 @@ def publish_across_a_revoked_write(
 ) -> None:
     """Bronze of ``secured_pipeline`` merged, then publisher-kafka with DescribeConfigs
     (read at start), then Write (in a transaction) on one change topic revoked: each time
-    that entity's stream stops with one line naming the missing permission, nothing of its
-    transaction is visible, and the other entity's topic equals silver's feed. Then the
-    same as one query: the entity refused at start is held from the query's first batch,
-    refused in a transaction from that batch's start. Granted again and restarted, every
-    change is published exactly once."""
+    that table is held with one line naming the missing permission, nothing of its
+    transaction is visible, and the other table of the group goes on: its topic equals
+    silver's feed. Granted again and restarted, every change is published exactly once
+    (the held table from its progress, which stayed where it was)."""
     merge_once(secured_pipeline, spark)
     caplog.clear()
     admin = secured_broker.kafka_config(ADMIN)
@@ -341,21 +349,6 @@ def publish_across_a_revoked_write(
     assert run_publisher(secured_pipeline, spark) == 1
     stopped_alone("Write")
     assert "loses nothing" in caplog.text
-
-    # The same as one query for both tables (publisher_kafka.one_query): customers is held
-    # back (cdc_shared.streaming.held) and orders goes on. Refused while the streams
-    # start: held from the query's first batch.
-    as_one_query(secured_pipeline, document, caplog)
-    with refused(secured_broker, revoked, describe_configs):
-        assert run_publisher(secured_pipeline, spark) == 1
-    stopped_alone("DescribeConfigs")
-    held = held_in_one_query(spark, secured_pipeline)
-    assert list(held) == ["customers"], held
-    assert f"refused DescribeConfigs on topic {revoked!r}" in held["customers"], held
-    # Refused in the middle of a transaction: held from its batch's start.
-    caplog.clear()
-    assert run_publisher(secured_pipeline, spark) == 1
-    stopped_alone("Write")
 
     # Granted again: the next start takes customers up from where it was held.
     secured_broker.allow(PUBLISHER, ResourceType.TOPIC, revoked, (AclOperation.WRITE,))
@@ -404,23 +397,6 @@ def refused(
         yield
     finally:
         broker.allow(PUBLISHER, ResourceType.TOPIC, topic, operations)
-
-
-def held_in_one_query(spark: SparkSession, pipeline: Pipeline) -> dict[str, str]:
-    """The tables publisher-kafka's one query holds back, each with why (the held file is
-    saved with the query's first batch)."""
-    checkpoint = pipeline.config.layout.checkpoint(PUBLISHER_SERVICE, ALL)
-    return {e: entry["reason"] for e, entry in held_tables(HadoopFiles(spark), checkpoint).items()}
-
-
-def as_one_query(
-    pipeline: Pipeline, document: dict[str, Any], caplog: pytest.LogCaptureFixture
-) -> None:
-    """``pipeline``'s file, ``document`` with publisher-kafka run as one query; the log
-    cleared."""
-    caplog.clear()
-    document["publisher_kafka"]["one_query"] = True
-    pipeline.path.write_text(yaml.safe_dump(document))
 
 
 def run_then_operate_through_the_cli(

@@ -134,8 +134,8 @@ def test_driver_and_worker_killed_mid_batch_lose_and_repeat_nothing(
     first = len(messages) * 2 // 5  # the rest once the merger has recovered
     report = produce(kafka_config, iter(messages[:first]))
     bucket = Bucket()
-    ingestor = config.checkpoint_path("ingestor", "customers")
-    merger = config.checkpoint_path("merger", "customers")
+    ingestor = config.layout.checkpoint("ingestor", "default")
+    merger = config.layout.checkpoint("merger", "default")
     logs = {command: tmp_path / f"{command}.log" for command in SERVICES}
 
     def launch(command: str) -> subprocess.Popen[bytes]:

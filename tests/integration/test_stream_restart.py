@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,20 @@ from cdc_shared.streaming import (
     QueryIdentity,
     StreamFailedError,
     StreamRunner,
-    foreach_batch_writer,
+    with_trigger,
 )
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 pytestmark = pytest.mark.integration
+
+
+def foreach_batch_writer(
+    source: DataFrame, process: Callable[[DataFrame, int], None], checkpoint: str
+) -> DataStreamWriter:
+    """source -> foreachBatch(process), checkpointed, ``--once``: as a service's group query."""
+    writer = source.writeStream.foreachBatch(process).option("checkpointLocation", checkpoint)
+    return with_trigger(writer, once=True, interval="1 second")
 
 
 def flaky_stream(
@@ -41,8 +51,6 @@ def flaky_stream(
         spark.readStream.format("delta").load(source),
         process,
         str(tmp_path / "checkpoint"),
-        once=True,
-        interval="1 second",
     )
     identity = QueryIdentity()
     runner.start("things", writer, identity)
@@ -52,8 +60,9 @@ def flaky_stream(
 def test_an_entity_stopped_at_start_fails_the_run_after_the_others_ran(
     spark: SparkSession, tmp_path: Path
 ) -> None:
-    """EntityStoppedError's path in start_service: the other entity's stream runs to its
-    end, /health lists the stopped one as failing with its reason, run() raises it."""
+    """A table held at start (EntityStoppedError, e.g. a publisher refused its topic): the
+    group's query runs to its end, /health lists the held table as failing with its
+    reason, run() raises it."""
     runner, seen, _, _ = flaky_stream(spark, tmp_path, failures=0)
     runner.stop_entity("others", "refused Describe on topic 'x'")
     health = runner.health()
@@ -62,7 +71,7 @@ def test_an_entity_stopped_at_start_fails_the_run_after_the_others_ran(
     assert health["streams"]["others"]["active"] is False
     with pytest.raises(StreamFailedError, match=r"entity 'others' refused Describe on topic"):
         runner.run()
-    assert sorted(seen) == list(range(100))  # the other entity ran to its end
+    assert sorted(seen) == list(range(100))  # the group's query ran to its end
 
 
 def test_a_transient_failure_restarts_from_the_checkpoint(
@@ -91,8 +100,6 @@ def test_a_failure_it_does_not_recognise_stops_the_service(
         spark.readStream.format("delta").load(source),
         process,
         str(tmp_path / "checkpoint"),
-        once=True,
-        interval="1 second",
     )
     runner.start("things", writer, QueryIdentity())
     with pytest.raises(StreamFailedError, match=r"(?s)'things' failed: .*ValueError: a bug"):
@@ -121,8 +128,6 @@ def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches
             spark.readStream.format("delta").load(source),
             process,
             str(tmp_path / f"checkpoint-{runner.service}"),
-            once=True,
-            interval="1 second",
         )
         runner.start("things", writer, QueryIdentity())
     with caplog.at_level("INFO", logger="cdc_shared.streaming"):
@@ -152,8 +157,6 @@ def test_a_kill_while_the_first_offset_was_written_does_not_block_the_restart(
         spark.readStream.format("delta").load(source),
         lambda batch, _batch_id: seen.extend(r.id for r in batch.collect()),
         str(tmp_path / "checkpoint"),
-        once=True,
-        interval="1 second",
     )
     runner.start("things", writer, QueryIdentity())
     runner.run()  # raises if Spark refuses the checkpoint

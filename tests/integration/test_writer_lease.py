@@ -123,13 +123,13 @@ def test_a_lease_taken_over_stops_the_running_service_at_once(
         .option("checkpointLocation", str(tmp_path / "checkpoint"))
         .trigger(processingTime="200 milliseconds")
     )
-    runner.start("customers", writer, QueryIdentity())
+    runner.start("default", writer, QueryIdentity())  # the group query writing customers
     document = json.loads(Path(lease.path).read_text())
     document["holder"] |= {"host": "node-b", "token": "another instance"}
     Path(lease.path).write_text(json.dumps(document))  # what a takeover writes
     with pytest.raises(StreamFailedError, match=r"writer lease .* was taken over"):
         runner.run()
-    assert not runner.queries["customers"].isActive
+    assert not runner.queries["default"].isActive
     assert json.loads(Path(lease.path).read_text())["holder"]["host"] == "node-b"
 
 

@@ -14,6 +14,7 @@ from cdc_devkit.oracle import SourceEvent, history_versions
 from cdc_merger.history import END, START
 from pyspark.sql import SparkSession
 
+from support.ingestion import bronze
 from support.pipelines import Pipeline
 
 
@@ -21,12 +22,7 @@ def bronze_events(spark: SparkSession, pipeline: Pipeline, entity: str) -> list[
     """The entity's bronze events as the oracle takes them (Kafka tombstones left out)."""
     config = pipeline.config
     key = config.entity(entity).key
-    rows = (
-        spark.read.format("delta")
-        .load(config.layout.bronze(entity))
-        .where("not is_tombstone and op is not null")
-        .collect()
-    )
+    rows = bronze(spark, pipeline, entity).where("not is_tombstone and op is not null").collect()
     return [
         SourceEvent(
             None if r.op == "t" else tuple(r.key[k] for k in key),

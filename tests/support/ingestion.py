@@ -10,13 +10,15 @@ from pathlib import Path
 
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.main import start
+from cdc_ingestor.projection import bronze_columns, payload_type
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.bronze import entity_changes
+from cdc_shared.bronze import entity_changes, typed
 from cdc_shared.clients import make_consumer
-from cdc_shared.config import KafkaConfig
-from cdc_shared.layout import ALL_ENTITIES
+from cdc_shared.config import DEFAULT_GROUP, KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from support.pipelines import SCHEMAS, Pipeline
 
@@ -78,6 +80,20 @@ def bronze(spark: SparkSession, pipeline: Pipeline, entity: str) -> DataFrame:
     return entity_changes(spark, pipeline.config.layout.bronze(), entity)
 
 
+def typed_bronze_rows(decoded: DataFrame) -> DataFrame:
+    """A decoded batch's records that decoded, as bronze holds them and gives them back.
+
+    Projected as the ingestor writes them (``bronze_columns``: the payload one VARIANT),
+    then typed again as ``cdc_shared.bronze.entity_changes`` reads one entity's rows.
+    """
+    envelope = decoded.schema["envelope"].dataType
+    assert isinstance(envelope, T.StructType)
+    written = decoded.where(F.col("error_kind").isNull()).select(
+        *bronze_columns("entity", envelope)
+    )
+    return typed(written, payload_type(decoded.schema["decoded_key"].dataType, envelope))
+
+
 def quarantine(spark: SparkSession, pipeline: Pipeline) -> DataFrame:
     return spark.read.format("delta").load(pipeline.config.layout.quarantine("ingestor"))
 
@@ -126,8 +142,13 @@ def assert_bronze_exactly_once(
         assert not set(landed) & poisoned
 
 
-def checkpoints_aside(pipeline: Pipeline) -> list[Path]:
-    """The one query's old checkpoints, moved aside when it started on a new one
-    (``_checkpoints/ingestor/_all.<time>``)."""
-    checkpoint = Path(pipeline.config.layout.checkpoint("ingestor", ALL_ENTITIES))
+def ingestor_checkpoint(pipeline: Pipeline, group: str = DEFAULT_GROUP) -> Path:
+    """The checkpoint of the ingestor's query of ``group`` (``_streams/ingestor/<group>``)."""
+    return Path(pipeline.config.layout.checkpoint("ingestor", group))
+
+
+def checkpoints_aside(pipeline: Pipeline, group: str = DEFAULT_GROUP) -> list[Path]:
+    """The group query's old checkpoints, moved aside when it started on a new one
+    (``_streams/ingestor/<group>.<time>``)."""
+    checkpoint = ingestor_checkpoint(pipeline, group)
     return sorted(p for p in checkpoint.parent.glob(f"{checkpoint.name}.*") if p.is_dir())

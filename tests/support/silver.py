@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -83,21 +84,37 @@ def merge_once(pipeline: Pipeline, spark: SparkSession) -> None:
     start_merger(pipeline.config, once=True, spark=spark).run()
 
 
-def merge_in_slices(pipeline: Pipeline, spark: SparkSession, entity: str, slices: int) -> None:
+def merge_in_slices(
+    pipeline: Pipeline, spark: SparkSession, entity: str, slices: int, pause_s: float = 0.0
+) -> None:
     """Apply bronze to silver in ``slices`` batches by Kafka offset: many silver versions
-    quickly (the merger's own batch function, without a stream per version)."""
+    quickly (the merger's own batch function, without a stream per version), each
+    recorded in ``silver/_versions`` as the merger records them for the publishers;
+    ``pause_s`` between two (silver changing under a running publisher)."""
     from cdc_merger.apply import apply_batch, ensure_tables
+    from cdc_shared.driver_frames import frame_from_rows
+    from cdc_shared.jvm_bridge import delta_version
+    from cdc_shared.silver import VERSIONS_SCHEMA
+    from cdc_shared.tables import ensure_table
     from pyspark.sql import functions as F
+
+    from support.ingestion import bronze
 
     config = pipeline.config
     layout = silver_layout(config, config.entity(entity))
-    events = spark.read.format("delta").load(config.layout.bronze(entity))
+    events = bronze(spark, pipeline, entity)
     ensure_tables(spark, events.schema, layout)
+    versions = config.layout.silver_versions()
+    ensure_table(spark, versions, VERSIONS_SCHEMA, {"delta.appendOnly": "true"})
     last = events.agg(F.max("kafka_offset")).first()[0] + 1
     sliced = events.withColumn("slice", (F.col("kafka_offset") * slices / last).cast("int"))
     for number in range(slices):
         batch = sliced.where(F.col("slice") == number).drop("slice")
         apply_batch(spark, batch, layout, refuse_rejects)
+        noted = (entity, delta_version(spark, layout.silver_path), dt.datetime.now(dt.UTC))
+        recorded = frame_from_rows(spark, [noted], VERSIONS_SCHEMA)
+        recorded.write.format("delta").mode("append").save(versions)
+        time.sleep(pause_s)
 
 
 def refuse_rejects(rejected: DataFrame) -> None:

@@ -62,8 +62,36 @@ def test_good_file_loads_with_defaults(good_file: Path) -> None:
     assert orders.sequence_by == ["kafka.partition", "kafka.offset"]
     assert orders.change_topic_name == "cdc.orders"
     assert orders.es_index_name == "orders"
-    assert config.layout.bronze("orders") == "/tmp/cdc-data/bronze/orders"
-    assert config.checkpoint_path("merger", "orders") == "/tmp/cdc-data/_checkpoints/merger/orders"
+    assert config.layout.bronze() == "/tmp/cdc-data/bronze/_all"
+    assert config.layout.checkpoint("merger", "default") == "/tmp/cdc-data/_streams/merger/default"
+    # No groups configured: every table is in the group ``default``, at each service's trigger.
+    assert config.groups == []
+    assert config.group_of("orders") == ("default", None)
+    for section in (config.ingestor, config.merger, config.publisher_kafka, config.publisher_es):
+        assert section.tables_at_once == 2
+        assert section.batch_budget == "10 seconds"
+        assert section.max_table_delay == "60 seconds"
+        assert section.trigger_interval == "5 seconds"
+    assert config.ingestor.fail_on_data_loss is True
+    assert config.publisher_es.progress_index == "cdc-publisher-es-progress"
+
+
+def test_groups_take_tables_by_name_or_pattern_the_first_that_matches(tmp_path: Path) -> None:
+    text = (
+        "groups:\n"
+        "  - {name: hot, tables: [orders, 'order_*'], trigger_interval: '1 second'}\n"
+        "  - {name: cold, tables: ['*_archive', order_lines]}\n"
+        "merger: {tables_at_once: 4, batch_budget: '30 seconds', max_table_delay: '2 minutes'}\n"
+    )
+    config = load_config(write(tmp_path, text))
+    assert config.group_of("orders") == ("hot", "1 second")
+    assert config.group_of("order_lines") == ("hot", "1 second")  # the first group naming it
+    assert config.group_of("orders_archive") == ("cold", None)  # None: each service's trigger
+    assert config.group_of("customers") == ("default", None)  # named by no group
+    assert config.merger.tables_at_once == 4
+    assert config.merger.batch_budget == "30 seconds"
+    assert config.merger.max_table_delay == "2 minutes"
+    assert config.ingestor.tables_at_once == 2  # each service's section is its own
 
 
 def test_config_path_from_env(good_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,6 +185,32 @@ def test_unknown_entity_lists_known_ones(good_file: Path) -> None:
             "kafka: {options: {sasl.password: '${env:CDC_TEST_UNSET_VAR}'}}",
             "kafka.options",
             "CDC_TEST_UNSET_VAR",
+        ),
+        # One query per group of tables: the one-query switch of earlier releases is gone.
+        ("ingestor: {one_query: true}", "ingestor.one_query", "Extra inputs"),
+        ("merger: {batch_budget: soon}", "merger.batch_budget", "not an interval"),
+        (
+            "publisher_es: {max_table_delay: '5 fortnights'}",
+            "publisher_es.max_table_delay",
+            "not an interval",
+        ),
+        (
+            "publisher_kafka: {tables_at_once: 0}",
+            "publisher_kafka.tables_at_once",
+            "greater than or equal to 1",
+        ),
+        ("groups: [{name: default, tables: [a]}]", "groups.0.name", "names the tables no group"),
+        ("groups: [{name: Hot-Tables, tables: [a]}]", "groups.0.name", "lower-case letters"),
+        ("groups: [{name: hot, tables: []}]", "groups.0.tables", "at least 1"),
+        (
+            "groups: [{name: hot, tables: [a], trigger_interval: often}]",
+            "groups.0.trigger_interval",
+            "not an interval",
+        ),
+        (
+            "groups: [{name: hot, tables: [a]}, {name: hot, tables: [b]}]",
+            "(top level)",
+            "groups ['hot'] are named twice",
         ),
     ],
 )

@@ -508,7 +508,8 @@ def test_compose_service_runs_the_script_with_the_mounted_pipeline(
     assert (ROOT / pipeline["source"]).resolve() == COMPOSE_PIPELINE.resolve()
     storage = mounts[compose_config.storage_root]
     assert storage["type"] == "volume"
-    checkpoints = str(PurePosixPath(compose_config.checkpoint_path("svc", "entity")).parent.parent)
+    checkpoint = compose_config.layout.checkpoint("svc", "default")  # <root>/_streams/svc/default
+    checkpoints = str(PurePosixPath(checkpoint).parent.parent)
     assert mounts[checkpoints]["type"] == "volume"
     assert mounts[checkpoints]["source"] != storage["source"]
 

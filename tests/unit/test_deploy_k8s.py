@@ -441,7 +441,7 @@ def test_storage_root_is_the_shared_claim(script: str, k8s_config: PipelineConfi
         if "persistentVolumeClaim" in v
     }
     mounts = {m["mountPath"]: m["name"] for m in container(script)["volumeMounts"]}
-    volume = mounts[k8s_config.storage_root]  # tables and _checkpoints under it
+    volume = mounts[k8s_config.storage_root]  # tables and checkpoints (_streams) under it
     claim = claims[by_volume[volume]]
     assert "ReadWriteMany" in claim["spec"]["accessModes"], "four pods share it"
 

@@ -13,13 +13,19 @@ from cdc_shared.layout import (
 
 def test_every_table_and_checkpoint_has_its_documented_place() -> None:
     layout = StorageLayout("s3a://bucket/cdc/")
-    assert layout.bronze("orders") == "s3a://bucket/cdc/bronze/orders"
+    assert layout.bronze() == "s3a://bucket/cdc/bronze/_all"  # one table for every entity
+    assert layout.legacy_bronze("orders") == "s3a://bucket/cdc/bronze/orders"
     assert layout.silver("orders") == "s3a://bucket/cdc/silver/orders"
     assert layout.tombstones("orders") == "s3a://bucket/cdc/silver/_tombstones/orders"
     assert layout.truncates("orders") == "s3a://bucket/cdc/silver/_truncates/orders"
     assert layout.quarantine("merger") == "s3a://bucket/cdc/quarantine/merger"
     assert layout.replay_ledger() == "s3a://bucket/cdc/quarantine/_replayed"
-    assert layout.checkpoint("publisher_es", "orders") == (
+    assert layout.silver_versions() == "s3a://bucket/cdc/silver/_versions"
+    assert layout.checkpoint("publisher_es", "default") == (
+        "s3a://bucket/cdc/_streams/publisher_es/default"
+    )
+    # Where earlier releases kept a query per entity (or their one query): read to migrate.
+    assert layout.legacy_checkpoint("publisher_es", "orders") == (
         "s3a://bucket/cdc/_checkpoints/publisher_es/orders"
     )
     assert StorageLayout("/data").change_schemas() == "/data/_schemas"
