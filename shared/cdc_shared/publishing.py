@@ -34,6 +34,7 @@ from cdc_shared.spark import side_by_side
 from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch
 from cdc_shared.streaming import (
     BatchStats,
+    BatchWrites,
     EntityStoppedError,
     Failure,
     QueryIdentity,
@@ -94,6 +95,7 @@ class ChangeFeedGroup:
         self.progress: dict[str, int] = {}
         self.latest: dict[str, int] = {}
         self.versions_read = -1  # the version of silver/_versions prepare saw
+        self._between: Callable[[], None] | None = None  # stops the writes between batches
         self.queue = TableQueue(
             self.spark,
             self.settings,
@@ -150,6 +152,10 @@ class ChangeFeedGroup:
             if state.version > self.progress[name]:
                 self.queue.offer(name, state.version)
         self.versions_read = delta_version(self.spark, self.path)
+        if self._between is None:  # the tables behind are written now, not at a next change
+            self._between = self.queue.write_between_batches(self._written, self._failed)
+            if self._between is not None:
+                self.runner.on_close(self._between)
 
     def source(self) -> DataFrame:
         """The merger's record of silver versions, the group's entities (a Delta stream).
@@ -179,6 +185,14 @@ class ChangeFeedGroup:
             max(0, latest - self.progress.get(name, -1)) for name, latest in self.latest.items()
         )
         self.runner.report(self.group.name, batch_id, stats)
+
+    def _written(self, writes: BatchWrites) -> None:
+        self.runner.report_between_batches(self.group.name, writes.stats())
+        if self.queue.holds_all(self.tables):
+            self.runner.fail(self.runner.stopped_message())
+
+    def _failed(self, error: BaseException) -> None:
+        self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")
 
     def _write(self, spark: SparkSession, name: str, until: int) -> BatchStats:
         since = self.progress[name]

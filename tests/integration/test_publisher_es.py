@@ -328,7 +328,7 @@ def test_index_lost_under_a_running_publisher_is_rebuilt_or_stops(
     error = publisher.stop()
     assert isinstance(error, StreamFailedError), error
     # The group's query stops (every table of the group with it), naming the lost alias.
-    assert str(error).startswith("publisher_es stream for entity 'default' stopped: "), error
+    assert str(error).startswith("publisher_es group 'default' stopped: "), error
     assert f"the alias {config.entity('customers').es_index_name!r}" in str(error), error
     assert "on_missing_index: rebuild" in str(error) and "Traceback" not in str(error)
     assert not es.indices.exists(index=index)

@@ -38,7 +38,13 @@ from cdc_shared.layout import INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
 from cdc_shared.stream_checkpoint import HadoopFiles, kafka_initial_offsets, last_committed_batch
-from cdc_shared.streaming import BatchStats, QueryIdentity, StreamRunner, TableGroup
+from cdc_shared.streaming import (
+    BatchStats,
+    QueryIdentity,
+    StreamFailedError,
+    StreamRunner,
+    TableGroup,
+)
 from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
@@ -247,6 +253,8 @@ class GroupIngestion:
             if quarantined:
                 lap("quarantine")
         self.runner.report(self.group.name, batch_id, self._stats(results, lap.laps))
+        if set(self.held) >= {t.entity.name for t in self.tables.values()}:
+            raise StreamFailedError(self.runner.stopped_message())  # nothing left to ingest
 
     def _decode_tables(
         self,

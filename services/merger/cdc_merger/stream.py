@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from cdc_shared.jvm_bridge import delta_version
 from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch, parse_offsets
 from cdc_shared.streaming import (
     BatchStats,
+    BatchWrites,
     Failure,
     QueryIdentity,
     StreamFailedError,
@@ -157,6 +159,7 @@ class GroupMerge:
         self.runner.on_close(self.versions.stop)
         self.tables: dict[str, TableMerge] = {}
         self.silver_versions: dict[str, int] = {}  # as read at start
+        self._between: Callable[[], None] | None = None  # stops the writes between batches
         self.queue = TableQueue(
             self.spark,
             self.config.merger,
@@ -195,6 +198,10 @@ class GroupMerge:
             self.versions.note(name, version)
         self.versions.flush()
         self._offer_behind()
+        if self._between is None:  # the tables behind are written now, not at a next change
+            self._between = self.queue.write_between_batches(self._written, self._failed)
+            if self._between is not None:
+                self.runner.on_close(self._between)
 
     def _type_tables(self) -> None:
         """Each table's payload type, as bronze's properties say (tables without rows: none)."""
@@ -315,6 +322,16 @@ class GroupMerge:
                 continue
             table.note_progress(end)
             noted += 1
+
+    def _written(self, writes: BatchWrites) -> None:
+        """Tables written between batches: silver's versions recorded, the writes logged."""
+        self.versions.flush()
+        self.runner.report_between_batches(self.group.name, writes.stats())
+        if self.queue.holds_all(self.tables):
+            self.runner.fail(self.runner.stopped_message())
+
+    def _failed(self, error: BaseException) -> None:
+        self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")
 
     def _write(self, spark: SparkSession, key: str, until: int) -> BatchStats:
         if key.endswith(HISTORY):

@@ -122,6 +122,7 @@ class TableQueue:
         self.held: dict[str, str] = {}
         self._write_s: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # one run at a time
 
     def offer(self, table: str, until: int, rows: int = 0) -> None:
         """Note that ``table`` has changes up to ``until`` (``rows`` of them) to write."""
@@ -158,7 +159,54 @@ class TableQueue:
         return [t for _, t in sorted(overdue)] + [t for _, t in sorted(hot)]
 
     def run(self) -> BatchWrites:
-        """Write the due tables (see the module); raise what a write raised for the batch."""
+        """Write the due tables (see the module); raise what a write raised for the batch.
+
+        One run at a time: a batch's run waits for a run between batches to end.
+        """
+        with self._running:
+            return self._run()
+
+    def write_between_batches(
+        self,
+        written: Callable[[BatchWrites], None],
+        failed: Callable[[BaseException], None],
+        interval_s: float = 1.0,
+    ) -> Callable[[], None] | None:
+        """Write the tables that fall due while no batch comes; a thread's stop, or None.
+
+        A table offered at start (behind its source), or deferred by its freshness,
+        must not wait for the group's next change. Every ``interval_s`` a thread runs
+        the queue when a table is due and no batch's run is under way; ``written`` gets
+        each run's outcome, ``failed`` what a run raised (the thread then stops). A queue
+        that drains (``--once``) writes what is pending now instead, and starts none.
+        """
+        if self.drain:
+            while self.pending and (outcome := self.run()).written:
+                written(outcome)
+            return None
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                with self._lock:
+                    due = bool(self.order(time.monotonic()))
+                if not due or not self._running.acquire(blocking=False):
+                    continue
+                try:
+                    outcome = self._run()
+                except Exception as error:
+                    failed(error)
+                    return
+                finally:
+                    self._running.release()
+                if outcome.written:
+                    written(outcome)
+
+        thread = InheritableThread(target=loop, name="tables-between-batches", daemon=True)
+        thread.start()
+        return stop.set
+
+    def _run(self) -> BatchWrites:
         started = time.monotonic()
         outcome = BatchWrites()
         taken: set[str] = set()

@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_shared.observability import HEALTHY, HealthServer
+from cdc_shared.observability import HEALTHY, INPUT_ROWS, ROWS, HealthServer
 from cdc_shared.retry import backoff_s, log_retry
 from cdc_shared.streaming.failures import Failure, OnFailure, StreamFailedError
 from cdc_shared.streaming.progress import (
@@ -226,7 +226,7 @@ class StreamRunner:
     def stopped_message(self) -> str:
         """Why the entities stopped alone did, one clause per entity ("" when none did)."""
         return "; ".join(
-            f"{self.service} stream for entity {entity!r} {message}"
+            f"{self.service} table {entity!r} {message}"
             for entity, message in self._stopped.items()
         )
 
@@ -254,6 +254,18 @@ class StreamRunner:
         """The counts reported for a batch (empty when none were)."""
         with self._lock:
             return self._stats.pop((entity, batch_id), BatchStats())
+
+    def report_between_batches(self, group: str, stats: BatchStats) -> None:
+        """Log and count what a group wrote between its batches (``TableQueue``)."""
+        for name, counts in stats.by_entity.items():
+            rows = dict(counts)
+            INPUT_ROWS.labels(self.service, name).inc(rows.pop("input_rows", 0))
+            for outcome, count in rows.items():
+                ROWS.labels(self.service, name, outcome).inc(count)
+        log.info(
+            "tables written between batches",
+            extra={"service": self.service, "entity": group, **stats.counts, **stats.extra},
+        )
 
     def set_problem(self, entity: str, problem: str | None) -> None:
         """Report (or clear, with None) what keeps an entity from progressing.
@@ -285,10 +297,14 @@ class StreamRunner:
                 "problem": problem,
                 "message": query.status.get("message"),
             }
-        for entity in [e for e in self._stopped if e not in streams]:  # stopped at start
+        for entity in [e for e in self._stopped if e not in streams]:  # held tables
             with self._lock:
                 problem = self._problems.get(entity)
             streams[entity] = {"active": False, "error": None, "problem": problem, "message": None}
+        with self._lock:  # a table's own problem (e.g. its index unreachable, retrying)
+            problems = {t: p for t, p in self._problems.items() if t not in streams}
+        for table, problem in problems.items():
+            streams[table] = {"active": True, "error": None, "problem": problem, "message": None}
         ok = bool(streams) and all(
             s["active"] and not s["error"] and not s["problem"] for s in streams.values()
         )
@@ -423,7 +439,7 @@ class StreamRunner:
             if other.isActive:
                 other.stop()
         message = failure.message if failure else f"failed: {error}"
-        raise StreamFailedError(f"{self.service} stream for entity {entity!r} {message}")
+        raise StreamFailedError(f"{self.service} group {entity!r} {message}")
 
     def _held(self, query: str, failure: Failure) -> bool:
         """Whether ``query`` goes on without the table ``failure`` is about (its ``hold``)."""
