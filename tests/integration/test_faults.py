@@ -218,7 +218,7 @@ def test_incompatible_writer_schema_holds_its_table_then_can_be_quarantined(
 
     runner = start(pipeline.config, once=False, spark=spark)
     stop = stop_customers_with(spark, pipeline, runner, len(first), deploy_and_produce, len(orders))
-    assert "entity 'customers' stopped:" in stop and "cannot be resolved" in stop, stop
+    assert "table 'customers' stopped:" in stop and "cannot be resolved" in stop, stop
     assert "on_incompatible_schema: quarantine" in stop, stop
     assert "\n" not in stop, stop
     rows = bronze(spark, pipeline, "customers").select("kafka_partition", "kafka_offset")

@@ -206,7 +206,7 @@ def test_a_registry_outage_quarantines_nothing_and_past_its_budget_stops(
     assert len(retried) >= 4 + 1, "a warning for each retry"
     # The table is held with the registry's one line.
     stop = str(stopped.value)
-    assert "entity 'customers' stopped: " in stop, stop
+    assert "table 'customers' stopped: " in stop, stop
     assert "nothing of the table's batch was written or quarantined" in stop, stop
     assert proxy.url in stop and "HTTP 503" in stop, stop
     assert "Traceback" not in stop, stop
