@@ -73,7 +73,7 @@ class IndexPublication:
         self.scrub = Scrubber(
             s.get_secret_value() for s in (es_config.api_key, es_config.password) if s is not None
         )
-        es = make_elasticsearch(es_config)
+        es = self.progress_index.es  # one client (and its connection pool) for every table
         self.index = IndexLifecycle(
             self.spark, self.config, self.entity, es, self._problem, self.scrub
         )
