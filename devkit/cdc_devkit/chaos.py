@@ -131,7 +131,6 @@ class ChaosOptions:
     modes: tuple[RunMode, ...] = (RunMode.SERVICES,)
     # None: the example's tables; else that many copies of them (a whole database).
     tables: int | None = None
-    one_query: bool = False  # every service as one query for all its tables
 
 
 @dataclass
@@ -232,12 +231,16 @@ class WindowWatch:
         self.config = config
 
     def wait(self, service: str, entity_name: str, timeout_s: float) -> bool:
-        """Block until ``service`` just committed (or is indexing) for the entity."""
+        """Block until ``service`` just committed (or is indexing) for the entity.
+
+        The ingestor's window is a commit of the one bronze table (each of its batches
+        commits every entity it read at once); the others' are the entity's own target.
+        """
         entity = self.config.entity(entity_name)
+        layout = self.config.layout
         if service in ("ingestor", "merger"):
-            layout = self.config.layout
-            table = layout.bronze if service == "ingestor" else layout.silver
-            log = Path(table(entity.name)) / "_delta_log"
+            table = layout.bronze() if service == "ingestor" else layout.silver(entity.name)
+            log = Path(table) / "_delta_log"
             return _changes(lambda: _latest_commit(log), timeout_s, every_s=0.005)
         if service == "publisher-kafka":
             return self._wait_for_transaction(entity.change_topic_name, timeout_s)
@@ -386,7 +389,7 @@ class FaultInjector(threading.Thread):
             if self.stopping.wait(pause):
                 return
             if number in self.switches:
-                self._switch(self.switches.pop(number))
+                self._switch_or_record(self.switches.pop(number))
             self.echo(f"fault {number}/{len(self.plan)}: {fault}")
             self.current = number
             if fault != "kill":  # a kill is armed once its service is up again
@@ -398,7 +401,15 @@ class FaultInjector(threading.Thread):
                 self.echo(f"fault {number} could not be injected: {exc}")
             self.done = number
         for mode in self.switches.values():  # a plan with too few kills to reach them
+            self._switch_or_record(mode)
+
+    def _switch_or_record(self, mode: RunMode) -> None:
+        """:meth:`_switch`; one that fails is a problem of the run, not the injector's end."""
+        try:
             self._switch(mode)
+        except Exception as exc:
+            self.record.problems.append(f"switch to {mode}: {type(exc).__name__}: {exc}")
+            self.echo(f"the switch to {mode} failed: {exc}")
 
     def _switch(self, mode: RunMode) -> None:
         """SIGKILL every process of the deployment at once; go on as ``mode``."""
@@ -678,7 +689,6 @@ def _prepare(
         kafka_options={"sasl.password": secrets[0]},
         es_api_key=secrets[1],
         tables=options.tables,
-        one_query=options.one_query,
     )
     proxy, schema_ids = None, {}
     if on_registry:

@@ -19,6 +19,7 @@ from typing import Any
 
 import fastavro
 from cdc_shared.avro import SchemaRegistry, read_header
+from cdc_shared.bronze import ENTITY, entity_changes, read_payload_types
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import INGESTOR
@@ -27,7 +28,8 @@ from cdc_shared.tables import has_commits
 from confluent_kafka import TopicPartition
 from elasticsearch import NotFoundError
 from elasticsearch.helpers import scan
-from pyspark.sql import SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 
 Key = tuple[Any, ...]
 Rows = dict[Key, dict[str, Any]]
@@ -103,6 +105,34 @@ def compare(output: str, expected: Rows, got: Rows) -> Difference:
         if k in got and not all(same_value(v, got[k].get(c)) for c, v in row.items())
     )
     return difference
+
+
+def bronze_changes(
+    spark: SparkSession, config: PipelineConfig, entity: EntityConfig
+) -> DataFrame | None:
+    """The entity's rows in the one bronze table, typed (``cdc_shared.bronze.entity_changes``).
+
+    None before the ingestor wrote a row of the entity (no bronze yet, or no payload
+    type recorded for it).
+    """
+    path = config.layout.bronze()
+    if not has_commits(spark, path) or entity.name not in read_payload_types(spark, path):
+        return None
+    return entity_changes(spark, path, entity.name)
+
+
+def bronze_row_count(spark: SparkSession, config: PipelineConfig, entity: EntityConfig) -> int:
+    """How many rows of the entity the one bronze table holds (0 before it has any)."""
+    path = config.layout.bronze()
+    if not has_commits(spark, path):
+        return 0
+    rows = spark.read.format("delta").load(path)
+    return int(rows.where(F.col(ENTITY) == F.lit(entity.name)).count())
+
+
+def bronze_label(entity: EntityConfig) -> str:
+    """The summaries' name for the entity's rows in the one bronze table (``bronze/_all``)."""
+    return f"bronze/_all, entity {entity.name}"
 
 
 def silver_rows(spark: SparkSession, config: PipelineConfig, entity: EntityConfig) -> Rows:
@@ -249,7 +279,8 @@ def topic_offsets(config: PipelineConfig, topic: str) -> set[tuple[int, int]]:
         consumer.close()
 
 
-def _coordinates(spark: SparkSession, path: str, where: str) -> list[tuple[int, int]]:
+def _coordinates(spark: SparkSession, path: str, where: Column) -> list[tuple[int, int]]:
+    """(partition, offset) of the rows of the Delta table at ``path`` that ``where`` selects."""
     if not has_commits(spark, path):
         return []
     rows = spark.read.format("delta").load(path).where(where)
@@ -262,11 +293,9 @@ def source_coverage(
     """Whether every record of the entity's source topic landed once in bronze or quarantine."""
     topic = entity.source_topic
     on_broker = topic_offsets(config, topic)
-    landed = _coordinates(spark, config.layout.bronze(entity.name), "true")
+    landed = _coordinates(spark, config.layout.bronze(), F.col(ENTITY) == F.lit(entity.name))
     landed += _coordinates(
-        spark,
-        config.layout.quarantine(INGESTOR),
-        f"kafka_topic = '{topic}'",
+        spark, config.layout.quarantine(INGESTOR), F.col("kafka_topic") == F.lit(topic)
     )
     seen: set[tuple[int, int]] = set()
     coverage = SourceCoverage(topic, len(on_broker))

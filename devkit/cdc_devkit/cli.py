@@ -298,9 +298,6 @@ def chaos(
         help="That many tables, copies of the example's (a whole database); default: "
         "the example's own.",
     ),
-    one_query: bool = typer.Option(
-        False, "--one-query", help="Every service as one query for all its tables."
-    ),
 ) -> None:
     """Run the pipeline under SIGKILLs, broker restarts, Elasticsearch and registry outages.
 
@@ -326,7 +323,6 @@ def chaos(
         catch_up_timeout_s=timeout,
         modes=tuple(mode),
         tables=tables,
-        one_query=one_query,
     )
     result = _run_or_exit(lambda: run_chaos(options, typer.echo))
     _print_summary(summary_rows(result))

@@ -29,7 +29,15 @@ from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra
-from cdc_devkit.checks import Difference, Rows, change_topic_state, compare, index_rows
+from cdc_devkit.checks import (
+    Difference,
+    Rows,
+    bronze_label,
+    bronze_row_count,
+    change_topic_state,
+    compare,
+    index_rows,
+)
 from cdc_devkit.local_run import (
     ROOT,
     Echo,
@@ -310,7 +318,7 @@ def _count(spark: SparkSession, config: PipelineConfig, result: DemoResult) -> N
             return 0
 
     for entity in config.entities:
-        result.rows[f"bronze/{entity.name}"] = rows(config.layout.bronze(entity.name))
+        result.rows[bronze_label(entity)] = bronze_row_count(spark, config, entity)
         result.rows[f"silver/{entity.name}"] = rows(config.layout.silver(entity.name))
         if entity.history.enabled:
             result.rows[f"silver_history/{entity.name}"] = rows(config.layout.history(entity.name))

@@ -26,7 +26,7 @@ from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra
-from cdc_devkit.checks import Difference, index_rows
+from cdc_devkit.checks import Difference, bronze_label, bronze_row_count, index_rows
 from cdc_devkit.debezium import (
     Capture,
     ConnectClient,
@@ -188,13 +188,10 @@ def _run_step(
 
 def _count(spark: SparkSession, config: PipelineConfig, result: PostgresDemoResult) -> None:
     for entity in config.entities:
-        tables = (("bronze", config.layout.bronze), ("silver", config.layout.silver))
-        for layer, table in tables:
-            path = table(entity.name)
-            if has_commits(spark, path):
-                result.rows[f"{layer}/{entity.name}"] = (
-                    spark.read.format("delta").load(path).count()
-                )
+        result.rows[bronze_label(entity)] = bronze_row_count(spark, config, entity)
+        silver = config.layout.silver(entity.name)
+        if has_commits(spark, silver):
+            result.rows[f"silver/{entity.name}"] = spark.read.format("delta").load(silver).count()
         result.documents[entity.es_index_name] = len(index_rows(config, entity))
     quarantine = config.layout.quarantine(INGESTOR)
     result.rows["quarantine/ingestor"] = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import random
 import signal
 import socket
 import sys
@@ -30,6 +31,7 @@ from cdc_devkit import infra
 from cdc_devkit.checks import (
     Difference,
     Key,
+    bronze_changes,
     change_topic_state,
     compare,
     index_rows,
@@ -51,7 +53,6 @@ def write_pipeline_config(
     kafka_options: dict[str, str] | None = None,
     es_api_key: str | None = None,
     tables: int | None = None,
-    one_query: bool = False,
 ) -> Path:
     """The example pipeline on fresh topics, tables and indexes under ``workdir``.
 
@@ -59,7 +60,7 @@ def write_pipeline_config(
     ``tables``: that many tables instead of the example's, copies of its entities taken
     in turn, each named ``<entity>_t<n>`` with a source topic, change topic and index of
     its own, and the driver heap the shipped default sizes for them (the example's is
-    set to 1 GiB). ``one_query``: every service runs one query for all its tables.
+    set to 1 GiB).
     """
     run = f"{prefix}{uuid.uuid4().hex[:6]}"
     document: dict[str, Any] = yaml.safe_load(EXAMPLE_CONFIG.read_text())
@@ -84,11 +85,9 @@ def write_pipeline_config(
         document["entities"] = copied_entities(document["entities"], tables)
         del document["spark"]["conf"]["spark.driver.memory"]  # sized by the tables
     # Ports free now, not the example's: two runs (or a run and a test) can coexist.
-    *ports, application_port = free_ports(len(SERVICES) + 1)
+    *ports, application_port = service_ports(len(SERVICES) + 1)
     for section, port in zip(SERVICES, ports, strict=True):
         document[section] = {"trigger_interval": "1 second", "metrics_port": port}
-        if one_query:
-            document[section]["one_query"] = True
     document["application"] = {"metrics_port": application_port}
     document[INGESTOR]["max_offsets_per_trigger"] = 20_000
     if kafka_options:
@@ -144,6 +143,40 @@ def free_ports(count: int) -> list[int]:
         for probe in probes:
             probe.bind(("127.0.0.1", 0))
         return [int(probe.getsockname()[1]) for probe in probes]
+
+
+#: Where :func:`service_ports` picks: below the kernel's ephemeral range (Linux's default
+#: 32768-60999) and clear of the ports the kit's servers take (``infra``'s defaults
+#: 5432-9300, the tests' 25432-29300).
+SERVICE_PORT_RANGE = range(10_000, 20_000)
+
+
+def service_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports for the services' /health and /metrics, free now.
+
+    Not from the kernel (:func:`free_ports`): its ports are the ephemeral range, which it
+    hands to every process that binds port 0 (a JVM's Py4J gateway, a Spark driver's
+    block manager) and to outgoing connections. A service's port is free each time the
+    service is down (a restart, the chaos run's switch of deployment), and one taken
+    meanwhile keeps the service from starting again. Ports outside that range are only
+    ever bound on purpose, so a run keeps its ports; the pick is random within
+    ``SERVICE_PORT_RANGE`` so that runs side by side do not meet.
+    """
+    candidates = random.sample(SERVICE_PORT_RANGE, len(SERVICE_PORT_RANGE))
+    with contextlib.ExitStack() as stack:
+        chosen: list[int] = []
+        for port in candidates:
+            probe = socket.socket()
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:  # taken
+                probe.close()
+                continue
+            stack.enter_context(probe)  # bound until all are chosen, as in free_ports
+            chosen.append(port)
+            if len(chosen) == count:
+                return chosen
+    raise RuntimeError(f"fewer than {count} free ports in {SERVICE_PORT_RANGE}")
 
 
 def machine_used_bytes() -> int:
@@ -234,15 +267,15 @@ def check_outputs(
 def produce_delays(spark: SparkSession, config: PipelineConfig) -> dict[str, list[float]]:
     """Produce -> silver commit, and produce -> change event published, per key's last change.
 
-    The start is the source record's Kafka timestamp (producer time), found in bronze by
-    key and sequence.
+    The start is the source record's Kafka timestamp (producer time), found in bronze (the
+    entity's rows of the one table) by key and sequence.
     """
     to_silver: list[float] = []
     to_topic: list[float] = []
     for entity in config.entities:
-        if not has_commits(spark, config.layout.silver(entity.name)):
+        bronze = bronze_changes(spark, config, entity)
+        if bronze is None or not has_commits(spark, config.layout.silver(entity.name)):
             continue
-        bronze = spark.read.format("delta").load(config.layout.bronze(entity.name))
         produced: dict[tuple[Key, tuple[int, ...]], float] = {}
         for r in bronze.select("key", "sequence", "kafka_timestamp").collect():
             mark = (tuple(r["key"][k] for k in entity.key), tuple(r["sequence"]))

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from enum import StrEnum
+from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,8 @@ class ServiceProcess:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
                 return bool(answer.status == 200)
         except OSError:  # refused, 503, timeout
+            return False
+        except HTTPException:  # something else than a service answers on the port
             return False
 
     @property

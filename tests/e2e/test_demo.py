@@ -50,6 +50,16 @@ def test_demo_agrees_with_the_oracle(local_servers: infra.Endpoints, tmp_path: P
     assert "everything agrees with the oracle" in summary
     for check in ("silver/customers", "silver/orders", "index ", "topic "):
         assert check in summary
+    # The one bronze table's rows, counted per entity: each entity's records landed, and
+    # with the ingestor's quarantine (the poison records) every record produced, once.
+    landed = {
+        entity: _count(rf"bronze/_all, entity {entity}\s+([\d,]+) rows", summary)
+        for entity in ("customers", "orders")
+    }
+    assert all(landed.values()), summary
+    produced = _count(r"events produced\s+([\d,]+) \(", summary)
+    quarantined = _count(r"quarantine/ingestor\s+([\d,]+) rows", summary)
+    assert sum(landed.values()) + quarantined == produced, summary
     history = re.search(
         r"check\s+silver_history/customers by \(key, __start_at\): (\d+) keys agree", summary
     )
@@ -62,3 +72,10 @@ def test_demo_agrees_with_the_oracle(local_servers: infra.Endpoints, tmp_path: P
     application.poll()
     assert application.errors == [], f"the demo's application logged: {application.errors[:5]}"
     assert {str(b.get("service")) for b in application.batches} == set(SERVICES)
+
+
+def _count(pattern: str, summary: str) -> int:
+    """The number (``12,116``) the summary line matching ``pattern`` shows."""
+    found = re.search(pattern, summary)
+    assert found, f"no line matching {pattern!r} in:\n{summary}"
+    return int(found.group(1).replace(",", ""))

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from pathlib import Path
 
 from cdc_cli.application import select_services
+from cdc_devkit.local_run import SERVICE_PORT_RANGE, service_ports
 from cdc_devkit.processes import (
     SERVICES,
     ProcessSample,
     RunMode,
+    ServiceProcess,
     group_rss_bytes,
     launch,
     owns_its_memory,
@@ -75,3 +79,35 @@ def test_a_run_of_some_services_launches_only_those() -> None:
     assert select_services(arguments[1::2]) == list(chosen)  # names `cdc run` takes
     assert [s.name for s in services] == list(chosen)
     assert "--service" not in launch(RunMode.APPLICATION, Path("p.yaml"), Path("l"))[0].command
+
+
+def test_a_port_another_program_took_is_not_a_healthy_service(tmp_path: Path) -> None:
+    """A service's port taken while it was down (by a JVM's Py4J gateway, which answers
+    an HTTP request with a line of its own) reads as not healthy; the wait goes on."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"!zspy4j.Py4JException: Unknown command received\n")
+
+        answering = threading.Thread(target=answer, daemon=True)
+        answering.start()
+        service = ServiceProcess("merger", tmp_path / "pipeline.yaml", tmp_path / "merger.log")
+        assert service.healthy(server.getsockname()[1]) is False
+        answering.join(5)
+
+
+def test_service_ports_are_free_distinct_and_outside_the_ephemeral_range() -> None:
+    """Ports the kernel never hands to a process binding port 0: a run keeps its ports
+    while its services restart."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = service_ports(5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        assert port in SERVICE_PORT_RANGE and not low <= port <= high
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # free once chosen
