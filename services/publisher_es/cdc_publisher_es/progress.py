@@ -12,6 +12,7 @@ checkpoint per entity takes it from there (``legacy_version``).
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from typing import Any
 
 from cdc_shared.config import PipelineConfig
@@ -37,21 +38,25 @@ class IndexProgress:
         self.es = es
         self.index = index
         self._made = False
+        self._making = threading.Lock()  # the tables start side by side
 
     def _ensure(self) -> None:
-        if self._made:
-            return
-        if not self.es.indices.exists(index=self.index):
-            try:
-                self.es.indices.create(
-                    index=self.index,
-                    mappings=_MAPPINGS,
-                    settings={"number_of_shards": 1, "auto_expand_replicas": "0-1"},
-                )
-            except Exception as error:  # made meanwhile by another publisher: fine
-                if not self.es.indices.exists(index=self.index):
-                    raise error from None
-        self._made = True
+        """The progress index, made unless it exists, and ready to read (its shard up)."""
+        with self._making:
+            if self._made:
+                return
+            if not self.es.indices.exists(index=self.index):
+                try:
+                    self.es.indices.create(
+                        index=self.index,
+                        mappings=_MAPPINGS,
+                        settings={"number_of_shards": 1, "auto_expand_replicas": "0-1"},
+                    )
+                except Exception as error:  # made meanwhile by another publisher: fine
+                    if not self.es.indices.exists(index=self.index):
+                        raise error from None
+            self.es.cluster.health(index=self.index, wait_for_status="yellow", timeout="60s")
+            self._made = True
 
     def read(self, alias: str) -> int | None:
         """The silver version published to ``alias`` (None: no progress recorded)."""
