@@ -36,9 +36,10 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_shared.layout import ENTITY_COLUMN
 from cdc_shared.tables import AUTO_COMPACT, table_properties
 
-ENTITY = "entity"
+ENTITY = ENTITY_COLUMN
 PAYLOAD = "payload"
 #: The Kafka record's coordinates: (topic, partition, offset) is unique in bronze.
 KAFKA_COLUMNS = ("kafka_topic", "kafka_partition", "kafka_offset", "kafka_timestamp")

@@ -32,6 +32,8 @@ POSITIONS_COMMITS_READ = 1000
 #: A name no entity can take (entity names start with a letter): the one bronze table's
 #: folder, and the checkpoint of the one queries of earlier releases (``<service>.one_query``).
 ALL_ENTITIES = "_all"
+#: The one bronze table's partition column: the entity a change belongs to.
+ENTITY_COLUMN = "entity"
 
 
 def display_name(service: str) -> str:

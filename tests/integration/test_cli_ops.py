@@ -32,12 +32,13 @@ from cdc_cli.status import collect_status
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
 from cdc_merger.apply import ERROR_KIND, ERROR_MESSAGE, SILVER_PROPERTIES
 from cdc_merger.main import start as start_merger
-from cdc_merger.merging import PROGRESS_APP, quarantine_rows
+from cdc_merger.merging import quarantine_rows
 from cdc_publisher_es.progress import IndexProgress
 from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_elasticsearch
 from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
 from cdc_shared.delta_rs import transaction_versions
+from cdc_shared.layout import MERGER_PROGRESS_APP
 from cdc_shared.tables import idempotent_append, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
@@ -152,9 +153,9 @@ def _last_write(spark: SparkSession, path: str) -> int:
 
 def _merger_progress(config: PipelineConfig, entity: str = ENTITY) -> int | None:
     """The bronze version silver's log says the entity is merged through."""
-    return transaction_versions(config, {entity: config.layout.silver(entity)}, PROGRESS_APP)[
-        entity
-    ]
+    return transaction_versions(
+        config, {entity: config.layout.silver(entity)}, MERGER_PROGRESS_APP
+    )[entity]
 
 
 def test_status_after_one_pass_shows_no_lag(world: World, spark: SparkSession) -> None:
@@ -727,7 +728,7 @@ def test_quarantine_lists_and_shows_the_mergers_rows(world: World, spark: SparkS
     )
     # As the merger's write quarantines them (cdc_merger.merging.TableMerge.write).
     rows = quarantine_rows(rejected, ENTITY, version)
-    app = f"{PROGRESS_APP}-{ENTITY}"
+    app = f"{MERGER_PROGRESS_APP}-{ENTITY}"
     idempotent_append(rows, config.layout.quarantine("merger"), app, version)
     written = spark.read.format("delta").load(config.layout.quarantine("merger")).collect()
     assert {(r.source_table, r.batch_id) for r in written} == {("bronze", version)}

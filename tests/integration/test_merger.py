@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
-from cdc_merger.merging import PROGRESS_APP, silver_layout
+from cdc_merger.merging import silver_layout
 from cdc_shared.config import KafkaConfig
 from cdc_shared.delta_rs import transaction_versions
+from cdc_shared.layout import MERGER_PROGRESS_APP
 from cdc_shared.spark import counting_jobs
 from cdc_shared.tables import table_properties
 from pyspark.sql import SparkSession
@@ -212,12 +213,12 @@ def test_a_table_left_out_of_a_run_is_merged_from_its_own_progress(
     ingest_once(pipeline, spark)
     config = pipeline.config
     silver = {"customers": config.layout.silver("customers")}
-    (merged_before,) = transaction_versions(config, silver, PROGRESS_APP).values()
+    (merged_before,) = transaction_versions(config, silver, MERGER_PROGRESS_APP).values()
     orders_only = config.model_copy(update={"entities": [config.entity("orders")]})
     start_merger(orders_only, once=True, spark=spark).run()
-    assert transaction_versions(config, silver, PROGRESS_APP) == {"customers": merged_before}
+    assert transaction_versions(config, silver, MERGER_PROGRESS_APP) == {"customers": merged_before}
     merge_once(pipeline, spark)  # bronze has nothing the group's checkpoint did not read
-    (merged,) = transaction_versions(config, silver, PROGRESS_APP).values()
+    (merged,) = transaction_versions(config, silver, MERGER_PROGRESS_APP).values()
     assert merged is not None and merged_before is not None and merged > merged_before
     assert_silver_equals_oracle(spark, pipeline, kafka_config)
     assert_change_feed_has_no_repeats(spark, pipeline)

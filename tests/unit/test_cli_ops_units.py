@@ -439,17 +439,8 @@ def test_local_run_copies_the_example_into_many_tables_each_with_its_own_names(
 
 def test_the_names_the_cli_reads_without_pyspark_are_the_services_own() -> None:
     """The read-only commands name what the services write without importing them (their
-    modules import PySpark): the same names."""
-    from cdc_cli import checkpoints, maintenance, status
-    from cdc_ingestor import positions
-    from cdc_merger import legacy, merging
+    modules import PySpark): the one name kept outside ``cdc_shared.layout`` agrees."""
+    from cdc_cli import status
     from cdc_publisher_es import progress
-    from cdc_shared import bronze, silver
 
-    assert checkpoints.MERGER_PROGRESS_APP == merging.PROGRESS_APP
-    assert checkpoints.MERGER_LEGACY_APP == legacy.LEGACY_APP
-    assert checkpoints.INGESTOR_METADATA_KEY == positions.METADATA_KEY
-    assert checkpoints.POSITIONS_READ == positions.HISTORY_READ
-    assert checkpoints.ENTITY_COLUMN == bronze.ENTITY
-    assert maintenance.DELETED_AT == silver.DELETED_AT
     assert status.ES_PROGRESS_FIELD in progress._MAPPINGS["properties"]

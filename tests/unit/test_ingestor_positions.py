@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from cdc_ingestor.positions import METADATA_KEY, batch_ends, commit_metadata
+from cdc_ingestor.positions import batch_ends, commit_metadata
+from cdc_shared.layout import INGESTOR_COMMIT_KEY
 from support.checkpoint_files import Files
 
 CHECKPOINT = "/data/_streams/ingestor/default"
@@ -15,9 +16,9 @@ def test_a_bronze_commit_records_the_group_its_topics_positions_and_held_tables(
     held = {"customers": "stopped: its writer schema cannot be resolved"}
     recorded = json.loads(commit_metadata("default", positions, held))
     assert recorded == {
-        METADATA_KEY: {"group": "default", "positions": positions, "held": held},
+        INGESTOR_COMMIT_KEY: {"group": "default", "positions": positions, "held": held},
     }
-    assert json.loads(commit_metadata("hot", {}, {}))[METADATA_KEY]["held"] == {}
+    assert json.loads(commit_metadata("hot", {}, {}))[INGESTOR_COMMIT_KEY]["held"] == {}
 
 
 def test_where_a_batch_ends_is_its_planned_offsets_by_topic_and_partition() -> None:

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from cdc_shared.layout import INGESTOR_COMMIT_KEY, POSITIONS_COMMITS_READ
+from cdc_shared.layout import ENTITY_COLUMN, INGESTOR_COMMIT_KEY, POSITIONS_COMMITS_READ
 from cdc_shared.stream_checkpoint import (
     CommittedBatch,
     HadoopFiles,
@@ -49,8 +49,6 @@ from cdc_shared.stream_checkpoint import last_committed_batch as read_last_commi
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-#: Bronze's partition column (``cdc_shared.bronze.ENTITY``).
-ENTITY_COLUMN = "entity"
 #: Commit files read side by side: each read mostly waits on storage.
 _READ_THREADS = 8
 _READ_AHEAD = 64

@@ -81,6 +81,7 @@ from cdc_shared.config import (
     s3a_bucket,
 )
 from cdc_shared.layout import (
+    ENTITY_COLUMN,
     MERGER,
     MERGER_LEGACY_APP,
     MERGER_PROGRESS_APP,
@@ -92,7 +93,6 @@ from cdc_shared.layout import (
 from cdc_shared.silver import DELETED_AT
 
 from cdc_cli.checkpoints import (
-    ENTITY_COLUMN,
     Commit,
     DeltaLog,
     SparkState,

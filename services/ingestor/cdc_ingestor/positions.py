@@ -52,15 +52,13 @@ log = logging.getLogger("cdc_ingestor")
 Offsets = dict[str, dict[str, int]]
 #: Spark's Kafka source offsets for "from the start" and "from the end" of a partition.
 EARLIEST, LATEST = -2, -1
-METADATA_KEY = INGESTOR_COMMIT_KEY
-HISTORY_READ = POSITIONS_COMMITS_READ
 METADATA_TIMEOUT_S = 30.0
 
 
 def commit_metadata(group: str, positions: Offsets, held: Mapping[str, str]) -> str:
     """A bronze commit's ``userMetadata``: the group's topics' positions, its held tables."""
     return json.dumps(
-        {METADATA_KEY: {"group": group, "positions": positions, "held": dict(held)}},
+        {INGESTOR_COMMIT_KEY: {"group": group, "positions": positions, "held": dict(held)}},
         sort_keys=True,
         separators=(",", ":"),
     )
@@ -79,17 +77,17 @@ def recorded_positions(
 ) -> Recorded:
     """Each topic's position and held state as the newest bronze commit naming it says.
 
-    Reads the commit information of bronze's latest ``HISTORY_READ`` commits (no data).
+    Reads the commit information of bronze's latest ``POSITIONS_COMMITS_READ`` commits (no data).
     """
     wanted = {entity.source_topic: entity.name for entity in entities}
     recorded = Recorded()
     if not DeltaTable.isDeltaTable(spark, bronze):
         return recorded
-    history = DeltaTable.forPath(spark, bronze).history(HISTORY_READ)
+    history = DeltaTable.forPath(spark, bronze).history(POSITIONS_COMMITS_READ)
     rows = history.where(F.col("userMetadata").isNotNull()).select("version", "userMetadata")
     for row in sorted(rows.collect(), key=lambda r: -int(r["version"])):
         try:
-            record = json.loads(row["userMetadata"]).get(METADATA_KEY)
+            record = json.loads(row["userMetadata"]).get(INGESTOR_COMMIT_KEY)
         except (ValueError, AttributeError):
             continue
         if not isinstance(record, dict):

@@ -7,7 +7,7 @@ what remains of an old table is the part its merger had not merged yet. At the f
 start, each table reads its old table from where its old stream stood to its end, with a
 stream of its own run to the end (``availableNow``, a checkpoint of its own so that a
 kill resumes it), and applies it as any batch (replaying what was merged before changes
-nothing); silver's log then records the drain (app id ``LEGACY_APP``), and the old table
+nothing); silver's log then records the drain (app id ``MERGER_LEGACY_APP``), and the old table
 is never read again. Nothing is lost: the old tables' rows are merged whatever their
 order with the new bronze's, since every step compares sequences.
 """
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from cdc_merger.merging import TableMerge
 
 log = logging.getLogger("cdc_merger")
-LEGACY_APP = MERGER_LEGACY_APP
 
 
 def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: TableMerge) -> None:
@@ -48,7 +47,10 @@ def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: Tabl
     silver = config.layout.silver(table.name)
     if not DeltaTable.isDeltaTable(spark, old):
         return
-    if transaction_versions(config, {table.name: silver}, LEGACY_APP)[table.name] is not None:
+    if (
+        transaction_versions(config, {table.name: silver}, MERGER_LEGACY_APP)[table.name]
+        is not None
+    ):
         return
     start = old_position(spark, config, table.name)
     if table.payload_type is None:
@@ -66,7 +68,7 @@ def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: Tabl
         def quarantine(rejected: DataFrame) -> None:
             rows = quarantine_rows(rejected, table.name, batch_id)
             new = not_quarantined_yet(spark, rows, config.layout.quarantine(SERVICE))
-            app = f"{LEGACY_APP}-{table.name}"
+            app = f"{MERGER_LEGACY_APP}-{table.name}"
             idempotent_append(new, config.layout.quarantine(SERVICE), app, batch_id)
 
         dropped, nulls = table.dropped_columns(), table._null_update_columns()
@@ -88,9 +90,9 @@ def drain_legacy_bronze(spark: SparkSession, config: PipelineConfig, table: Tabl
     query.awaitTermination()
     if query.exception() is not None:
         raise RuntimeError(f"draining {old} failed: {query.exception()}")
-    record_progress(spark, silver, (LEGACY_APP, 1))
+    record_progress(spark, silver, (MERGER_LEGACY_APP, 1))
     if table.layout.history is not None:
-        record_progress(spark, table.layout.history.path, (LEGACY_APP, 1))
+        record_progress(spark, table.layout.history.path, (MERGER_LEGACY_APP, 1))
     delete_tree(spark, checkpoint)
     log.info(
         "an entity's bronze table of the releases before one bronze is drained into silver",

@@ -5,7 +5,7 @@ its changes reach; the table reads its own rows since its progress (bronze's Cha
 Feed, typed: ``cdc_shared.bronze.entity_changes``) and applies them
 (:func:`cdc_merger.apply.apply_batch`: latest event per key, tombstone and truncate
 guards, one MERGE into silver). The MERGE's commit records the bronze version reached
-(Delta's idempotent writes, app id ``PROGRESS_APP``): silver's own log says how far the
+(Delta's idempotent writes, app id ``MERGER_PROGRESS_APP``): silver's own log says how far the
 table is merged, so the table can be written in any later batch, and a write run again
 writes nothing twice. The history, when the entity keeps one, is brought up to silver's
 progress after silver's step committed, with a progress of its own in its own log.
@@ -57,7 +57,6 @@ from cdc_merger.write_mode import WriteMode
 SERVICE = MERGER
 log = logging.getLogger("cdc_merger")
 #: The app id of the merger's progress in silver's (and the history's) log.
-PROGRESS_APP = MERGER_PROGRESS_APP
 
 
 def silver_layout(config: PipelineConfig, entity: EntityConfig) -> SilverLayout:
@@ -215,7 +214,9 @@ class TableMerge:
         def quarantine(rejected: DataFrame) -> None:
             rows = quarantine_rows(rejected, self.name, until)
             new = not_quarantined_yet(spark, rows, self.quarantine_path)
-            idempotent_append(new, self.quarantine_path, f"{PROGRESS_APP}-{self.name}", until)
+            idempotent_append(
+                new, self.quarantine_path, f"{MERGER_PROGRESS_APP}-{self.name}", until
+            )
 
         # Every step is idempotent, so a batch whose MERGE source went with a lost
         # executor is applied again here instead of failing.
@@ -242,7 +243,7 @@ class TableMerge:
                 self.placeholder,
                 self.dropped_columns(),
                 self._null_update_columns(),
-                (PROGRESS_APP, until),
+                (MERGER_PROGRESS_APP, until),
             )
             self.progress = until
             self.announce(self.name)
@@ -284,7 +285,7 @@ class TableMerge:
                 self.placeholder,
                 self.dropped_columns(),
                 self._null_update_columns(),
-                (PROGRESS_APP, until),
+                (MERGER_PROGRESS_APP, until),
             )
         self.history_progress = until
         extra = {
@@ -304,10 +305,10 @@ class TableMerge:
             return
         history = self.layout.history
         caught_up = history is not None and self.history_progress == self.progress
-        record_progress(self.spark, self.layout.silver_path, (PROGRESS_APP, until))
+        record_progress(self.spark, self.layout.silver_path, (MERGER_PROGRESS_APP, until))
         self.progress = until
         if history is not None and caught_up:
-            record_progress(self.spark, history.path, (PROGRESS_APP, until))
+            record_progress(self.spark, history.path, (MERGER_PROGRESS_APP, until))
             self.history_progress = until
 
     def warn_unavailable(self, until: int, columns: dict[str, int]) -> None:

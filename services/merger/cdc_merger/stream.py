@@ -29,6 +29,7 @@ from cdc_shared.config import EntityConfig, PipelineConfig, interval_seconds
 from cdc_shared.delta_rs import read_logs, transaction_versions
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import delta_version
+from cdc_shared.layout import MERGER_PROGRESS_APP
 from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch, parse_offsets
 from cdc_shared.streaming import (
     BatchStats,
@@ -50,7 +51,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_merger.legacy import drain_legacy_bronze
-from cdc_merger.merging import PROGRESS_APP, SERVICE, TableMerge, ensure_quarantine
+from cdc_merger.merging import SERVICE, TableMerge, ensure_quarantine
 
 log = logging.getLogger("cdc_merger")
 #: How the queue names a table's history write: ``<entity>/history``.
@@ -213,9 +214,11 @@ class GroupMerge:
     def _read_progress(self) -> None:
         """Each table's progress (and silver's version), from silver's and the history's logs."""
         layout = self.config.layout
-        silver = read_logs(self.config, {n: layout.silver(n) for n in self.tables}, PROGRESS_APP)
+        silver = read_logs(
+            self.config, {n: layout.silver(n) for n in self.tables}, MERGER_PROGRESS_APP
+        )
         histories = {n: layout.history(n) for n, t in self.tables.items() if t.layout.history}
-        history = transaction_versions(self.config, histories, PROGRESS_APP)
+        history = transaction_versions(self.config, histories, MERGER_PROGRESS_APP)
         self.silver_versions = {n: s.version for n, s in silver.items() if s is not None}
         for name, table in self.tables.items():
             state = silver[name]
@@ -295,7 +298,8 @@ class GroupMerge:
         writes = self.queue.run()
         self.versions.flush()
         if self.queue.holds_all(self.tables):
-            raise StreamFailedError(self.runner.stopped_message())
+            self.runner.stop_all_held()
+            raise StreamFailedError(self.runner.stopped_message())  # not committed
         self._note_idle_progress(end)
         stats = writes.stats()
         stats.extra["bronze_version"] = end
@@ -328,7 +332,7 @@ class GroupMerge:
         self.versions.flush()
         self.runner.report_between_batches(self.group.name, writes.stats())
         if self.queue.holds_all(self.tables):
-            self.runner.fail(self.runner.stopped_message())
+            self.runner.stop_all_held()
 
     def _failed(self, error: BaseException) -> None:
         self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")
