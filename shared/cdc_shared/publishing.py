@@ -179,7 +179,8 @@ class ChangeFeedGroup:
                 self.queue.offer(name, int(version), int(count))
         writes = self.queue.run()
         if self.queue.holds_all(self.tables):
-            raise StreamFailedError(self.runner.stopped_message())
+            self.runner.stop_all_held()
+            raise StreamFailedError(self.runner.stopped_message())  # not committed
         stats = writes.stats()
         stats.extra["lag"] = sum(
             max(0, latest - self.progress.get(name, -1)) for name, latest in self.latest.items()
@@ -189,7 +190,7 @@ class ChangeFeedGroup:
     def _written(self, writes: BatchWrites) -> None:
         self.runner.report_between_batches(self.group.name, writes.stats())
         if self.queue.holds_all(self.tables):
-            self.runner.fail(self.runner.stopped_message())
+            self.runner.stop_all_held()
 
     def _failed(self, error: BaseException) -> None:
         self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")

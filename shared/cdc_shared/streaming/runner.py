@@ -348,6 +348,15 @@ class StreamRunner:
             if query.isActive:
                 query.stop()
 
+    def stop_all_held(self) -> None:
+        """Every table is held: ``run()`` stops the queries and raises why each was held.
+
+        Called from a batch (which then raises, so its offsets are not committed) or
+        between batches; stops no query itself, since a batch cannot stop its own query.
+        """
+        self._failed = self.stopped_message()
+        self._stop.set()
+
     def run(self) -> None:
         """Wait until every query ends (``--once``) or a stop is requested, then stop them.
 
@@ -414,7 +423,7 @@ class StreamRunner:
 
     def _raise_if_failed(self, entity: str, query: StreamingQuery) -> None:
         error = query.exception()
-        if error is None or entity in self._stopped:
+        if error is None or entity in self._stopped or self._failed is not None:
             return
         if entity in self._holding:  # failed, and the table it failed on held already
             if not self._stop.is_set():  # stopping: the next start reads without the table
