@@ -22,7 +22,7 @@ from cdc_devkit import secured_elasticsearch
 from cdc_devkit.secured_elasticsearch import OPERATOR, PUBLISHER, SecuredCluster
 from cdc_publisher_es.main import start as start_publisher
 from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import KafkaConfig, load_config
+from cdc_shared.config import KafkaConfig, PublisherEsConfig, load_config
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_silver, build_silver, index_documents
 from support.ops import cdc
@@ -44,7 +44,9 @@ def secured_cluster() -> Iterator[SecuredCluster]:
     folder = TEST_INFRA.state_dir / f"secured-es-{uuid.uuid4().hex[:8]}"
     port, transport_port = free_ports(2)
     settings = TEST_INFRA.model_copy(update={"state_dir": folder / "state", "es_heap": "384m"})
-    cluster = secured_elasticsearch.start(settings, folder, port, transport_port, ["pytest-*"])
+    cluster = secured_elasticsearch.start(
+        settings, folder, port, transport_port, ["pytest-*", PublisherEsConfig().progress_index]
+    )
     try:
         yield cluster
     finally:

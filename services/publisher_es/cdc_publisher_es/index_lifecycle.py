@@ -179,7 +179,7 @@ class IndexLifecycle:
                 )
             return self._ensure(silver_schema, to_rebuild=published)
 
-        ensured = self._until_available(ensure)
+        ensured = self.until_available(ensure)
         log.info(
             "index ready",
             extra={"entity": self.entity.name, "alias": self.alias, "index": ensured.index},
@@ -195,7 +195,7 @@ class IndexLifecycle:
         """Map the silver columns the index does not map yet (schema evolution)."""
         if not set(row_columns(silver_schema)) - self.mapped:
             return
-        self._until_available(lambda: self._add_columns(silver_schema))
+        self.until_available(lambda: self._add_columns(silver_schema))
 
     def _add_columns(self, silver_schema: T.StructType) -> None:
         properties = self._properties(silver_schema)
@@ -226,7 +226,7 @@ class IndexLifecycle:
             "vanished under the running publisher: the documents published before are gone"
         )
         schema = self.spark.read.format("delta").load(self.silver_path).schema
-        ensured = self._until_available(lambda: self._ensure(schema, to_rebuild=True))
+        ensured = self.until_available(lambda: self._ensure(schema, to_rebuild=True))
         return self._rebuild() if ensured.rebuild_pending else None
 
     def _refuse_if_told(self, what: str) -> None:
@@ -275,11 +275,11 @@ class IndexLifecycle:
                     "the index vanished during its rebuild; starting over",
                     extra={"entity": self.entity.name, "alias": self.alias},
                 )
-                self._until_available(
+                self.until_available(
                     functools.partial(self._ensure, silver.schema, to_rebuild=True)
                 )
                 continue
-            self._until_available(lambda: finish_rebuild(self.es, self.alias, self._mappings))
+            self.until_available(lambda: finish_rebuild(self.es, self.alias, self._mappings))
             rebuilt = Rebuilt(
                 version, outcome.indexed + outcome.already_applied, failures + outcome.failures
             )
@@ -335,7 +335,7 @@ class IndexLifecycle:
 
     # --- Elasticsearch availability ------------------------------------------------------
 
-    def _until_available(self, step: Callable[[], Result]) -> Result:
+    def until_available(self, step: Callable[[], Result]) -> Result:
         """Run ``step`` (index admin calls), waiting while Elasticsearch is unreachable."""
         retried = False
 

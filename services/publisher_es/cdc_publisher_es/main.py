@@ -93,7 +93,7 @@ class IndexPublication:
 
         A lost index is rebuilt from silver (or refused); see ``index_lifecycle``.
         """
-        recorded = self.progress_index.read(self.alias)
+        recorded = self.index.until_available(lambda: self.progress_index.read(self.alias))
         if recorded is None:
             recorded = legacy_version(self.spark, self.config, self.entity.name)
         self.published = -1 if recorded is None else recorded
@@ -119,7 +119,13 @@ class IndexPublication:
                 rebuilt.failures, REBUILD_BATCH_ID, (rebuild_app, rebuilt.silver_version)
             )
         self.published = max(self.published, rebuilt.silver_version)
-        self.progress_index.write(self.alias, self.entity.name, self.published)
+        self._record_progress()
+
+    def _record_progress(self) -> None:
+        """The alias's progress document at ``published`` (waits while Elasticsearch is away)."""
+        self.index.until_available(
+            lambda: self.progress_index.write(self.alias, self.entity.name, self.published)
+        )
 
     def close(self) -> None:
         """Nothing to release (the clients close with the process)."""
@@ -144,7 +150,7 @@ class IndexPublication:
         if failures:
             self._quarantine(failures, until)
         self.published = max(self.published, until)
-        self.progress_index.write(self.alias, self.entity.name, self.published)
+        self._record_progress()
         return self._stats(outcome, len(failures), until, started)
 
     def _index(

@@ -41,7 +41,12 @@ class IndexProgress:
         self._making = threading.Lock()  # the tables start side by side
 
     def _ensure(self) -> None:
-        """The progress index, made unless it exists, and ready to read (its shard up)."""
+        """The progress index, made unless it exists.
+
+        Its creation waits for its shard; one made meanwhile by another publisher may not
+        have it up yet, which the callers' wait for Elasticsearch rides out (HTTP 503).
+        No cluster health call: the publisher's role has no cluster privilege.
+        """
         with self._making:
             if self._made:
                 return
@@ -55,7 +60,6 @@ class IndexProgress:
                 except Exception as error:  # made meanwhile by another publisher: fine
                     if not self.es.indices.exists(index=self.index):
                         raise error from None
-            self.es.cluster.health(index=self.index, wait_for_status="yellow", timeout="60s")
             self._made = True
 
     def read(self, alias: str) -> int | None:
