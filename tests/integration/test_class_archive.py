@@ -26,6 +26,8 @@ def test_the_sessions_driver_maps_spark_classes_from_the_archive(spark: SparkSes
     ).stdout
     found = re.search(r"Total Usage - \d+ loaders, (\d+) classes \((\d+) shared\)", metaspace)
     assert found, metaspace[:2000]
-    # The JDK's own archive holds ~1,300 classes: most of Spark's must come from ours.
+    # The JDK's own archive holds ~1,300 classes; Spark's and Delta's from ours bring the
+    # count past 10,000. (Not a share of `loaded`: generated classes, never archived, grow
+    # with every query a test session has run.)
     loaded, shared = int(found[1]), int(found[2])
-    assert shared > 5000 and shared > loaded / 2, (loaded, shared)
+    assert shared > 10_000, (loaded, shared)

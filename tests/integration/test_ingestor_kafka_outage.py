@@ -66,10 +66,10 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
         deadline = time.monotonic() + 180
         while '"msg": "batch"' not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert wait_for_health(port, healthy=True)["streams"]["customers"]["active"]
+        assert wait_for_health(port, healthy=True)["streams"]["default"]["active"]  # the group
 
         infra.stop(TEST_INFRA, "kafka")  # with a backlog left: a batch is likely in flight
-        down = wait_for_health(port, healthy=False, timeout_s=60)["streams"]["customers"]
+        down = wait_for_health(port, healthy=False, timeout_s=60)["streams"]["customers"]  # table
         assert down["problem"] is not None and "Kafka unreachable" in down["problem"], down
         time.sleep(15)  # stays down a while; the service must neither exit nor skip
         assert process.poll() is None, f"ingestor died while Kafka was down; see {log}"

@@ -69,7 +69,7 @@ def test_an_entity_stopped_at_start_fails_the_run_after_the_others_ran(
     assert health["status"] == "failing"
     assert health["streams"]["others"]["problem"] == "stopped: refused Describe on topic 'x'"
     assert health["streams"]["others"]["active"] is False
-    with pytest.raises(StreamFailedError, match=r"entity 'others' refused Describe on topic"):
+    with pytest.raises(StreamFailedError, match=r"table 'others' refused Describe on topic"):
         runner.run()
     assert sorted(seen) == list(range(100))  # the group's query ran to its end
 

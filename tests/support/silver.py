@@ -92,10 +92,7 @@ def merge_in_slices(
     recorded in ``silver/_versions`` as the merger records them for the publishers;
     ``pause_s`` between two (silver changing under a running publisher)."""
     from cdc_merger.apply import apply_batch, ensure_tables
-    from cdc_shared.driver_frames import frame_from_rows
-    from cdc_shared.jvm_bridge import delta_version
-    from cdc_shared.silver import VERSIONS_SCHEMA
-    from cdc_shared.tables import ensure_table
+    from cdc_merger.stream import SilverVersions
     from pyspark.sql import functions as F
 
     from support.ingestion import bronze
@@ -104,17 +101,19 @@ def merge_in_slices(
     layout = silver_layout(config, config.entity(entity))
     events = bronze(spark, pipeline, entity)
     ensure_tables(spark, events.schema, layout)
-    versions = config.layout.silver_versions()
-    ensure_table(spark, versions, VERSIONS_SCHEMA, {"delta.appendOnly": "true"})
+    versions = SilverVersions(spark, config)
+    versions.start()
     last = events.agg(F.max("kafka_offset")).first()[0] + 1
     sliced = events.withColumn("slice", (F.col("kafka_offset") * slices / last).cast("int"))
-    for number in range(slices):
-        batch = sliced.where(F.col("slice") == number).drop("slice")
-        apply_batch(spark, batch, layout, refuse_rejects)
-        noted = (entity, delta_version(spark, layout.silver_path), dt.datetime.now(dt.UTC))
-        recorded = frame_from_rows(spark, [noted], VERSIONS_SCHEMA)
-        recorded.write.format("delta").mode("append").save(versions)
-        time.sleep(pause_s)
+    try:
+        for number in range(slices):
+            batch = sliced.where(F.col("slice") == number).drop("slice")
+            apply_batch(spark, batch, layout, refuse_rejects)
+            versions.note(entity)
+            versions.flush()
+            time.sleep(pause_s)
+    finally:
+        versions.stop()
 
 
 def refuse_rejects(rejected: DataFrame) -> None:
