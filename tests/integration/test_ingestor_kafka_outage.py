@@ -69,7 +69,7 @@ def test_broker_outage_mid_run_loses_and_duplicates_nothing(
         assert wait_for_health(port, healthy=True)["streams"]["default"]["active"]  # the group
 
         infra.stop(TEST_INFRA, "kafka")  # with a backlog left: a batch is likely in flight
-        down = wait_for_health(port, healthy=False, timeout_s=60)["streams"]["customers"]  # table
+        down = wait_for_health(port, healthy=False, timeout_s=60)["streams"]["default"]  # group
         assert down["problem"] is not None and "Kafka unreachable" in down["problem"], down
         time.sleep(15)  # stays down a while; the service must neither exit nor skip
         assert process.poll() is None, f"ingestor died while Kafka was down; see {log}"
