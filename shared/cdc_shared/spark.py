@@ -58,11 +58,13 @@ PYTHON_GC_INTERVAL = "spark.cdc.python.gcIntervalSeconds"
 #: PySpark's recording of each column function's Python call site (for error context).
 DATAFRAME_DEBUGGING = "spark.python.sql.dataFrameDebugging.enabled"
 #: The driver's heap when ``spark.conf`` sets none: Spark's own default (1 GiB) up to a
-#: few tables, then a share per streaming query (one per table and service), since each
-#: query's sessions, Delta snapshots and in-flight plans live in the driver's heap.
+#: few dozen tables, then a share per table stream (a table of a service: a service
+#: alone has one per table, ``cdc run`` one per table and service), for what the driver
+#: keeps of each table (its Delta snapshots, decoders and progress); the figures behind
+#: the constants are in docs/benchmarks.md ("driver heap").
 DRIVER_MEMORY = "spark.driver.memory"
 BASE_HEAP_MIB = 512
-HEAP_PER_QUERY_MIB = 16
+HEAP_PER_TABLE_STREAM_MIB = 3
 MIN_HEAP_MIB = 1024
 _collector_lock = threading.Lock()
 _collectors: list[threading.Thread] = []  # the one collector thread, once started
@@ -183,38 +185,27 @@ def _driver_java_options(options: str, local: bool) -> dict[str, str]:
     return {DRIVER_JAVA_OPTIONS: combined} if combined else {}
 
 
-def _heap_mib(queries: int) -> int:
-    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_QUERY_MIB * queries)
-    return -(-mib // 256) * 256
+def driver_memory(table_streams: int) -> str:
+    """The driver heap for ``table_streams`` (tables times services), as Spark spells it.
 
-
-def driver_memory(queries: int) -> str:
-    """The driver heap for an application of ``queries`` streaming queries, as Spark spells it.
-
-    Many tables in one application hold that many queries' state in one heap: with
-    Spark's 1 GiB a few dozen of them exhaust it and the application dies of "GC overhead
-    limit exceeded" (docs/benchmarks.md). Rounded up to 256 MiB.
+    At least Spark's 1 GiB, rounded up to 256 MiB.
     """
-    return f"{_heap_mib(queries)}m"
+    mib = max(MIN_HEAP_MIB, BASE_HEAP_MIB + HEAP_PER_TABLE_STREAM_MIB * table_streams)
+    return f"{-(-mib // 256) * 256}m"
 
 
-def heap_capacity(queries: int) -> int:
-    """How many streaming queries the heap sized for ``queries`` holds (its rounding's room)."""
-    return (_heap_mib(queries) - BASE_HEAP_MIB) // HEAP_PER_QUERY_MIB
-
-
-def with_sized_heap(config: SparkConfig, queries: int) -> SparkConfig:
-    """``config`` with the driver heap :func:`driver_memory` gives ``queries`` queries.
+def with_sized_heap(config: SparkConfig, table_streams: int) -> SparkConfig:
+    """``config`` with the driver heap :func:`driver_memory` gives ``table_streams``.
 
     Unchanged when ``spark.conf`` sets ``spark.driver.memory``: the operator's size wins.
-    The heap is fixed when the JVM starts, so it is sized for the queries known then.
+    The heap is fixed when the JVM starts, so it is sized for the tables known then.
     """
     if DRIVER_MEMORY in config.conf:
         return config
-    heap = driver_memory(queries)
+    heap = driver_memory(table_streams)
     log.info(
-        "driver heap sized for the streaming queries",
-        extra={"queries": queries, DRIVER_MEMORY: heap},
+        "driver heap sized for the tables",
+        extra={"table_streams": table_streams, DRIVER_MEMORY: heap},
     )
     return config.model_copy(update={"conf": {DRIVER_MEMORY: heap, **config.conf}})
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import xml.etree.ElementTree as ET
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
 
 import pytest
 from cdc_cli.application import (
@@ -16,7 +13,7 @@ from cdc_cli.application import (
     without_service_endpoints,
 )
 from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
-from cdc_shared.spark import DRIVER_MEMORY, driver_memory, heap_capacity, with_sized_heap
+from cdc_shared.spark import DRIVER_MEMORY, driver_memory, with_sized_heap
 
 
 def test_services_default_to_all_four_in_pipeline_order() -> None:
@@ -62,59 +59,27 @@ def _tables(count: int) -> list[dict[str, object]]:
     return [{"name": f"t{i}", "source_topic": f"db.t{i}", "key": ["id"]} for i in range(count)]
 
 
-def test_the_driver_heap_grows_with_the_queries_unless_configured() -> None:
+def test_the_driver_heap_grows_with_the_tables_unless_configured() -> None:
+    """Sized per table stream (a table of a service); at least Spark's own 1 GiB."""
     two = Application(PipelineConfig(entities=_tables(2)), list(SERVICE_NAMES))
-    assert two.spark_config().conf["spark.driver.memory"] == "1024m"  # Spark's own default
-    # 24 tables in one application died with 1 GiB and ran with 2 GiB (docs/benchmarks.md).
-    many = Application(PipelineConfig(entities=_tables(24)), list(SERVICE_NAMES))
-    assert many.spark_config().conf["spark.driver.memory"] == "2048m"
-    one_service = Application(PipelineConfig(entities=_tables(24)), ["merger"])
+    assert two.spark_config().conf["spark.driver.memory"] == "1024m"
+    many = Application(PipelineConfig(entities=_tables(100)), list(SERVICE_NAMES))
+    assert many.spark_config().conf["spark.driver.memory"] == "1792m"  # 512 + 3 x 400
+    one_service = Application(PipelineConfig(entities=_tables(100)), ["merger"])
     assert one_service.spark_config().conf["spark.driver.memory"] == "1024m"
     configured = PipelineConfig(entities=_tables(24), spark={"conf": {"spark.driver.memory": "3g"}})
     assert (
         Application(configured, list(SERVICE_NAMES)).spark_config().conf["spark.driver.memory"]
         == "3g"
     )
-    assert driver_memory(400) == "6912m"  # rounded up to 256 MiB
+    assert driver_memory(1000) == "3584m"  # 3,512 rounded up to 256 MiB
 
 
 def test_a_service_alone_sizes_its_heap_for_its_tables_unless_configured() -> None:
-    """One deployment per service: its heap holds one query per table, as in ``cdc run``."""
+    """One deployment per service: a table stream per table."""
     assert with_sized_heap(SparkConfig(), 2).conf[DRIVER_MEMORY] == "1024m"
-    assert with_sized_heap(SparkConfig(), 100).conf[DRIVER_MEMORY] == "2304m"
+    assert with_sized_heap(SparkConfig(), 400).conf[DRIVER_MEMORY] == "1792m"
     own = SparkConfig(conf={DRIVER_MEMORY: "3g", "spark.ui.enabled": "true"})
-    assert with_sized_heap(own, 100) == own
-    kept = with_sized_heap(SparkConfig(conf={"spark.ui.enabled": "true"}), 100).conf
-    assert kept == {DRIVER_MEMORY: "2304m", "spark.ui.enabled": "true"}
-
-
-def test_tables_taken_up_beyond_the_heap_sized_at_start_are_warned_of_once(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Queries started later (tables an entity set selects while running) outgrow the heap
-    sized at start: one warning saying how to size it again; none while they fit."""
-    app = Application(PipelineConfig(entities=_tables(2)), list(SERVICE_NAMES))
-    app.spark_config()  # sized for 8 queries: 1024m, room for 32
-    assert heap_capacity(8) == 32
-
-    def running(queries: int) -> None:
-        share = {f"t{n}": object() for n in range(queries // 4)}
-        app.runners = {s: cast(Any, SimpleNamespace(queries=share)) for s in SERVICE_NAMES}
-        app.warn_if_heap_outgrown()
-
-    with caplog.at_level(logging.WARNING):
-        running(32)
-        assert caplog.records == []
-        running(36)
-        running(40)
-    (warning,) = [r.getMessage() for r in caplog.records]
-    assert warning.startswith("36 streaming queries run now, more than the 32 the driver heap")
-    assert "spark.driver.memory" in warning and "restart `cdc run`" in warning
-
-    configured = PipelineConfig(entities=_tables(2), spark={"conf": {"spark.driver.memory": "2g"}})
-    own = Application(configured, list(SERVICE_NAMES))
-    own.spark_config()
-    own.runners = {"merger": cast(Any, SimpleNamespace(queries={str(n): 0 for n in range(99)}))}
-    caplog.clear()
-    own.warn_if_heap_outgrown()
-    assert caplog.records == []  # the operator sized it: no guess of ours to warn about
+    assert with_sized_heap(own, 400) == own
+    kept = with_sized_heap(SparkConfig(conf={"spark.ui.enabled": "true"}), 400).conf
+    assert kept == {DRIVER_MEMORY: "1792m", "spark.ui.enabled": "true"}

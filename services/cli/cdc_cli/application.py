@@ -40,10 +40,7 @@ from cdc_shared.layout import (
 from cdc_shared.observability import HealthServer
 from cdc_shared.service import run_to_exit_code
 from cdc_shared.spark import (
-    DRIVER_MEMORY,
     build_spark_session,
-    driver_memory,
-    heap_capacity,
     side_by_side,
     with_sized_heap,
 )
@@ -100,23 +97,6 @@ def fair_scheduler_conf(
     return {"spark.scheduler.mode": "FAIR", "spark.scheduler.allocation.file": str(allocation)}
 
 
-def heap_outgrown(sized_for: int, running: int) -> str | None:
-    """A warning when ``running`` queries outgrew a heap sized at start for ``sized_for``.
-
-    The heap is fixed once the JVM runs; tables an entity set selects later (taken up
-    without a restart) add queries to it. A restart sizes it for the tables found then.
-    """
-    capacity = heap_capacity(sized_for)
-    if running <= capacity:
-        return None
-    return (
-        f"{running} streaming queries run now, more than the {capacity} the driver heap "
-        f"({driver_memory(sized_for)}) was sized for at start, as tables were taken up: "
-        "restart `cdc run` (it sizes the heap for the tables it finds) or set "
-        "spark.conf spark.driver.memory; an exhausted heap stops the application"
-    )
-
-
 def without_service_endpoints(config: PipelineConfig) -> PipelineConfig:
     """The configuration with every service's own metrics server off (the app serves one)."""
     return config.model_copy(
@@ -147,8 +127,6 @@ class Application:
         self._server: HealthServer | None = None
         self._scratch = tempfile.TemporaryDirectory(prefix="cdc-run-")
         self._spark = spark
-        self._heap_sized_for: int | None = None  # queries; None: spark.conf sets the heap
-        self._heap_warned = False
 
     @property
     def spark(self) -> SparkSession:
@@ -161,12 +139,10 @@ class Application:
         return build_spark_session(self.spark_config(), "cdc")
 
     def spark_config(self) -> SparkConfig:
-        """FAIR pools and a heap sized for the queries, unless ``spark.conf`` says otherwise."""
+        """FAIR pools and a heap sized for the tables, unless ``spark.conf`` says otherwise."""
         fair = fair_scheduler_conf(self.config, self.services, Path(self._scratch.name))
-        queries = len(self.config.select_entities(self.entity_names)) * len(self.services)
-        if DRIVER_MEMORY not in self.config.spark.conf:
-            self._heap_sized_for = queries
-        spark = with_sized_heap(self.config.spark, queries)
+        tables = len(self.config.select_entities(self.entity_names))
+        spark = with_sized_heap(self.config.spark, tables * len(self.services))
         return spark.model_copy(update={"conf": {**fair, **spark.conf}})
 
     def serve(self) -> None:
@@ -280,20 +256,9 @@ class Application:
                 self._server.stop()
             self._scratch.cleanup()
 
-    def warn_if_heap_outgrown(self) -> None:
-        """Warn once when tables taken up while running outgrew the heap sized at start."""
-        if self._heap_sized_for is None or self._heap_warned:
-            return
-        running = sum(len(runner.queries) for runner in list(self.runners.values()))
-        warning = heap_outgrown(self._heap_sized_for, running)
-        if warning is not None:
-            self._heap_warned = True
-            log.warning("%s", warning, extra={"service": APPLICATION, "queries": running})
-
     def supervise(self, runners: Sequence[Supervised]) -> None:
         """Run the runners side by side until all end; the first to fail stops the others.
 
-        Meanwhile it warns when the queries outgrew the heap (``warn_if_heap_outgrown``).
         Raises StreamFailedError naming every service that failed.
         """
 
@@ -318,7 +283,6 @@ class Application:
         for thread in threads:
             while thread.is_alive():
                 thread.join(0.5)  # the main thread stays free to take signals
-                self.warn_if_heap_outgrown()
         if self._failures:
             raise StreamFailedError("; ".join(self._failures.values()))
 
