@@ -419,10 +419,10 @@ class StreamingServiceConfig(_Section):
     """Settings every streaming service shares: its trigger, endpoint and table queue.
 
     Each micro-batch writes the tables it changed through a work queue (docs/design.md,
-    "The runtime"): ``tables_at_once`` side by side, tables with the most new rows first
-    and a table whose oldest unwritten change is ``max_table_delay`` old before them; no
-    table's write starts once the batch has run ``batch_budget`` (those left wait for
-    the next batch, at the front).
+    "The runtime"): ``tables_at_once`` side by side, taking in turn the table with the
+    most new rows and the one whose oldest unwritten change is longest past
+    ``max_table_delay``; no table's write starts once the batch has run ``batch_budget``
+    (those left wait for the next batch).
     """
 
     trigger_interval: str = Field(default="5 seconds", min_length=1)

@@ -36,7 +36,7 @@ def _queue(
     return TableQueue(_Sessions(), config, write, on_failure, hold)  # type: ignore[arg-type]
 
 
-def test_overdue_tables_first_then_the_most_rows_and_fresh_ones_wait() -> None:
+def test_the_most_rows_and_the_longest_waiting_alternate_and_fresh_ones_wait() -> None:
     written: list[tuple[str, int]] = []
 
     def write(_spark: object, table: str, until: int) -> BatchStats:
@@ -52,7 +52,7 @@ def test_overdue_tables_first_then_the_most_rows_and_fresh_ones_wait() -> None:
     queue.offer("hot", 9, rows=20)  # a later batch: up to its end, rows added up
     queue.offer("cold", 5, rows=1000)  # its freshness is ahead: deferred
     outcome = queue.run()
-    assert written == [("old", 7), ("hot", 9), ("warm", 5)]
+    assert written == [("hot", 9), ("old", 7), ("warm", 5)]  # hot, overdue, hot, ...
     assert set(outcome.written) == {"old", "hot", "warm"}
     assert list(queue.pending) == ["cold"] and outcome.waiting == 1
 
@@ -61,7 +61,7 @@ def test_overdue_tables_first_then_the_most_rows_and_fresh_ones_wait() -> None:
     assert written[-1] == ("cold", 5) and not queue.pending
 
 
-def test_no_write_starts_past_the_budget_and_the_rest_waits_in_front() -> None:
+def test_no_write_starts_past_the_budget_and_a_backlog_does_not_starve_the_hot() -> None:
     written: list[str] = []
 
     def write(_spark: object, table: str, _until: int) -> BatchStats:
@@ -76,10 +76,10 @@ def test_no_write_starts_past_the_budget_and_the_rest_waits_in_front() -> None:
     assert written == ["t0", "t1"]  # the second began before the budget ran out
     assert sorted(queue.pending) == ["t2", "t3", "t4", "t5"]
     for pending in queue.pending.values():
-        pending.since -= 3600  # waited long: overdue, so first next time
+        pending.since -= 3600  # waited long: overdue
     queue.offer("new", 1, rows=10_000)
     queue.run()
-    assert written[2:4] == ["t2", "t3"]
+    assert written[2:4] == ["new", "t2"]  # the hottest, then the longest waiting
 
 
 def test_tables_are_written_side_by_side_each_worker_taking_the_next() -> None:

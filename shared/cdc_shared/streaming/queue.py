@@ -8,15 +8,19 @@ runtime"), so a table need not be written in the batch that brought its change: 
 offered.
 
 A batch writes the pending tables that are due, ``tables_at_once`` side by side, each
-worker taking the next table as it frees up (no fixed groups waiting for their slowest):
+worker taking the next table as it frees up (no fixed groups waiting for their slowest).
+The order alternates between two lines, so that neither starves the other:
 
-- a table whose oldest unwritten change has waited its *deadline* (its ``freshness``,
-  else the service's ``max_table_delay``, less the time its writes take) goes first,
-  the earliest deadline first;
-- then every other table without a ``freshness``, the most rows first: the hot tables;
-- a table with a ``freshness`` whose deadline is still ahead waits (*deferred*): a cold
-  table written less often leaves the cores to the hot ones, and each of its writes
-  takes more rows at once.
+- the *hot* line: every due table, the most rows first;
+- the *overdue* line: the tables whose oldest unwritten change has waited its
+  *deadline* (its ``freshness``, else the service's ``max_table_delay``, less the time
+  its writes take), the earliest deadline first.
+
+A backlog of overdue tables (a first start of many tables, each with its snapshot)
+takes every other write, not all of them: the hot tables go on being written in
+between. A table with a ``freshness`` whose deadline is still ahead is not due
+(*deferred*): a cold table written less often leaves the cores to the hot ones, and
+each of its writes takes more rows at once.
 
 No table's write starts once the batch has run ``batch_budget``: the rest wait for the
 next batch, where the oldest come first. A query run to the end of what is there
@@ -141,22 +145,31 @@ class TableQueue:
         allowed = self.freshness.get(table, self.max_delay_s)
         return pending.since + allowed - self._write_s.get(table, 0.0)
 
-    def order(self, now: float, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
-        """The tables due now, in the order the workers take them (see the module)."""
+    def order(
+        self, now: float, skip: set[str] | frozenset[str] = frozenset(), overdue_first: bool = False
+    ) -> list[str]:
+        """The tables due now, in the order the workers take them (see the module).
+
+        The lines alternate from the hot one, or from the overdue one if ``overdue_first``
+        (a run's every other take).
+        """
         overdue: list[tuple[float, str]] = []
         hot: list[tuple[int, str]] = []
         for table, pending in self.pending.items():
             if table in skip:
                 continue
-            if self.drain:  # a run to the end of what is there: everything, now
-                hot.append((-pending.rows, table))
-                continue
             deadline = self.deadline(table, pending)
-            if now >= deadline:
+            if not self.drain and now >= deadline:  # draining: everything is due, none late
                 overdue.append((deadline, table))
-            elif table not in self.freshness:
+            if self.drain or now >= deadline or table not in self.freshness:
                 hot.append((-pending.rows, table))
-        return [t for _, t in sorted(overdue)] + [t for _, t in sorted(hot)]
+        lines = [[t for _, t in sorted(hot)], [t for _, t in sorted(overdue)]]
+        if overdue_first:
+            lines.reverse()
+        order: dict[str, None] = {}  # taken in turn from each line, each table once
+        for position in range(max(map(len, lines))):
+            order.update(dict.fromkeys(line[position] for line in lines if position < len(line)))
+        return list(order)
 
     def run(self) -> BatchWrites:
         """Write the due tables (see the module); raise what a write raised for the batch.
@@ -217,7 +230,7 @@ class TableQueue:
                 now = time.monotonic()
                 if failed or (taken and not self.drain and now - started >= self.budget_s):
                     return None
-                due = self.order(now, taken)
+                due = self.order(now, taken, overdue_first=len(taken) % 2 == 1)
                 if not due:
                     return None
                 taken.add(due[0])
