@@ -96,7 +96,7 @@ def test_index_equals_oracle_under_sigkill_and_elasticsearch_restart(
     ingest_once(pipeline, spark)
     # Silver changes while the publishers run: each batch has new versions to publish.
     merging = threading.Thread(
-        target=merge_in_slices, args=(pipeline, spark, "customers", 60), kwargs={"pause_s": 1.0}
+        target=merge_in_slices, args=(pipeline, spark, "customers", 40), kwargs={"pause_s": 1.0}
     )
     merging.start()
     checkpoint = Path(pipeline.config.layout.checkpoint("publisher_es", "default"))
