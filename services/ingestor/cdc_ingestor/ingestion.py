@@ -254,10 +254,8 @@ class GroupIngestion:
                 lap("quarantine")
         self.runner.report(self.group.name, batch_id, self._stats(results, lap.laps))
         if set(self.held) >= {t.entity.name for t in self.tables.values()}:
-            self.runner.stop_all_held()
-            raise StreamFailedError(
-                self.runner.stopped_message()
-            )  # not committed  # nothing left to ingest
+            self.runner.stop_all_held()  # nothing left to ingest; the batch is not committed
+            raise StreamFailedError(self.runner.stopped_message())
 
     def _decode_tables(
         self,
