@@ -38,7 +38,6 @@ from cdc_shared.streaming import (
     EntityStoppedError,
     Failure,
     QueryIdentity,
-    StreamFailedError,
     StreamRunner,
     TableGroup,
     TableQueue,
@@ -179,8 +178,7 @@ class ChangeFeedGroup:
                 self.queue.offer(name, int(version), int(count))
         writes = self.queue.run()
         if self.queue.holds_all(self.tables):
-            self.runner.stop_all_held()
-            raise StreamFailedError(self.runner.stopped_message())  # not committed
+            raise self.runner.stop_all_held()  # the batch is not committed
         stats = writes.stats()
         stats.extra["lag"] = sum(
             max(0, latest - self.progress.get(name, -1)) for name, latest in self.latest.items()

@@ -41,7 +41,6 @@ from cdc_shared.stream_checkpoint import HadoopFiles, kafka_initial_offsets, las
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,
-    StreamFailedError,
     StreamRunner,
     TableGroup,
 )
@@ -254,8 +253,7 @@ class GroupIngestion:
                 lap("quarantine")
         self.runner.report(self.group.name, batch_id, self._stats(results, lap.laps))
         if set(self.held) >= {t.entity.name for t in self.tables.values()}:
-            self.runner.stop_all_held()  # nothing left to ingest; the batch is not committed
-            raise StreamFailedError(self.runner.stopped_message())
+            raise self.runner.stop_all_held()  # the batch is not committed
 
     def _decode_tables(
         self,

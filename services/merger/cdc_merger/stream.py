@@ -36,7 +36,6 @@ from cdc_shared.streaming import (
     BatchWrites,
     Failure,
     QueryIdentity,
-    StreamFailedError,
     StreamRunner,
     TableGroup,
     TableQueue,
@@ -298,8 +297,7 @@ class GroupMerge:
         writes = self.queue.run()
         self.versions.flush()
         if self.queue.holds_all(self.tables):
-            self.runner.stop_all_held()
-            raise StreamFailedError(self.runner.stopped_message())  # not committed
+            raise self.runner.stop_all_held()  # the batch is not committed
         self._note_idle_progress(end)
         stats = writes.stats()
         stats.extra["bronze_version"] = end

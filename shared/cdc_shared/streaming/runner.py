@@ -348,14 +348,16 @@ class StreamRunner:
             if query.isActive:
                 query.stop()
 
-    def stop_all_held(self) -> None:
+    def stop_all_held(self) -> StreamFailedError:
         """Every table is held: ``run()`` stops the queries and raises why each was held.
 
-        Called from a batch (which then raises, so its offsets are not committed) or
-        between batches; stops no query itself, since a batch cannot stop its own query.
+        Called from a batch, which raises the error returned (so its offsets are not
+        committed), or between batches; stops no query itself, since a batch cannot stop
+        its own query.
         """
         self._failed = self.stopped_message()
         self._stop.set()
+        return StreamFailedError(self._failed)
 
     def run(self) -> None:
         """Wait until every query ends (``--once``) or a stop is requested, then stop them.
