@@ -97,7 +97,7 @@ def test_a_deployment_of_tables_of_its_own_moves_killed_midway(
     )
     config = pipeline.config
     layout = config.layout
-    messages = generate(pipeline, events=9000, keys=300, delete_share=0.2, poison_share=0.005)
+    messages = generate(pipeline, events=6000, keys=300, delete_share=0.2, poison_share=0.01)
     third = len(messages) // 3
     reports = [produce(kafka_config, iter(messages[:third]))]
     legacy_ingest(spark, pipeline)
