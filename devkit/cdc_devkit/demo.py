@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from cdc_merger.history import END, START
 from cdc_shared.config import EntityConfig, PipelineConfig, load_config
 from cdc_shared.layout import INGESTOR, MERGER, PUBLISHER_ES
 from cdc_shared.schemas import make_registry
+from cdc_shared.silver import END, START
 from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession

@@ -464,7 +464,7 @@ class MergerConfig(StreamingServiceConfig):
 
     ``unavailable_value_placeholder`` is the source's marker for a value it did not send
     (Debezium's ``unavailable.value.placeholder``; ``hex:`` then hex octets, as there): a
-    column carrying it keeps its prior value (``cdc_merger.unavailable``). ``null`` stores
+    column carrying it keeps its prior value (``cdc_shared.unavailable``). ``null`` stores
     every value as sent.
 
     ``deletion_vectors_from_mib``: the size from which a silver's MERGEs mark changed

@@ -17,6 +17,15 @@ SOURCE_TS = "_cdc_source_ts"  # the source database's commit time of that event
 COMMIT_TS = "_cdc_commit_ts"  # when the merger applied it
 METADATA = (SEQUENCE, OP, SOURCE_TS, COMMIT_TS)
 
+#: An entity's SCD type 2 history (``silver_history/<entity>``, written by the merger):
+#: silver's columns, each row one version of a key over the period ``[START, END)`` of
+#: the entity's sequence; ``END`` is null for the current version.
+START = "__start_at"  # array<long>: the sequence of the event that began the version
+END = "__end_at"  # array<long>: the sequence of the event that ended it; null: current
+START_TS = "__start_ts"  # the source's commit time of the event that began the version
+END_TS = "__end_ts"  # the source's commit time of the event that ended it (when known)
+PERIOD = (START, END, START_TS, END_TS)
+
 #: A tombstone's time (silver's tombstones table: key, ``SEQUENCE``, this): when the
 #: merger recorded the delete; tombstones expire by it (the merger, ``cdc maintenance``).
 DELETED_AT = "deleted_at"

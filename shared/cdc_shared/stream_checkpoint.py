@@ -3,8 +3,8 @@
 A checkpoint records, per micro-batch ``n``, the end offsets of its sources in
 ``offsets/<n>`` and marks the batch done with ``commits/<n>``; the offsets of the last
 committed batch are where the stream resumes. ``cdc status`` and ``cdc maintenance``
-read them to tell how far a stream got, and the ingestor to carry its per-entity
-streams' positions into its one query (``cdc_ingestor.one_query``). Files are read
+read them to tell how far a stream got; the services read them to start a new query
+where an older one (of a group, or of a release's per-entity streams) ended. Files are read
 through a :class:`CheckpointFiles` (:class:`HadoopFiles`: Spark's Hadoop file systems,
 so local paths and object storage alike).
 """

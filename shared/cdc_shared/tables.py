@@ -34,7 +34,7 @@ from cdc_shared.config import ConfigError
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.jvm_bridge import hadoop_path
 from cdc_shared.retry import retrying
-from cdc_shared.silver import VERSIONS_COLUMNS
+from cdc_shared.silver import DELETED_AT, VERSIONS_COLUMNS
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
@@ -330,3 +330,17 @@ def record_progress(spark: SparkSession, path: str, progress: Progress) -> None:
     """
     schema = spark.read.format("delta").load(path).schema
     idempotent_append(frame_from_rows(spark, [], schema), path, *progress)
+
+
+@on_conflict_retry
+def expire_tombstones(spark: SparkSession, tombstone_path: str, older_than: dt.datetime) -> int:
+    """Delete the tombstones recorded before ``older_than``; returns how many went.
+
+    The merger ages its tombstones by this, and so does ``cdc maintenance``.
+    """
+    table = DeltaTable.forPath(spark, tombstone_path)
+    expired = F.col(DELETED_AT) < F.lit(older_than)
+    count = table.toDF().where(expired).count()
+    if count:
+        table.delete(expired)
+    return count

@@ -43,9 +43,9 @@ from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_ingestor.decode import KAFKA_SCHEMA, decode
 from cdc_ingestor.framing_headers import headers_by_topic
 from cdc_ingestor.projection import bronze_columns
-from cdc_ingestor.replay_origin import HEADERS_TYPE
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.replay_origin import HEADERS_TYPE
 from cdc_shared.schemas import make_registry
 from cdc_shared.spark import build_spark_session, cached_in_few_partitions, side_by_side
 from cdc_shared.tables import idempotent_append

@@ -87,24 +87,28 @@ from cdc_merger.apply import (  # noqa: E402
     tombstone_schema,
 )
 from cdc_merger.history import (  # noqa: E402
-    END,
-    END_TS,
     FOLDED,
-    PERIOD,
-    START,
-    START_TS,
     UNSENT,
     UNTRACKED,
     HistoryTable,
     rebuilt_versions,
 )
-from cdc_merger.unavailable import Placeholder  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import HistoryConfig, SparkConfig  # noqa: E402
 from cdc_shared.schemas import entity_schemas  # noqa: E402
-from cdc_shared.silver import OP, SEQUENCE, SOURCE_TS  # noqa: E402
+from cdc_shared.silver import (  # noqa: E402
+    END,
+    END_TS,
+    OP,
+    PERIOD,
+    SEQUENCE,
+    SOURCE_TS,
+    START,
+    START_TS,
+)
 from cdc_shared.spark import build_spark_session, counting_jobs  # noqa: E402
 from cdc_shared.tables import ensure_table  # noqa: E402
+from cdc_shared.unavailable import Placeholder  # noqa: E402
 from delta.tables import DeltaTable  # noqa: E402
 from jvm_cpu import cpu_by_kind, jvm_pid, shares, since  # noqa: E402
 from merger_before import apply_batch_before, delta_default_materialization  # noqa: E402

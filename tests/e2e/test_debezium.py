@@ -39,10 +39,10 @@ from cdc_devkit.postgres_pipeline import (
     outputs_against_database,
     write_postgres_pipeline,
 )
-from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.bronze import entity_changes
 from cdc_shared.config import SERVICE_NAMES, KafkaConfig, load_config
 from cdc_shared.tables import has_commits
+from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from support.servers import TEST_INFRA

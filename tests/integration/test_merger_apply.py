@@ -24,17 +24,16 @@ from cdc_merger.apply import (
     apply_batch,
     apply_history,
     ensure_tables,
-    expire_tombstones,
 )
 from cdc_merger.history import HistoryTable
-from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
 from cdc_shared import bronze
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.bronze import read_payload_types
 from cdc_shared.config import EntityConfig, HistoryConfig
 from cdc_shared.jvm_bridge import delta_version
 from cdc_shared.schemas import entity_schemas
-from cdc_shared.tables import ensure_table, table_properties
+from cdc_shared.tables import ensure_table, expire_tombstones, table_properties
+from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
@@ -611,7 +610,7 @@ def test_tables_made_before_get_auto_compaction_at_the_next_start(
 
 PLACEHOLDER = DEBEZIUM_PLACEHOLDER
 #: Columns a TOASTed PostgreSQL value can arrive in, with Debezium's rendering of the
-#: placeholder in each (see cdc_merger.unavailable).
+#: placeholder in each (see cdc_shared.unavailable).
 TOASTABLE = T.StructType(
     [
         T.StructField("bio", T.StringType()),

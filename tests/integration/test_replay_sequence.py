@@ -31,11 +31,11 @@ import yaml
 from cdc_cli.quarantine import LEDGER_SCHEMA, Replay
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, produce
-from cdc_ingestor.replay_origin import REPLAY_HEADER
 from cdc_shared.avro import AvroEncoder, FileSchemaRegistry
 from cdc_shared.clients import make_consumer, make_producer
 from cdc_shared.config import KafkaConfig
 from cdc_shared.driver_frames import frame_from_rows
+from cdc_shared.replay_origin import REPLAY_HEADER
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, generate, ingest_once, quarantine

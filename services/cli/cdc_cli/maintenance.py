@@ -988,9 +988,9 @@ def expire_by_ingest_time(
     """Expire the entity's tombstones as the merger does: (how many, which and why).
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
-    recorded (``merged``: from :func:`merged_ingest_times`), through the merger's own
-    ``expire_tombstones`` on ``spark``. Without ``spark`` (a dry run): count those that
-    would go, by the same column and cutoff, and expire none.
+    recorded (``merged``: from :func:`merged_ingest_times`), through the expiry the
+    merger runs (``cdc_shared.tables.expire_tombstones``) on ``spark``. Without ``spark``
+    (a dry run): count those that would go, by the same column and cutoff, and expire none.
     """
     if hours is None:
         return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
@@ -1003,7 +1003,7 @@ def expire_by_ingest_time(
     if spark is None:
         expired = state.count_before(path, DELETED_AT, cutoff)
     else:
-        from cdc_merger.apply import expire_tombstones
+        from cdc_shared.tables import expire_tombstones
 
         expired = expire_tombstones(spark, path, cutoff)
     verb = "would expire" if dry_run else "expired"

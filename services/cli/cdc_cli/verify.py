@@ -58,13 +58,13 @@ from functools import reduce
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from cdc_merger.history import END
-from cdc_merger.unavailable import Placeholder
 from cdc_shared.avro import AvroDecoder, AvroSerdeError
 from cdc_shared.changefeed import row_columns
 from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import make_registry
+from cdc_shared.silver import END
+from cdc_shared.unavailable import Placeholder
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, TransportError
 from elasticsearch.helpers import scan

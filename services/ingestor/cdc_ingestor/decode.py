@@ -22,6 +22,7 @@ from typing import Literal
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.avro.framing import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC
 from cdc_shared.config import DecimalHandling, EntityConfig, Format
+from cdc_shared.replay_origin import BAD_REPLAY_HEADER, HEADERS_TYPE, replay_origin
 from cdc_shared.schemas import EntitySchemas
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -38,7 +39,6 @@ from cdc_ingestor.framing_headers import (
     writer_labels,
     writers_by_header,
 )
-from cdc_ingestor.replay_origin import BAD_REPLAY_HEADER, HEADERS_TYPE, replay_origin
 
 KAFKA_SCHEMA = T.StructType(
     [

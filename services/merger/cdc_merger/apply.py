@@ -32,6 +32,7 @@ from cdc_shared.tables import (
     on_conflict_retry,
     record_progress,
 )
+from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -45,7 +46,6 @@ from cdc_merger.history import (
     history_schema,
     write_history,
 )
-from cdc_merger.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 
 log = logging.getLogger("cdc_merger")
 
@@ -416,7 +416,7 @@ def apply_batch(
     ``_cdc_error_kind`` and ``_cdc_error_message``) and the rest is applied. A long-lived
     caller passes the same ``state`` every batch; without it the side tables are read.
     A column carrying ``placeholder`` (the source's unavailable value) keeps its prior
-    value (``cdc_merger.unavailable``); None stores every value as sent. So does a
+    value (``cdc_shared.unavailable``); None stores every value as sent. So does a
     ``null_updates`` column whose update brings a null (``ignore_null_updates``). The
     ``dropped`` columns of the rows (the entity's column selection) are left out of
     silver; the quarantine keeps whole bronze rows. ``progress`` (an app id and the
@@ -794,14 +794,3 @@ def silver_merge(
 def _record_tombstones(tombstones: DataFrame, path: str) -> None:
     """Append the batch's tombstones: a repeat is harmless, so a replay is too."""
     tombstones.coalesce(1).write.format("delta").mode("append").save(path)
-
-
-@on_conflict_retry
-def expire_tombstones(spark: SparkSession, tombstone_path: str, older_than: dt.datetime) -> int:
-    """Delete tombstones recorded before ``older_than``; returns how many went."""
-    table = DeltaTable.forPath(spark, tombstone_path)
-    expired = F.col(DELETED_AT) < F.lit(older_than)
-    count = table.toDF().where(expired).count()
-    if count:
-        table.delete(expired)
-    return count

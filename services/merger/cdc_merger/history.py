@@ -27,7 +27,17 @@ from functools import partial, reduce
 
 from cdc_shared.config import HistoryConfig
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.silver import (
+    COMMIT_TS,
+    END,
+    END_TS,
+    OP,
+    PERIOD,
+    SEQUENCE,
+    SOURCE_TS,
+    START,
+    START_TS,
+)
 from cdc_shared.spark import observed, side_by_side
 from cdc_shared.tables import Progress, on_conflict_retry, record_progress
 from delta.tables import DeltaTable
@@ -39,11 +49,6 @@ from cdc_merger.guards import sequence_literal
 
 log = logging.getLogger("cdc_merger")
 
-START = "__start_at"  # array<long>: the sequence of the event that began the version
-END = "__end_at"  # array<long>: the sequence of the event that ended it; null: current
-START_TS = "__start_ts"  # the source's commit time of the event that began the version
-END_TS = "__end_ts"  # the source's commit time of the event that ended it (when known)
-PERIOD = (START, END, START_TS, END_TS)
 #: Every event of the version (sequence, source time and its untracked columns' values as
 #: JSON), so a late delete, truncate or tracked change between two of them splits the
 #: version at the right event, and each part holds the values its own last event brought.

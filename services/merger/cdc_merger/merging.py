@@ -29,11 +29,13 @@ from cdc_shared.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     ensure_table,
+    expire_tombstones,
     idempotent_append,
     not_quarantined_yet,
     quarantine_columns,
     record_progress,
 )
+from cdc_shared.unavailable import Placeholder
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -46,12 +48,10 @@ from cdc_merger.apply import (
     apply_batch,
     apply_history,
     ensure_tables,
-    expire_tombstones,
     lost_local_checkpoint,
     without_columns,
 )
 from cdc_merger.history import HistoryTable
-from cdc_merger.unavailable import Placeholder
 from cdc_merger.write_mode import WriteMode
 
 SERVICE = MERGER
