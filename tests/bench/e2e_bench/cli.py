@@ -96,6 +96,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the share of the changes the --hot tables take (default 0.7)",
     )
     parser.add_argument(
+        "--cold-trigger",
+        default=None,
+        help="ours only, with --hot: the hot tables in a group of their own (the services' "
+        "trigger), the others in a group triggered this often (e.g. '60 seconds')",
+    )
+    parser.add_argument(
+        "--spark-conf",
+        action="append",
+        default=[],
+        type=_setting,
+        metavar="KEY=VALUE",
+        help="ours only: a Spark setting over the pipeline file's (e.g. "
+        "spark.driver.memory=3g); repeatable",
+    )
+    parser.add_argument(
         "--snapshot-rows",
         type=int,
         default=None,
@@ -112,6 +127,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--down", action="store_true", help="stop the servers at the end")
     parser.add_argument("--run-baseline", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def _setting(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def pipeline_run(text: str, tables: int | None) -> tuple[str, int | None]:
@@ -137,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         runs = [(kind, tables) for kind, tables in runs if kind != "baseline"]
     if args.hot < 0 or not 0.0 <= args.hot_share <= 1.0:
         raise SystemExit("--hot is a number of tables (0 or more), --hot-share a share (0 to 1)")
+    if args.cold_trigger and not args.hot:
+        raise SystemExit("--cold-trigger needs --hot: which tables are the hot group's")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.workdir.exists():
         shutil.rmtree(args.workdir)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from cdc_shared.config import PipelineConfig
+from cdc_shared.tables import has_commits
 
 from .baseline import baseline_bronze
 from .probes import Key, Mark, Seq
@@ -281,6 +282,8 @@ def _silver_times(
         read_bronze = _baseline_bronze_times if baseline else _bronze_times
         produced, in_bronze = read_bronze(spark, config, probes)
         for entity in config.entities:
+            if not has_commits(spark, config.layout.silver(entity.name)):
+                continue  # never written: none of its probes reached silver
             first = entity.key[0]
             firsts = sorted({k[0] for name, k in probes if name == entity.name})
             feed = (

@@ -67,11 +67,15 @@ def _configure(
     entities: list[str] | None = None,
     tables: int | None = None,
     history: bool = True,
+    hot_group: tuple[int, str] | None = None,
+    spark_conf: dict[str, str] | None = None,
 ) -> Path:
     """The example pipeline file, metrics ports from ``port_base``, only ``entities``.
 
     ``tables`` as ``write_pipeline_config`` takes it; ``history`` False: no entity keeps
-    SCD type 2 history.
+    SCD type 2 history; ``hot_group`` (K, interval): the first K tables in a group
+    ``hot``, the others in a group ``cold`` triggered every interval; ``spark_conf``:
+    Spark settings over the file's (``spark.conf``).
     """
     path = write_pipeline_config(workdir, served, prefix=prefix, tables=tables)
     document = yaml.safe_load(path.read_text())
@@ -83,6 +87,13 @@ def _configure(
     if not history:
         for entity in document["entities"]:
             entity.pop("history", None)
+    document["spark"].setdefault("conf", {}).update(spark_conf or {})
+    if hot_group:
+        hot, interval = hot_group
+        document["groups"] = [
+            {"name": "hot", "tables": [e["name"] for e in document["entities"][:hot]]},
+            {"name": "cold", "tables": ["*"], "trigger_interval": interval},
+        ]
     for offset, section in enumerate((*layout.SERVICES, "application")):
         document[section]["metrics_port"] = port_base + offset
     path.write_text(yaml.safe_dump(document, sort_keys=False))
@@ -115,6 +126,8 @@ class PipelineRun:
             args.entities,
             tables,
             args.history,
+            (args.hot, args.cold_trigger) if self.is_cdc and args.cold_trigger else None,
+            dict(args.spark_conf) if self.is_cdc else None,
         )
         self.config = load_config(self.config_path)
         indexed = self.is_cdc and args.index
