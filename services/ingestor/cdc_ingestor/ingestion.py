@@ -73,6 +73,11 @@ from cdc_ingestor.schema_learning import SchemaTracker
 SERVICE = INGESTOR
 log = logging.getLogger("cdc_ingestor")
 
+#: Kafka's consumer setting for how long the broker may hold a fetch, and ours (see
+#: :func:`kafka_reader`).
+FETCH_MAX_WAIT = "fetch.max.wait.ms"
+FETCH_MAX_WAIT_MS = "10"
+
 #: A batch or a stream reader (:func:`kafka_reader` sets up either).
 ReaderT = TypeVar("ReaderT", DataFrameReader, DataStreamReader)
 
@@ -433,9 +438,15 @@ def kafka_reader(
     """``reader`` (a stream's or a batch's) set to read ``topics`` as the ingestor does.
 
     From ``starting_offsets``, failOnDataLoss as configured (on), with the records' headers.
+    The broker answers a fetch at once only with ``fetch.max.wait.ms`` short: Spark's
+    consumer of each Kafka partition read waited out Kafka's default 500 ms once per
+    partition and batch, so a batch of many topics spent most of its time waiting
+    (docs/benchmarks.md, "Kafka fetch wait"). The pipeline's ``kafka.java_options`` can set
+    it otherwise.
     """
     return (
         reader.format("kafka")
+        .option(f"kafka.{FETCH_MAX_WAIT}", FETCH_MAX_WAIT_MS)
         .options(**spark_kafka_options(config.kafka))
         .option("subscribe", topics)
         .option("startingOffsets", starting_offsets)
