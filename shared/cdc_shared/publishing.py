@@ -202,4 +202,4 @@ class ChangeFeedGroup:
         return stats
 
     def _failure(self, table: str, error: BaseException) -> Failure | None:
-        return self.runner.failure_of(table, f"{type(error).__name__}: {error}")
+        return self.runner.failure_of(table, error)

@@ -6,10 +6,10 @@ import datetime as dt
 import json
 
 from cdc_publisher_es.documents import document_id, snapshot_document_frame
-from cdc_publisher_es.index_lifecycle import recognising_lost_index
+from cdc_publisher_es.index_lifecycle import IndexLostError
 from cdc_shared.changefeed import external_version
 from cdc_shared.config import PublisherEsConfig
-from cdc_shared.streaming import Failure
+from cdc_shared.streaming import read_failure
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
@@ -52,20 +52,13 @@ def test_rebuild_documents_carry_the_ids_and_versions_the_stream_gives(
     assert sources["3|2"] == {"id": 3, "line": 2, "name": None}  # nulls kept, as streamed
 
 
-def test_a_lost_index_stop_is_read_from_the_query_error() -> None:
-    def other(_entity: str, _error: str) -> Failure | None:
-        return Failure("something else")
-
-    read = recognising_lost_index(other)
-    spark_error = (
-        "[FOREACH_BATCH_USER_FUNCTION_ERROR] An error occurred in the user provided function\n"
-        "Traceback (most recent call last):\n  File ...\n"
-        "cdc_publisher_es.index_lifecycle.IndexLostError: publisher_es stream for entity "
-        "'customers' stopped: the Elasticsearch index behind the alias 'c' vanished "
-        "(publisher_es.on_missing_index: stop). To rebuild it ...\n\tat org.apache..."
+def test_a_lost_index_stops_the_service_by_its_type_with_its_own_line() -> None:
+    lost = IndexLostError(
+        "publisher_es stream for entity 'customers' stopped: the Elasticsearch index behind "
+        "the alias 'c' vanished (publisher_es.on_missing_index: stop). To rebuild it ..."
     )
-    failure = read("customers", spark_error)
-    assert failure is not None and not failure.transient
+    failure = lost.failure()
+    assert not failure.transient and not failure.entity_only
     assert failure.message.startswith("stopped: the Elasticsearch index behind the alias 'c'")
-    assert "\n" not in failure.message and failure.message.endswith("To rebuild it ...")
-    assert read("customers", "DELTA_SCHEMA_CHANGED") == Failure("something else")
+    assert failure.message.endswith("To rebuild it ...")
+    assert read_failure("customers", lost, None) == failure  # no text reader: its type

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from cdc_publisher_kafka.main import refused_permissions
 from cdc_publisher_kafka.transactions import (
     PermissionRefusedError,
     Progress,
@@ -11,6 +10,7 @@ from cdc_publisher_kafka.transactions import (
     TransactionalPublisher,
 )
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.streaming import read_failure
 from confluent_kafka import KafkaError, KafkaException
 
 
@@ -104,18 +104,13 @@ def test_a_refused_permission_is_named_and_not_retried(
 
 def test_a_refused_batch_stops_its_entity_and_a_refused_transactional_id_the_service() -> None:
     line = "stopped: Kafka at b:9092 refused Write on topic 'cdc.customers' to User:p: ..."
-    spark_error = (
-        "[FOREACH_BATCH_USER_FUNCTION_ERROR] An error occurred in the user provided function"
-        " in foreach batch sink. Traceback (most recent call last):\n  File ...\n"
-        f"cdc_publisher_kafka.transactions.PermissionRefusedError: {line}\n\tat org..."
-    )
-    read = refused_permissions(lambda _entity, _error: None)
-    failure = read("customers", spark_error)
+    failure = read_failure("customers", PermissionRefusedError(line), None)
     assert failure is not None and failure.entity_only and not failure.transient
     assert failure.message == line
-    whole = read("customers", spark_error.replace("PermissionRefused", "TransactionalIdRefused"))
+    whole = read_failure("customers", TransactionalIdRefusedError(line), None)
     assert whole is not None and not whole.entity_only and whole.message == line
-    assert read("customers", "something else") is None
+    # Text alone is the JVM's: a refusal's name in it is not read as ours.
+    assert read_failure("customers", f"PermissionRefusedError: {line}", None) is None
 
 
 def test_progress_records_the_change_topics_offsets() -> None:

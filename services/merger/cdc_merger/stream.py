@@ -347,7 +347,7 @@ class GroupMerge:
     def _table_failure(self, table: str, error: BaseException) -> Failure | None:
         """A table's write failing: the service's reading of it (None: the batch fails)."""
         entity = table.removesuffix(HISTORY)
-        return self.runner.failure_of(entity, f"{type(error).__name__}: {error}")
+        return self.runner.failure_of(entity, error)
 
 
 def _or_none(version: int | None) -> int:

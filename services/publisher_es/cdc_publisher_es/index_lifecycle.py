@@ -40,7 +40,7 @@ from cdc_shared.layout import PUBLISHER_ES
 from cdc_shared.retry import retrying
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.streaming import Failure as StreamFailure
-from cdc_shared.streaming import OnFailure, StreamFailedError
+from cdc_shared.streaming import KnownFailureError
 from delta.tables import DeltaTable
 from elastic_transport import TlsError, TransportError
 from elasticsearch import ApiError, Elasticsearch
@@ -65,30 +65,16 @@ Result = TypeVar("Result")
 STOPPED = "stopped: "
 
 
-class IndexLostError(StreamFailedError):
+class IndexLostError(KnownFailureError):
     """The index behind the alias is gone and ``on_missing_index`` is ``stop``.
 
-    The message (one line, found again in a failed query's error text by
-    :func:`recognising_lost_index`) says what was lost and how to rebuild.
+    The message (one line) says what was lost and how to rebuild; it stops the service.
     """
 
-
-def recognising_lost_index(on_failure: OnFailure) -> OnFailure:
-    """``on_failure``, after reading an IndexLostError raised in a batch as a stop.
-
-    The stop says the error's own message, not Spark's trace around it.
-    """
-    marker = f"{IndexLostError.__name__}: "
-
-    def read(entity: str, error: str) -> StreamFailure | None:
-        start = error.find(marker)
-        if start >= 0:
-            message = error[start + len(marker) :].splitlines()[0]
-            # The runner names the service and entity itself: keep from "stopped: " on.
-            return StreamFailure(message[max(0, message.find(STOPPED)) :])
-        return on_failure(entity, error)
-
-    return read
+    def failure(self) -> StreamFailure:
+        """The stop, from "stopped: " on (the runner names the service and entity itself)."""
+        message = str(self)
+        return StreamFailure(message[max(0, message.find(STOPPED)) :])
 
 
 class ElasticsearchRefusedError(RuntimeError):

@@ -37,7 +37,7 @@ from pyspark.sql import types as T
 
 from cdc_publisher_es.bulk import AliasMissingError, BulkOutcome, BulkWriter, Failure, Scrubber
 from cdc_publisher_es.documents import Action, arrow_actions, document_frame
-from cdc_publisher_es.index_lifecycle import IndexLifecycle, Rebuilt, recognising_lost_index
+from cdc_publisher_es.index_lifecycle import IndexLifecycle, Rebuilt
 from cdc_publisher_es.progress import IndexProgress, legacy_version
 
 SERVICE = PUBLISHER_ES
@@ -268,7 +268,6 @@ def start(
         settings,
         open_group,
         lag=None,  # silver versions not yet published: each batch reports it
-        on_failure=recognising_lost_index(lambda _entity, _error: None),
     )
     return start_service(publisher_es, config, entity_names, once, spark, group_names)
 

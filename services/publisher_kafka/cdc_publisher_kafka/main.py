@@ -14,7 +14,6 @@ naming the missing permission; a refused transactional id stops the service.
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -33,8 +32,6 @@ from cdc_shared.service import service_main
 from cdc_shared.streaming import (
     BatchStats,
     EntityStoppedError,
-    Failure,
-    OnFailure,
     StreamFailedError,
     StreamRunner,
     StreamService,
@@ -66,8 +63,6 @@ SERVICE = PUBLISHER_KAFKA
 OVERSIZED_EVENT = "oversized_event"
 log = logging.getLogger("cdc_publisher_kafka")
 
-#: A write the broker's ACLs refused (transactions.py), as its error reads.
-REFUSED = re.compile(r"\b(PermissionRefusedError|TransactionalIdRefusedError): ([^\n]*)")
 #: Who wrote a progress (``Progress.query_id``): the group queries of this release.
 PROGRESS_WRITER = "cdc-publisher-kafka"
 
@@ -259,24 +254,6 @@ class TopicPublication:
         )
 
 
-def refused_permissions(on_failure: OnFailure) -> OnFailure:
-    """``on_failure``, after recognising a batch that the broker's ACLs refused.
-
-    A refused change topic, progress topic or progress group stops that entity only: the
-    other entities' topics and groups have their own ACLs, and their transactions go on.
-    A refused transactional id stops the service: it cannot run a transaction at all.
-    The line names the missing permission and how to grant it, never a secret.
-    """
-
-    def read(entity: str, error: str) -> Failure | None:
-        if refused := REFUSED.search(error):
-            service_wide = refused.group(1) == "TransactionalIdRefusedError"
-            return Failure(refused.group(2), entity_only=not service_wide)
-        return on_failure(entity, error)
-
-    return read
-
-
 def start(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -310,7 +287,6 @@ def start(
         settings,
         open_group,
         lag=None,  # silver versions not yet published: each batch reports it
-        on_failure=refused_permissions(lambda _entity, _error: None),
     )
     return start_service(publisher_kafka, config, entity_names, once, spark, group_names)
 

@@ -30,6 +30,7 @@ from cdc_shared.clients import kafka_client_config, kafka_missing_permission, ma
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.retry import retrying
+from cdc_shared.streaming import KnownFailureError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -111,17 +112,25 @@ class PublisherFatalError(RuntimeError):
     """The producer cannot go on (fenced by another instance, or a fatal Kafka error)."""
 
 
-class PermissionRefusedError(RuntimeError):
+class PermissionRefusedError(KnownFailureError):
     """The broker's ACLs refused an operation; the message names the missing permission.
 
-    On the change topic, the progress topic or the progress group. Not transient: the
-    transaction was aborted, nothing of it is visible, and the progress still says what
-    was published, so a restart once the ACL is granted loses nothing.
+    On the change topic, the progress topic or the progress group: it stops that table
+    alone, since the other tables' topics and groups have their own ACLs. Not transient:
+    the transaction was aborted, nothing of it is visible, and the progress still says
+    what was published, so a restart once the ACL is granted loses nothing.
     """
+
+    entity_only = True
 
 
 class TransactionalIdRefusedError(PermissionRefusedError):
-    """The ACLs refused the publisher's transactional id: it cannot run a transaction."""
+    """The ACLs refused the publisher's transactional id: it cannot run a transaction.
+
+    It stops the service.
+    """
+
+    entity_only = False
 
 
 class ChangeTopicResetError(RuntimeError):

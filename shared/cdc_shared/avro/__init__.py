@@ -1,7 +1,6 @@
 """Avro for the pipeline: schema registries, framings, encoders and batch decoders."""
 
 from cdc_shared.avro.errors import (
-    REGISTRY_UNAVAILABLE,
     AvroSerdeError,
     CorruptPayloadError,
     IncompatibleSchemaError,
@@ -25,7 +24,6 @@ from cdc_shared.avro.registry import (
 from cdc_shared.avro.serde import AvroDecoder, AvroEncoder, DecodedBatch
 
 __all__ = [
-    "REGISTRY_UNAVAILABLE",
     "AvroDecoder",
     "AvroEncoder",
     "AvroSerdeError",

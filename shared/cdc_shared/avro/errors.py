@@ -7,8 +7,6 @@ so it is never quarantined; the caller stops instead.
 
 from __future__ import annotations
 
-import re
-
 
 class AvroSerdeError(ValueError):
     """Base of every serde failure. ``kind`` is a stable name for quarantine tables."""
@@ -68,8 +66,3 @@ class SchemaRegistryUnavailableError(RuntimeError):
     the stream fails (and resumes from its checkpoint when restarted) instead of
     quarantining them. The message names the registry (no credentials) and the status.
     """
-
-
-#: Finds a :class:`SchemaRegistryUnavailableError`'s message in a failed stream's error
-#: text (Spark's, with the Python traceback), for a service's ``on_failure`` to stop with.
-REGISTRY_UNAVAILABLE = re.compile(r"SchemaRegistryUnavailableError: ([^\n]+)")

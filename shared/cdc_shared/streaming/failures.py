@@ -1,9 +1,12 @@
-"""Failure policy: how a service reads a failed query's error.
+"""Failure policy: what a failed batch or query calls for.
 
-A service's ``on_failure`` turns Spark's error text into a :class:`Failure` (restart the
-query, rebuild it, stop only its entity, or stop the service); the readers here are the
-ones several services share: a full disk (every service) and a Delta source whose schema
-changed (the services reading bronze or silver).
+A :class:`Failure` says it: restart the query, rebuild it, stop only its entity, or stop
+the service. Our own code raises a :class:`KnownFailureError`, whose type says which;
+the runner reads it from the exception object (:meth:`StreamRunner.failure_of`). Errors
+that reach us as the JVM's text (Spark, Delta, Kafka's Java client) are read by a
+service's ``on_failure``: each pattern in one function, tested on the message it matches.
+The readers here are the ones several services share: a full disk (every service) and
+a Delta source whose schema changed (the services reading bronze or silver).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 class StreamFailedError(RuntimeError):
@@ -49,8 +53,40 @@ class Failure:
     table: str | None = None
 
 
-#: Reads a failed query's error: (entity, error text) -> Failure, or None (not recognised).
+class KnownFailureError(StreamFailedError):
+    """An error our own code raises knowing what it calls for: :meth:`failure` says it.
+
+    Its message is the operator's one line (without the service's name: the runner adds
+    it). Subclasses stop only their table (``entity_only``) or restart the query
+    (``transient``); by default the service stops.
+    """
+
+    entity_only: ClassVar[bool] = False
+    transient: ClassVar[bool] = False
+
+    def failure(self) -> Failure:
+        """The policy this error calls for, with its message."""
+        return Failure(str(self), transient=self.transient, entity_only=self.entity_only)
+
+
+#: Reads the JVM's text of a failed query or write: (entity, error text) -> Failure, or
+#: None (not recognised).
 OnFailure = Callable[[str, str], Failure | None]
+
+
+def read_failure(
+    entity: str, error: BaseException | str, on_failure: OnFailure | None
+) -> Failure | None:
+    """What ``entity``'s ``error`` calls for; None: unknown (the service stops).
+
+    Our own errors say it by their type (KnownFailureError); any other is read as the
+    JVM's text by ``on_failure`` (the service's readers).
+    """
+    if isinstance(error, KnownFailureError):
+        return error.failure()
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return on_failure(entity, text) if on_failure else None
+
 
 #: How the JVM and the OS say a write failed for want of space (ENOSPC, EDQUOT).
 NO_SPACE = re.compile(r"No space left on device|ENOSPC|Disk quota exceeded")

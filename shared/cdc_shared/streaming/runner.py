@@ -16,13 +16,19 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from cdc_shared.observability import HEALTHY, INPUT_ROWS, ROWS, HealthServer
 from cdc_shared.retry import backoff_s, log_retry
-from cdc_shared.streaming.failures import Failure, OnFailure, StreamFailedError
+from cdc_shared.streaming.failures import (
+    Failure,
+    KnownFailureError,
+    OnFailure,
+    StreamFailedError,
+    read_failure,
+)
 from cdc_shared.streaming.progress import (
     BatchStats,
     LagReader,
@@ -61,6 +67,8 @@ class QueryIdentity:
 BuildQuery = Callable[[], tuple[DataStreamWriter, QueryIdentity]]
 #: Holds back one table of a group's query, alone (table, why): False when it cannot.
 HoldTable = Callable[[str, str], bool]
+#: A group's foreachBatch function: (micro-batch, batch id).
+BatchFunction = Callable[[DataFrame, int], None]
 
 
 class StreamRunner:
@@ -88,6 +96,7 @@ class StreamRunner:
         self._problems: dict[str, str] = {}  # entity -> what keeps it from progressing
         self._stopped: dict[str, str] = {}  # entity -> why its stream alone was stopped
         self._on_failure = on_failure
+        self._raised: dict[str, KnownFailureError] = {}  # group -> what its batch raised
         self._max_restart_backoff_s = max_restart_backoff_s
         self._writers: dict[str, tuple[DataStreamWriter, QueryIdentity]] = {}
         self._rebuilders: dict[str, BuildQuery] = {}
@@ -219,9 +228,25 @@ class StreamRunner:
             extra={"service": self.service, "entity": entity, "reason": reason},
         )
 
-    def failure_of(self, entity: str, error: str) -> Failure | None:
-        """The service's reading of ``entity``'s ``error`` (its ``on_failure``); None: unknown."""
-        return self._on_failure(entity, error) if self._on_failure else None
+    def failure_of(self, entity: str, error: BaseException | str) -> Failure | None:
+        """What ``entity``'s ``error`` calls for (``failures.read_failure``); None: unknown."""
+        return read_failure(entity, error, self._on_failure)
+
+    def recording_failures(self, group: str, process: BatchFunction) -> BatchFunction:
+        """``process``, keeping the KnownFailureError a batch of ``group`` raises.
+
+        The failed query's error reaches the runner as Spark's text; the exception object
+        says what it calls for (:meth:`failure_of`).
+        """
+
+        def run(batch: DataFrame, batch_id: int) -> None:
+            try:
+                process(batch, batch_id)
+            except KnownFailureError as error:
+                self._raised[group] = error
+                raise
+
+        return run
 
     def stopped_message(self) -> str:
         """Why the entities stopped alone did, one clause per entity ("" when none did)."""
@@ -431,7 +456,8 @@ class StreamRunner:
             if not self._stop.is_set():  # stopping: the next start reads without the table
                 self._restart_later(entity, self._holding[entity])
             return
-        failure = self.failure_of(entity, str(error))
+        raised = self._raised.pop(entity, None)  # what our code raised, if it did
+        failure = self.failure_of(entity, raised if raised is not None else str(error))
         if failure is not None and failure.table is not None and self._held(entity, failure):
             self._holding[entity] = f"went on without table {failure.table!r}, held back"
             self._to_rebuild.add(entity)

@@ -181,7 +181,7 @@ class _GroupQueries:
         stream.prepare(wait_s)
         writer = (
             stream.source()
-            .writeStream.foreachBatch(stream.process_batch)
+            .writeStream.foreachBatch(self.runner.recording_failures(name, stream.process_batch))
             .option("checkpointLocation", self.config.layout.checkpoint(self.service.name, name))
         )
         return with_trigger(writer, self.once, group.trigger_interval), stream.identity
