@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from pyspark import InheritableThread, StorageLevel
@@ -43,6 +44,10 @@ _SIZES_THE_YOUNG_GENERATION = re.compile(r"-Xmn\d|-XX:(Max)?NewSize=|-XX:NewRati
 #: list by rebuilding the table's state (``allFilesInCrc`` verification, forced outside
 #: UTC): three more Spark jobs per commit of every table (docs/benchmarks.md).
 DRIVER_TIME_ZONE = "-Duser.timezone=UTC"
+#: The driver's logging (``log4j2.properties`` beside this module): the JVM's warnings and
+#: errors as JSON lines, without what repeats a failure the services report themselves.
+JVM_LOGGING = Path(__file__).with_name("log4j2.properties")
+_NAMES_A_LOGGING_FILE = re.compile(r"-Dlog4j2?\.configurationFile=")
 
 #: Spark's setting for the data source options it masks in plans, the SQL tab of its UI
 #: and event logs (keys or values matching it; ``spark.redaction.regex`` applies too).
@@ -166,17 +171,21 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
 
 
 def _driver_java_options(options: str, local: bool) -> dict[str, str]:
-    """The driver's JVM options: the class archive, UTC, a local driver's collector, the user's.
+    """The driver's JVM options: archive, UTC, logging, a local collector, then the user's.
 
-    The user's ``options`` come last, so that they win (a time zone of theirs too); a
+    The class archive, the UTC time zone, our logging file, a local driver's collector. The
+    user's ``options`` come last, so that they win (a time zone of theirs too); a
     collector of theirs replaces ours, since the JVM refuses two, and then its young
-    generation is theirs to size too, as it is when they size it themselves.
+    generation is theirs to size too, as it is when they size it themselves; a logging
+    file of theirs replaces ours.
     """
     ours = []
     archive = jvm.class_archive()
     if archive.is_file():
         ours.append(f"-XX:SharedArchiveFile={archive}")
     ours.append(DRIVER_TIME_ZONE)
+    if not _NAMES_A_LOGGING_FILE.search(options):
+        ours.append(f"-Dlog4j2.configurationFile={JVM_LOGGING}")
     if local and not _NAMES_A_COLLECTOR.search(options):
         ours.append(LOCAL_DRIVER_GC)
         if not _SIZES_THE_YOUNG_GENERATION.search(options):
@@ -217,7 +226,6 @@ def build_spark_session(config: SparkConfig, app_name: str) -> SparkSession:
     for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("WARN")
     # A running session keeps its SQL settings: the Kafka secrets must be masked there too.
     session.conf.set(OPTIONS_REDACTION, conf[OPTIONS_REDACTION])
     # A session that was already running (tests, `cdc run`) ignores new spark.hadoop.*

@@ -11,12 +11,14 @@ from cdc_shared.config import SparkConfig
 from cdc_shared.spark import (
     DRIVER_JAVA_OPTIONS,
     DRIVER_TIME_ZONE,
+    JVM_LOGGING,
     LOCAL_DRIVER_GC,
     LOCAL_DRIVER_YOUNG,
     spark_conf,
 )
 
-UTC = DRIVER_TIME_ZONE
+LOGGING = f"-Dlog4j2.configurationFile={JVM_LOGGING}"
+UTC = f"{DRIVER_TIME_ZONE} {LOGGING}"  # the time zone and our logging, on every master
 LOCAL = f"{UTC} {LOCAL_DRIVER_GC} {LOCAL_DRIVER_YOUNG}"
 
 CLUSTER = "spark://127.0.0.1:7077"
@@ -71,3 +73,10 @@ def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
         f"-XX:SharedArchiveFile={archive} {LOCAL} -Xshare:off"
     )
     assert options(master=CLUSTER) == f"-XX:SharedArchiveFile={archive} {UTC}"
+
+
+def test_the_users_logging_file_replaces_ours(cache: Path) -> None:
+    assert JVM_LOGGING.is_file()  # shipped beside cdc_shared.spark
+    theirs = "-Dlog4j2.configurationFile=/etc/spark/log4j2.properties"
+    chosen = options({DRIVER_JAVA_OPTIONS: theirs})
+    assert chosen is not None and LOGGING not in chosen and chosen.endswith(theirs)
