@@ -44,7 +44,8 @@ import yaml
 from cdc_cli.verify import silver_hashes
 from cdc_shared.avro import ConfluentSchemaRegistry, subject_name
 from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.config import PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import publisher_progress_group
 from cdc_shared.schemas import entity_schemas, make_registry
 from cdc_shared.spark import build_spark_session
@@ -612,7 +613,7 @@ def _under_faults(
     echo: Echo,
 ) -> ChaosResult:
     """The services up, the load produced under the faults, the catch-up, the checks."""
-    config = load_config(config_path)
+    config = load_pipeline(config_path)
     deployment = Deployment(options.modes[0], config_path, options.workdir / "logs")
     processes = deployment.processes  # one list: a switch changes it in place
     result = ChaosResult()
@@ -697,7 +698,7 @@ def _prepare(
         proxy = resources.enter_context(registry_proxy(served.registry_url))
         schema_ids = _use_registry(config_path, served.registry_url, proxy.url)
         echo(f"schema registry {served.registry_url}, reached through the proxy {proxy.url}")
-    config = load_config(config_path)
+    config = load_pipeline(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
     return config_path, proxy, schema_ids
 
@@ -711,7 +712,7 @@ def _use_registry(config_path: Path, upstream: str, url: str) -> dict[int, bytes
     framed with the registry's ids. The same load, read through the registry. Returns
     the ids registered, with each schema's fingerprint (for the oracle).
     """
-    pinned = load_config(config_path)
+    pinned = load_pipeline(config_path)
     files = make_registry(pinned)
     registry = ConfluentSchemaRegistry(upstream)
     registered = []

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import typer
-from cdc_shared.config import ConfigError, load_config
+from cdc_shared.config import ConfigError
+from cdc_shared.entity_sets import load_pipeline
 
 from cdc_devkit import infra, secured_kafka
 from cdc_devkit.processes import RunMode
@@ -354,7 +355,7 @@ def generate(
     )
 
     try:
-        pipeline = load_config(config)
+        pipeline = load_pipeline(config)
         entities = pipeline.select_entities(entity)
         registry = make_registry(pipeline)
         if isinstance(registry, ConfluentSchemaRegistry):

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from cdc_shared.config import EntityConfig, PipelineConfig, load_config
+from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import INGESTOR, MERGER, PUBLISHER_ES
 from cdc_shared.schemas import make_registry
 from cdc_shared.silver import END, START
@@ -195,7 +196,7 @@ def run_demo(options: DemoOptions, echo: Echo) -> DemoResult:
         shutil.rmtree(options.workdir)
     options.workdir.mkdir(parents=True)
     config_path = write_pipeline_config(options.workdir, served)
-    config = load_config(config_path)
+    config = load_pipeline(config_path)
     ensure_topics(config.kafka, [e.source_topic for e in config.entities])
 
     services = launch(options.mode, config_path, options.workdir / "logs")

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.config import PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import INGESTOR
 from cdc_shared.tables import has_commits
 from pyspark.sql import SparkSession
@@ -123,7 +124,7 @@ def run_postgres_demo(options: DemoOptions, echo: Echo) -> PostgresDemoResult:
         config_path = write_postgres_pipeline(
             options.workdir, served, served.registry_url, result.captures, run
         )
-        config = load_config(config_path)
+        config = load_pipeline(config_path)
         wait_snapshot(config.kafka, result.captures)
         services = launch(options.mode, config_path, options.workdir / "logs")
         for service in services:

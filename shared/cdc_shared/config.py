@@ -1105,12 +1105,12 @@ def _format_validation_error(source: str, error: ValidationError) -> str:
 
 
 def load_config(path: str | Path | None = None) -> PipelineConfig:
-    """Read, resolve and validate the pipeline configuration.
+    """Read, resolve and validate the pipeline configuration: the file and the environment.
 
     ``path`` defaults to ``$CDC_CONFIG``; with neither, only defaults and ``CDC_*``
-    environment variables apply. With ``entity_sets``, the entities they select are
-    resolved here, once: the broker lists its topics and the registry gives key schemas
-    (cdc_shared.entity_sets).
+    environment variables apply. Reads nothing else: the entities of ``entity_sets``,
+    which the broker and the registry decide, are added at start
+    (``cdc_shared.entity_sets.load_pipeline``).
     """
     chosen = path if path is not None else os.environ.get(CONFIG_ENV_VAR)
     data: dict[str, Any] = {}
@@ -1128,11 +1128,6 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
             raise ConfigError(f"configuration file {file} must hold a mapping at the top level")
         data = loaded or {}
     try:
-        config = PipelineConfig(**data)
+        return PipelineConfig(**data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(source, exc)) from None
-    if not config.entity_sets:
-        return config
-    from cdc_shared.entity_sets import with_discovered_entities  # it imports this module
-
-    return with_discovered_entities(config)

@@ -11,8 +11,9 @@ matches their topic.
 
 Resolution is split in two: :func:`resolve_entity_sets` is pure (topics and a key
 lookup in, entities out) and :func:`with_discovered_entities` asks the broker for its
-topics and the registry for key schemas, once, at start. Every service and ``cdc`` command
-resolves the same way, so they agree on the tables as long as the broker's topics do.
+topics and the registry for key schemas, once, at start (:func:`load_pipeline`, after the
+configuration is read). Every service and ``cdc`` command resolves the same way, so they
+agree on the tables as long as the broker's topics do.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
+from cdc_shared.avro import SchemaRegistry, subject_name
+from cdc_shared.clients import make_admin
 from cdc_shared.config import (
     ConfigError,
     EntityConfig,
@@ -29,7 +33,9 @@ from cdc_shared.config import (
     PipelineConfig,
     entity_conflict,
     entity_name_from,
+    load_config,
 )
+from cdc_shared.schemas import make_registry
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +161,6 @@ def resolve_entity_sets(
 
 
 def _registry_key_lookup(config: PipelineConfig) -> KeyLookup:
-    from cdc_shared.avro import SchemaRegistry, subject_name
-    from cdc_shared.schemas import make_registry
-
     registries: list[SchemaRegistry] = []  # made on the first topic that needs it
 
     def key_fields(topic: str) -> list[str] | None:
@@ -173,8 +176,6 @@ def _registry_key_lookup(config: PipelineConfig) -> KeyLookup:
 
 def broker_topics(config: PipelineConfig) -> list[str]:
     """The broker's topic names (internal ones such as ``__consumer_offsets`` left out)."""
-    from cdc_shared.clients import make_admin
-
     admin = make_admin(config.kafka)
     try:
         metadata = admin.list_topics(timeout=LIST_TOPICS_TIMEOUT_S)
@@ -227,3 +228,12 @@ def with_discovered_entities(
         ", ".join(entity.name for entity in discovered) or "none",
     )
     return config.model_copy(update={"entities": [*config.entities, *discovered]})
+
+
+def load_pipeline(path: str | Path | None = None) -> PipelineConfig:
+    """The pipeline a service or command runs, with the tables its sets select.
+
+    Its configuration (``load_config``: the file and the environment), then the entities
+    its ``entity_sets`` select (the broker's topics, the registry's key schemas), once.
+    """
+    return with_discovered_entities(load_config(path))

@@ -6,7 +6,8 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from cdc_shared.config import ConfigError, PipelineConfig, load_config
+from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import command_name
 from cdc_shared.observability import configure_logging
 from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
@@ -57,7 +58,7 @@ def run_to_exit_code(
     log = logging.getLogger(f"cdc_{service}")
     config: PipelineConfig | None = None
     try:
-        config = load_config(config_path)
+        config = load_pipeline(config_path)
         run(config)
     except (ConfigError, ValueError) as exc:  # includes the typed Avro schema errors
         log.error("cannot start: %s", exc, extra={"service": service})

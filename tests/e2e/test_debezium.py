@@ -40,7 +40,8 @@ from cdc_devkit.postgres_pipeline import (
     write_postgres_pipeline,
 )
 from cdc_shared.bronze import entity_changes
-from cdc_shared.config import SERVICE_NAMES, KafkaConfig, load_config
+from cdc_shared.config import SERVICE_NAMES, KafkaConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.tables import has_commits
 from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER
 from pyspark.sql import SparkSession
@@ -91,7 +92,7 @@ def test_debezium_postgres_in_three_formats_reaches_every_output(
             avro_as_entity_set=True,
             history=["avro_customers"],
         )
-        config = load_config(config_path)
+        config = load_pipeline(config_path)
         assert [e.name for e in config.entities] == [
             "json_customers",
             "json_schemas_customers",

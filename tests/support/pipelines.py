@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
+from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 ENTITIES = {
@@ -34,7 +35,7 @@ class Pipeline:
 
     @property
     def config(self) -> PipelineConfig:
-        return load_config(self.path)
+        return load_pipeline(self.path)
 
     def topic(self, entity: str) -> str:
         return f"pytest_{self.run}.inventory.{ENTITIES[entity]['source']}"

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
-from cdc_shared.config import ConfigError, PipelineConfig, load_config
+from cdc_shared.config import ConfigError, PipelineConfig
+from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import INGESTOR, MERGER
 
 ConfigPath = typer.Option(
@@ -38,7 +39,7 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 def _config(path: Path) -> PipelineConfig:
     try:
-        return load_config(path)
+        return load_pipeline(path)
     except ConfigError as exc:
         _fail(str(exc), 2)
 
