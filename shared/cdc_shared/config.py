@@ -14,11 +14,13 @@ import fnmatch
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -87,11 +89,19 @@ def interval_seconds(text: str) -> float | None:
     return None if match is None or unit is None else float(match.group(1)) * unit
 
 
-def comparable_interval(text: str | None) -> str | None:
-    """``text`` if it is None or an interval ``interval_seconds`` reads; ValueError if not."""
-    if text is not None and interval_seconds(text) is None:
-        raise ValueError(f"must be a number and a unit (ms, seconds, minutes, hours), got {text!r}")
+def _an_interval(text: str) -> str:
+    """``text`` if ``interval_seconds`` reads it; ValueError if not."""
+    if interval_seconds(text) is None:
+        raise ValueError(
+            f"not an interval: a number and a unit (ms, seconds, minutes, hours), got {text!r}"
+        )
     return text
+
+
+#: A processing-time interval such as ``5 seconds`` or ``500 ms`` (``interval_seconds``).
+Interval = Annotated[str, AfterValidator(_an_interval)]
+#: A TCP port; 0 where the field says so means "none".
+Port = Annotated[int, Field(ge=0, lt=65536)]
 
 
 def is_secret_option(name: str) -> bool:
@@ -124,6 +134,16 @@ def _resolve_reference(value: str) -> str:
         raise ValueError(f"cannot read secret file {target!r}: {exc.strerror}") from None
 
 
+def _resolved(value: object) -> object:
+    return _resolve_reference(value) if isinstance(value, str) else value
+
+
+#: A value that may be a reference resolved at load: ``${env:NAME}`` or ``${file:PATH}``.
+Resolved = Annotated[str, BeforeValidator(_resolved)]
+#: A secret (never printed), given or referenced as ``Resolved`` is.
+Secret = Annotated[SecretStr, BeforeValidator(_resolved)]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,13 +167,8 @@ class ObjectStorageConfig(_Section):
     endpoint: str | None = None  # e.g. https://minio.internal:9000; null: AWS S3
     region: str | None = None  # e.g. eu-west-1; most S3-compatible stores accept any
     path_style_access: bool = False  # bucket in the path, not the host name (MinIO, Ceph)
-    access_key: SecretStr | None = None
-    secret_key: SecretStr | None = None
-
-    @field_validator("access_key", "secret_key", mode="before")
-    @classmethod
-    def _resolve_secret(cls, value: object) -> object:
-        return _resolve_reference(value) if isinstance(value, str) else value
+    access_key: Secret | None = None
+    secret_key: Secret | None = None
 
     @field_validator("endpoint")
     @classmethod
@@ -260,13 +275,8 @@ class KafkaSaslConfig(_Section):
     """SASL credentials: a mechanism, a username and a password (a secret)."""
 
     mechanism: SaslMechanism = "SCRAM-SHA-512"
-    username: str = Field(min_length=1)
-    password: SecretStr
-
-    @field_validator("username", "password", mode="before")
-    @classmethod
-    def _resolve_secret(cls, value: object) -> object:
-        return _resolve_reference(value) if isinstance(value, str) else value
+    username: Annotated[Resolved, Field(min_length=1)]
+    password: Secret
 
     @field_validator("password")
     @classmethod
@@ -287,13 +297,8 @@ class KafkaTlsConfig(_Section):
     ca_file: Path | None = None
     certificate_file: Path | None = None
     key_file: Path | None = None
-    key_password: SecretStr | None = None
+    key_password: Secret | None = None
     verify_hostname: bool = True
-
-    @field_validator("key_password", mode="before")
-    @classmethod
-    def _resolve_secret(cls, value: object) -> object:
-        return _resolve_reference(value) if isinstance(value, str) else value
 
     @field_validator("ca_file", "certificate_file")
     @classmethod
@@ -402,17 +407,12 @@ class ElasticsearchConfig(_Section):
     """Elasticsearch connection; credentials are secrets and never printed."""
 
     hosts: list[str] = Field(default_factory=lambda: ["http://localhost:9200"], min_length=1)
-    api_key: SecretStr | None = None
+    api_key: Secret | None = None
     username: str | None = None
-    password: SecretStr | None = None
+    password: Secret | None = None
     ca_certs: Path | None = None
     verify_certs: bool = True
     request_timeout_s: float = Field(default=30.0, gt=0)
-
-    @field_validator("api_key", "password", mode="before")
-    @classmethod
-    def _resolve_secret(cls, value: object) -> object:
-        return _resolve_reference(value) if isinstance(value, str) else value
 
 
 class StreamingServiceConfig(_Section):
@@ -426,18 +426,11 @@ class StreamingServiceConfig(_Section):
     """
 
     trigger_interval: str = Field(default="5 seconds", min_length=1)
-    metrics_port: int = Field(default=0, ge=0, lt=65536)  # 0: no metrics/health server
+    metrics_port: Port = 0  # 0: no metrics/health server
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
     tables_at_once: int = Field(default=2, ge=1)
-    batch_budget: str = Field(default="10 seconds", min_length=1)
-    max_table_delay: str = Field(default="60 seconds", min_length=1)
-
-    @field_validator("batch_budget", "max_table_delay")
-    @classmethod
-    def _an_interval(cls, interval: str) -> str:
-        if interval_seconds(interval) is None:
-            raise ValueError(f"not an interval (e.g. '10 seconds'): {interval!r}")
-        return interval
+    batch_budget: Interval = "10 seconds"
+    max_table_delay: Interval = "60 seconds"
 
 
 class IngestorConfig(StreamingServiceConfig):
@@ -445,7 +438,7 @@ class IngestorConfig(StreamingServiceConfig):
 
     starting_offsets: str = "earliest"  # earliest, latest, or Spark's per-partition JSON
     max_offsets_per_trigger: int | None = Field(default=1_000_000, gt=0)
-    metrics_port: int = Field(default=9101, ge=0, lt=65536)
+    metrics_port: Port = 9101
     # Records whose writer schema the reader cannot resolve: stop the entity (docs/design.md),
     # or quarantine them as incompatible_schema and go on.
     on_incompatible_schema: Literal["stop", "quarantine"] = "stop"
@@ -480,7 +473,7 @@ class MergerConfig(StreamingServiceConfig):
     unavailable_value_placeholder: str | None = Field(
         default="__debezium_unavailable_value", min_length=1
     )
-    metrics_port: int = Field(default=9102, ge=0, lt=65536)
+    metrics_port: Port = 9102
 
     @field_validator("unavailable_value_placeholder")
     @classmethod
@@ -518,7 +511,7 @@ class ChangeFeedConfig(StreamingServiceConfig):
 class PublisherKafkaConfig(ChangeFeedConfig):
     """publisher-kafka: change topics, transactions, and the event's optional parts."""
 
-    metrics_port: int = Field(default=9103, ge=0, lt=65536)
+    metrics_port: Port = 9103
     include_before: bool = False  # fill ``before`` on updates and deletes
     delete_tombstones: bool = False  # a null-value record after each delete (compaction)
     topic_partitions: int = Field(default=3, gt=0)
@@ -540,7 +533,7 @@ class PublisherKafkaConfig(ChangeFeedConfig):
 class PublisherEsConfig(ChangeFeedConfig):
     """publisher-es: index settings, mapping choices, bulk sizes and retries."""
 
-    metrics_port: int = Field(default=9104, ge=0, lt=65536)
+    metrics_port: Port = 9104
     text_fields: list[str] = Field(default_factory=list)  # strings analysed as text
     # string: exact keyword strings (any cluster); scaled_float: numbers, exact up to 15
     # digits, needs the mapper-extras module (in the default distribution)
@@ -570,7 +563,7 @@ class ApplicationConfig(_Section):
     the pipeline's critical path, so by default it gets the largest share.
     """
 
-    metrics_port: int = Field(default=9100, ge=0, lt=65536)  # 0: no metrics/health server
+    metrics_port: Port = 9100  # 0: no metrics/health server
     metrics_host: str = "127.0.0.1"  # loopback; a container or pod reached from outside: 0.0.0.0
     pool_weights: dict[str, int] = Field(
         default_factory=lambda: {
@@ -616,12 +609,7 @@ class HistoryConfig(_Section):
     enabled: bool = False
     track_columns: list[str] | None = Field(default=None, min_length=1)
     except_columns: list[str] | None = Field(default=None, min_length=1)
-    freshness: str | None = "60 seconds"
-
-    @field_validator("freshness")
-    @classmethod
-    def _an_interval(cls, freshness: str | None) -> str | None:
-        return comparable_interval(freshness)
+    freshness: Interval | None = "60 seconds"
 
     @field_validator("track_columns", "except_columns")
     @classmethod
@@ -664,7 +652,7 @@ class EntityConfig(_Section):
     decimal_handling: DecimalHandling = "precise"
     # At most how often each service runs a batch for this table (e.g. "60 seconds"): a cold
     # table batched less often leaves the cores to the hot ones. Null: every trigger.
-    freshness: str | None = None
+    freshness: Interval | None = None
     # The row's columns silver (and from it the change topic and the index) keeps: only
     # ``columns`` (the key always), or all but ``except_columns``; bronze keeps every one.
     columns: list[str] | None = Field(default=None, min_length=1)
@@ -685,11 +673,6 @@ class EntityConfig(_Section):
                 f"(it names tables and folders), got {name!r}"
             )
         return name
-
-    @field_validator("freshness")
-    @classmethod
-    def _an_interval(cls, freshness: str | None) -> str | None:
-        return comparable_interval(freshness)
 
     @field_validator("source_topic", "change_topic")
     @classmethod
@@ -867,13 +850,8 @@ class EntitySetConfig(_Section):
     value_format: Format = "avro"
     key_format: Format = "avro"
     decimal_handling: DecimalHandling = "precise"
-    freshness: str | None = None  # every table's; the hot ones' set back in ``overrides``
+    freshness: Interval | None = None  # every table's; the hot ones' set back in ``overrides``
     overrides: dict[str, dict[str, Any]] = Field(default_factory=dict)  # per table name
-
-    @field_validator("freshness")
-    @classmethod
-    def _an_interval(cls, freshness: str | None) -> str | None:
-        return comparable_interval(freshness)
 
     @field_validator("topics_regex")
     @classmethod
@@ -946,7 +924,7 @@ class TableGroupConfig(_Section):
 
     name: str
     tables: list[str] = Field(min_length=1)
-    trigger_interval: str | None = None
+    trigger_interval: Interval | None = None
 
     @field_validator("name")
     @classmethod
@@ -959,13 +937,6 @@ class TableGroupConfig(_Section):
         if name == DEFAULT_GROUP:
             raise ValueError(f"{DEFAULT_GROUP!r} names the tables no group names")
         return name
-
-    @field_validator("trigger_interval")
-    @classmethod
-    def _an_interval(cls, interval: str | None) -> str | None:
-        if interval is not None and interval_seconds(interval) is None:
-            raise ValueError(f"not an interval (e.g. '60 seconds'): {interval!r}")
-        return interval
 
     def selects(self, entity: str) -> bool:
         """Whether the group names ``entity`` (by name or pattern)."""
