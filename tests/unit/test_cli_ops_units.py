@@ -21,6 +21,7 @@ from cdc_cli.checkpoints import (
     position_at,
     recorded_positions,
 )
+from cdc_cli.liveness import health_answer, health_endpoints
 from cdc_cli.maintenance import (
     SAFETY_MARGIN,
     RetentionMinimum,
@@ -28,8 +29,6 @@ from cdc_cli.maintenance import (
     StreamNeed,
     check_vacuum_minimum,
     check_vacuum_retention,
-    health_answer,
-    health_endpoints,
     interval_hours,
     merger_log_notices,
     tombstone_retention,

@@ -14,7 +14,7 @@ change-data files) longer ago than the retention. Two limits keep it safe:
   read. Below it VACUUM is refused, unless ``force_short_retention`` is given and no
   service shows signs of running: no live writer lease, no configured ``/health``
   endpoint that answers, and no data commit on bronze or silver and no progress in any
-  service's group checkpoint within the quiet period (:func:`signs_of_life`).
+  service's group checkpoint within the quiet period (:func:`cdc_cli.liveness.signs_of_life`).
 - **What the services still need**: a service that still has to read table version
   ``v`` needs every file that version ``v`` or a later one added or referenced; such a
   file can only have left the table at a commit after ``v``. So the retention is safe
@@ -67,8 +67,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -77,7 +75,6 @@ from cdc_shared.config import (
     ChangeFeedConfig,
     EntityConfig,
     PipelineConfig,
-    StreamingServiceConfig,
     s3a_bucket,
 )
 from cdc_shared.layout import (
@@ -93,18 +90,16 @@ from cdc_shared.layout import (
 from cdc_shared.silver import DELETED_AT
 
 from cdc_cli.checkpoints import (
-    Commit,
     DeltaLog,
     SparkState,
     StateReader,
     as_utc,
     change_feed_versions,
-    data_commits_from,
-    group_checkpoints,
     merger_backlog,
     recorded_positions,
     state_reader,
 )
+from cdc_cli.liveness import DEFAULT_QUIET, ActivityReader, signs_of_life
 
 if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
     from elasticsearch import Elasticsearch
@@ -113,19 +108,14 @@ if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a ses
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 DEFAULT_RETENTION_HOURS = 168.0  # Delta's default deletedFileRetentionDuration: 7 days
 DEFAULT_LOG_RETENTION_HOURS = 720.0  # Delta's default logRetentionDuration: 30 days
-DEFAULT_QUIET = dt.timedelta(minutes=10)
 SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
 RETENTION_PROPERTY = "delta.deletedFileRetentionDuration"
 LOG_RETENTION_PROPERTY = "delta.logRetentionDuration"
-HEALTH_TIMEOUT_S = 2.0
-#: How many of a table's newest commits are read at a time looking for its last data commit.
-_HISTORY_WINDOW = 100
 #: The one bronze table, as maintenance names it.
 BRONZE = "bronze"
 _RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
 _VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
 _INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_shared.bronze)
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 # Spark's interval units as Delta's table properties use them ("interval 7 days").
 _INTERVAL_UNITS = {
     "week": 7 * 24.0,
@@ -154,7 +144,7 @@ class ServicesMayRunError(RuntimeError):
     """A retention below Delta's minimum was forced while a service may still run."""
 
 
-class TableState(StateReader, Protocol):
+class TableState(ActivityReader, Protocol):
     """What maintenance reads of the tables and checkpoints, beyond a :class:`StateReader`.
 
     Two of them: :class:`SparkTables` (Delta Lake through the session a run holds anyway)
@@ -167,10 +157,6 @@ class TableState(StateReader, Protocol):
 
     def data_file_count(self, path: str) -> int:
         """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
-        ...
-
-    def newest_modification(self, folder: str) -> dt.datetime | None:
-        """The newest modification time of an entry of ``folder``; None when it has none."""
         ...
 
     def column_max(
@@ -770,129 +756,11 @@ def check_vacuum_minimum(minimums: list[RetentionMinimum], hours: float) -> None
         )
 
 
-def health_endpoints(config: PipelineConfig) -> list[tuple[str, str]]:
-    """(service, ``/health`` URL) of every service the configuration gives a metrics port.
-
-    Each service's own port and the one of ``cdc run`` (the application), on the
-    configured ``metrics_host``; a wildcard bind address is probed on this host.
-    """
-    sections: list[StreamingServiceConfig] = [getattr(config, s) for s in SERVICES]
-    binds = [
-        (display_name(service), section.metrics_host, section.metrics_port)
-        for service, section in zip(SERVICES, sections, strict=True)
-    ]
-    application = config.application
-    binds.append(("cdc run", application.metrics_host, application.metrics_port))
-    endpoints = []
-    for name, bind, port in binds:
-        if not port:
-            continue
-        host = "127.0.0.1" if bind in _WILDCARD_HOSTS else bind
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        endpoints.append((name, f"http://{host}:{port}/health"))
-    return endpoints
-
-
-def health_answer(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
-    """What ``url`` says about a service there; None when no service of ours answers.
-
-    A service's ``/health`` answers 200 or 503 (running, or starting or failing): both
-    are a running service. A refused connection, or another HTTP answer (some other
-    server on that port), is none. Anything else (a timeout, an unknown host) cannot
-    rule a service out, so it is reported too. Proxies from the environment are ignored.
-    """
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout_s) as answer:
-            status = int(answer.status)
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, ConnectionRefusedError):
-            return None
-        return f"no clear answer ({exc.reason})"
-    except OSError as exc:  # a timeout or reset while reading the answer
-        return f"no clear answer ({exc})"
-    return f"answers {status}" if status in (200, 503) else None
-
-
-def _recent_data_commit(state: StateReader, path: str, since: dt.datetime) -> Commit | None:
-    """The table's last data commit if it is after ``since``; None otherwise.
-
-    The history is read from the newest commits back, a window at a time, only as far as
-    ``since``: a table of many versions costs the few read.
-    """
-    newest = state.table_version(path)
-    end = -1 if newest is None else newest
-    while end >= 0:
-        start = max(0, end - _HISTORY_WINDOW + 1)
-        window = {v: c for v, c in state.history(path, start).items() if v <= end}
-        written = data_commits_from(window, start)
-        if written:
-            return written[-1] if written[-1].timestamp > since else None
-        if not window or min(c.timestamp for c in window.values()) <= since:
-            return None
-        end = start - 1
-    return None
-
-
-def signs_of_life(
-    config: PipelineConfig,
-    entities: list[EntityConfig],
-    state: TableState,
-    quiet: dt.timedelta = DEFAULT_QUIET,
-    now: dt.datetime | None = None,
-) -> list[str]:
-    """What suggests a service may be running; empty when nothing does.
-
-    A live writer lease of ``entities`` (``cdc_shared.writer_lease``); a configured
-    ``/health`` endpoint that answers; a data commit on bronze (the ingestor) or an
-    entity's silver (the merger) within ``quiet``; a group checkpoint of any service
-    (``_streams/<service>/<group>``) that planned or committed a micro-batch within
-    ``quiet`` (the publishers, which write no table). OPTIMIZE and VACUUM commits do not
-    count: they add no data and are maintenance's own. A service idle for longer than
-    ``quiet`` whose ``/health`` cannot be reached from here is not seen: that is what the
-    operator's ``--force-short-retention`` vouches for. Leases are read the way ``state``
-    reads files (without a JVM from object storage too).
-    """
-    from cdc_shared.writer_lease import live_leases
-
-    from cdc_cli.status import streams_folder
-
-    def read_lease(path: str) -> bytes | None:
-        text = state.read_text_if_exists(path)
-        return None if text is None else text.encode()
-
-    now = now or dt.datetime.now(dt.UTC)
-    since = now - quiet
-    signs = live_leases(config.storage_root, SERVICES, [e.name for e in entities], read_lease)
-    for service, url in health_endpoints(config):
-        answer = health_answer(url)
-        if answer is not None:
-            signs.append(f"{service}: {url} {answer}")
-    minutes = f"{quiet.total_seconds() / 60:g} minutes"
+def _data_tables(config: PipelineConfig, entities: list[EntityConfig]) -> dict[str, str]:
+    """The tables a running service commits data to: bronze and each entity's silver."""
     tables = {BRONZE: config.layout.bronze()}
     tables.update({f"silver/{e.name}": config.layout.silver(e.name) for e in entities})
-    for table, path in tables.items():
-        last = _recent_data_commit(state, path, since)
-        if last is not None:
-            signs.append(
-                f"{table}: {last.operation} committed version {last.version} at "
-                f"{last.timestamp.isoformat(timespec='seconds')}, within {minutes}"
-            )
-    for service in SERVICES:
-        for checkpoint in group_checkpoints(state, streams_folder(config, service)):
-            progressed = [
-                state.newest_modification(f"{checkpoint}/{d}") for d in ("offsets", "commits")
-            ]
-            latest = max((t for t in progressed if t is not None), default=None)
-            if latest is not None and latest > since:
-                group = checkpoint.rsplit("/", 1)[1]
-                signs.append(
-                    f"{display_name(service)}'s checkpoint of group {group} progressed at "
-                    f"{latest.isoformat(timespec='seconds')}, within {minutes}"
-                )
-    return signs
+    return tables
 
 
 def check_services_stopped(
@@ -904,7 +772,7 @@ def check_services_stopped(
     quiet: dt.timedelta,
 ) -> None:
     """Raise ServicesMayRunError, with every sign, if a service may run (forced VACUUM)."""
-    signs = signs_of_life(config, entities, state, quiet)
+    signs = signs_of_life(config, entities, _data_tables(config, entities), state, quiet)
     if signs:
         raise ServicesMayRunError(
             f"refusing --force-short-retention (VACUUM {hours:g} hours, below Delta's "

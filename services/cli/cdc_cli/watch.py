@@ -23,7 +23,7 @@ from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import display_name
 from prometheus_client.parser import text_string_to_metric_families
 
-from cdc_cli.maintenance import health_endpoints
+from cdc_cli.liveness import health_endpoints
 
 #: How long one ``/metrics`` request may take before the service counts as not reachable.
 SCRAPE_TIMEOUT_S = 2.0
