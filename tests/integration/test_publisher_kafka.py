@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from cdc_devkit.workload import produce
 from cdc_publisher_kafka.main import start
+from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import (
     RECORD_OVERHEAD_BYTES,
     Oversized,
-    Progress,
     TransactionalPublisher,
 )
 from cdc_shared.config import KafkaConfig, PublisherKafkaConfig

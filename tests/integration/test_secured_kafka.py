@@ -32,7 +32,8 @@ from cdc_ingestor.main import SERVICE, start
 from cdc_ingestor.positions import recorded_positions
 from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
 from cdc_publisher_kafka.main import start as start_publisher
-from cdc_publisher_kafka.transactions import Progress, TransactionalPublisher
+from cdc_publisher_kafka.progress import Progress
+from cdc_publisher_kafka.transactions import TransactionalPublisher
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
 from cdc_shared.layout import publisher_progress_group

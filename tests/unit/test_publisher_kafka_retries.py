@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import (
     PermissionRefusedError,
-    Progress,
     TransactionalIdRefusedError,
     TransactionalPublisher,
 )

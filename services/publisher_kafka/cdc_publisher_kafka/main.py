@@ -47,12 +47,12 @@ from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from pyspark.sql import SparkSession
 
 from cdc_publisher_kafka.contract import ChangeTopicContract, encode_changes, register_contract
+from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import (
     ChangeTopicResetError,
     Message,
     Oversized,
     PermissionRefusedError,
-    Progress,
     TransactionalIdRefusedError,
     TransactionalPublisher,
     ensure_topics,
