@@ -76,22 +76,20 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
 from cdc_merger import apply as merger_apply  # noqa: E402
 from cdc_merger import history as merger_history  # noqa: E402
-from cdc_merger.apply import (  # noqa: E402
-    DEFAULT_PLACEHOLDER,
-    TRUNCATE_SCHEMA,
-    MergeState,
-    SilverLayout,
-    apply_batch,
-    ensure_tables,
-    silver_schema,
-    tombstone_schema,
-)
+from cdc_merger.apply import DEFAULT_PLACEHOLDER, MergeState, apply_batch  # noqa: E402
 from cdc_merger.history import (  # noqa: E402
     FOLDED,
     UNSENT,
     UNTRACKED,
     HistoryTable,
     rebuilt_versions,
+)
+from cdc_merger.silver_tables import (  # noqa: E402
+    TRUNCATE_SCHEMA,
+    SilverLayout,
+    ensure_tables,
+    silver_schema,
+    tombstone_schema,
 )
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import HistoryConfig, SparkConfig  # noqa: E402

@@ -51,7 +51,8 @@ sys.path.insert(0, str(ROOT / "tests" / "bench"))
 from bench_merger import Workload, bronze_batch, load_silver, p  # noqa: E402
 from cdc_devkit import infra  # noqa: E402
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
-from cdc_merger.apply import MergeState, SilverLayout, apply_batch, ensure_tables  # noqa: E402
+from cdc_merger.apply import MergeState, apply_batch  # noqa: E402
+from cdc_merger.silver_tables import SilverLayout, ensure_tables  # noqa: E402
 from cdc_shared import bronze as bronze_table  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.config import ObjectStorageConfig, SparkConfig  # noqa: E402

@@ -12,15 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import reduce
 
-from cdc_merger.apply import (
-    DELETE,
-    ERROR_KIND,
-    TRUNCATE,
-    SilverLayout,
-    latest_per_key,
-    rejection,
-    silver_merge,
-)
+from cdc_merger.apply import DELETE, ERROR_KIND, TRUNCATE, latest_per_key, rejection, silver_merge
+from cdc_merger.silver_tables import SilverLayout
 from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession

@@ -30,9 +30,10 @@ from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.maintenance import bronze_needs, run_maintenance, silver_needs
 from cdc_cli.status import collect_status
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
-from cdc_merger.apply import ERROR_KIND, ERROR_MESSAGE, SILVER_PROPERTIES
+from cdc_merger.apply import ERROR_KIND, ERROR_MESSAGE
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import quarantine_rows
+from cdc_merger.silver_tables import SILVER_PROPERTIES
 from cdc_publisher_es.progress import IndexProgress
 from cdc_shared.bronze import entity_changes
 from cdc_shared.clients import make_elasticsearch

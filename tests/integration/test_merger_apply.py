@@ -20,12 +20,11 @@ from cdc_merger.apply import (
     ERROR_MESSAGE,
     ApplyResult,
     MergeState,
-    SilverLayout,
     apply_batch,
     apply_history,
-    ensure_tables,
 )
 from cdc_merger.history import HistoryTable
+from cdc_merger.silver_tables import SilverLayout, ensure_tables
 from cdc_shared import bronze
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.bronze import read_payload_types

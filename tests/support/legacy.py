@@ -13,8 +13,9 @@ from cdc_ingestor.decode import decode
 from cdc_ingestor.ingestion import kafka_source
 from cdc_ingestor.projection import quarantine_rows
 from cdc_ingestor.schema_learning import SchemaTracker
-from cdc_merger.apply import MergeState, apply_batch, ensure_tables
+from cdc_merger.apply import MergeState, apply_batch
 from cdc_merger.merging import silver_layout
+from cdc_merger.silver_tables import ensure_tables
 from cdc_shared.config import EntityConfig
 from cdc_shared.layout import INGESTOR, MERGER
 from cdc_shared.schemas import make_registry

@@ -91,7 +91,8 @@ def merge_in_slices(
     quickly (the merger's own batch function, without a stream per version), each
     recorded in ``silver/_versions`` as the merger records them for the publishers;
     ``pause_s`` between two (silver changing under a running publisher)."""
-    from cdc_merger.apply import apply_batch, ensure_tables
+    from cdc_merger.apply import apply_batch
+    from cdc_merger.silver_tables import ensure_tables
     from cdc_merger.stream import SilverVersions
     from pyspark.sql import functions as F
 

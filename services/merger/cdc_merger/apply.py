@@ -26,7 +26,6 @@ from cdc_shared.observability import Stopwatch
 from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
 from cdc_shared.spark import clock, observed
 from cdc_shared.tables import (
-    AUTO_COMPACT,
     Progress,
     idempotent_dml,
     on_conflict_retry,
@@ -40,12 +39,11 @@ from pyspark.sql import types as T
 
 from cdc_merger.guards import NewestSequence, TombstoneIndex, key_values, sequence_literal
 from cdc_merger.history import (
-    HistoryTable,
     Reach,
     history_events,
-    history_schema,
     write_history,
 )
+from cdc_merger.silver_tables import TRUNCATE_SCHEMA, SilverLayout
 
 log = logging.getLogger("cdc_merger")
 
@@ -57,52 +55,8 @@ ERROR_MESSAGE = "_cdc_error_message"
 #: Every delete sequence of the key in the batch (``latest_per_key(every_delete=True)``).
 DELETES = "_cdc_deletes"
 
-SILVER_PROPERTIES = {
-    "delta.enableChangeDataFeed": "true",
-    "delta.enableDeletionVectors": "true",
-    **AUTO_COMPACT,
-}
-#: Puts deletion vectors in a new table's protocol whatever its property says.
-DELETION_VECTORS_SUPPORTED = {"delta.feature.deletionVectors": "supported"}
-TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true", **AUTO_COMPACT}
 #: The placeholder a batch recognises unless told otherwise (Debezium's default).
 DEFAULT_PLACEHOLDER = Placeholder.of(DEBEZIUM_PLACEHOLDER)
-TRUNCATE_SCHEMA = T.StructType(
-    [
-        T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
-        T.StructField("truncated_at", T.TimestampType(), False),
-    ]
-)
-
-
-@dataclass(frozen=True)
-class SilverLayout:
-    """Where one entity's silver table and its side tables live, and its key columns."""
-
-    silver_path: str
-    tombstone_path: str
-    truncate_path: str
-    key: list[str]
-    #: The entity's SCD type 2 history, when it has one (``cdc_merger.history``).
-    history: HistoryTable | None = None
-
-
-def silver_schema(bronze_schema: T.StructType, key: list[str]) -> T.StructType:
-    """Silver's columns: the row (bronze ``after``), then the change metadata."""
-    after = bronze_schema["after"].dataType
-    assert isinstance(after, T.StructType)
-    missing = [k for k in key if k not in after.fieldNames()]
-    if missing:
-        raise ValueError(f"key columns {missing} are not columns of the row {after.simpleString()}")
-    return T.StructType(
-        [T.StructField(f.name, f.dataType, f.name not in key) for f in after.fields]
-        + [
-            T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
-            T.StructField(OP, T.StringType(), False),
-            T.StructField(SOURCE_TS, T.TimestampType(), True),
-            T.StructField(COMMIT_TS, T.TimestampType(), False),
-        ]
-    )
 
 
 def without_columns(events: DataFrame, dropped: Sequence[str]) -> DataFrame:
@@ -115,47 +69,6 @@ def without_columns(events: DataFrame, dropped: Sequence[str]) -> DataFrame:
     if not dropped:
         return events
     return events.withColumn("after", F.col("after").dropFields(*dropped))
-
-
-def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
-    """Tombstones: the key, the delete's sequence, and when it was recorded.
-
-    Appended, never updated: a key deleted twice has two, and the newest decides.
-    """
-    return T.StructType(
-        [T.StructField(k, silver[k].dataType, False) for k in key]
-        + [
-            T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
-            T.StructField(DELETED_AT, T.TimestampType(), False),
-        ]
-    )
-
-
-def ensure_tables(
-    spark: SparkSession,
-    bronze_schema: T.StructType,
-    layout: SilverLayout,
-    deletion_vectors: bool = True,
-) -> None:
-    """Create silver (Change Data Feed on), its tombstones and truncates unless they exist.
-
-    ``deletion_vectors``: whether a silver made here starts with its MERGEs writing
-    deletion vectors (the table feature is in its protocol either way:
-    ``cdc_merger.write_mode`` switches the property as the table grows). A history
-    always has them on: its write (``history._replace_versions``) fails without them.
-    """
-    from cdc_shared.tables import ensure_table
-
-    silver = silver_schema(bronze_schema, layout.key)
-    writes = {"delta.enableDeletionVectors": "true" if deletion_vectors else "false"}
-    properties = SILVER_PROPERTIES | DELETION_VECTORS_SUPPORTED | writes
-    ensure_table(spark, layout.silver_path, silver, properties)
-    ensure_table(
-        spark, layout.tombstone_path, tombstone_schema(silver, layout.key), TOMBSTONE_PROPERTIES
-    )
-    ensure_table(spark, layout.truncate_path, TRUNCATE_SCHEMA, TOMBSTONE_PROPERTIES)
-    if layout.history is not None:
-        ensure_table(spark, layout.history.path, history_schema(silver), SILVER_PROPERTIES)
 
 
 def rejection(events: DataFrame, key: list[str], silver: T.StructType) -> tuple[Column, Column]:

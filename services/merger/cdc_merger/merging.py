@@ -44,14 +44,13 @@ from cdc_merger.apply import (
     ERROR_KIND,
     ERROR_MESSAGE,
     MergeState,
-    SilverLayout,
     apply_batch,
     apply_history,
-    ensure_tables,
     lost_local_checkpoint,
     without_columns,
 )
 from cdc_merger.history import HistoryTable
+from cdc_merger.silver_tables import SilverLayout, ensure_tables
 from cdc_merger.write_mode import WriteMode
 
 SERVICE = MERGER
