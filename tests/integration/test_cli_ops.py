@@ -27,8 +27,9 @@ import pytest
 import yaml
 from cdc_cli import quarantine
 from cdc_cli.delta_log import DeltaLogState
-from cdc_cli.maintenance import bronze_needs, run_maintenance, silver_needs
+from cdc_cli.maintenance import run_maintenance
 from cdc_cli.status import collect_status
+from cdc_cli.stream_needs import bronze_needs, silver_needs
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
 from cdc_merger.apply import ERROR_KIND, ERROR_MESSAGE
 from cdc_merger.main import start as start_merger

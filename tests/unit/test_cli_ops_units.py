@@ -22,18 +22,20 @@ from cdc_cli.checkpoints import (
     recorded_positions,
 )
 from cdc_cli.liveness import health_answer, health_endpoints
-from cdc_cli.maintenance import (
-    SAFETY_MARGIN,
+from cdc_cli.quarantine import preview
+from cdc_cli.retention import (
     RetentionMinimum,
     RetentionTooShortError,
-    StreamNeed,
     check_vacuum_minimum,
-    check_vacuum_retention,
     interval_hours,
-    merger_log_notices,
-    tombstone_retention,
 )
-from cdc_cli.quarantine import preview
+from cdc_cli.stream_needs import (
+    SAFETY_MARGIN,
+    StreamNeed,
+    check_vacuum_retention,
+    merger_log_notices,
+)
+from cdc_cli.tombstone_expiry import tombstone_retention
 from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
 from cdc_devkit.local_run import EXAMPLE_CONFIG, write_pipeline_config

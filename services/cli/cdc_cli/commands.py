@@ -307,17 +307,19 @@ def maintenance_command(
     import datetime as dt
 
     from cdc_cli import maintenance, status
+    from cdc_cli.retention import RetentionTooShortError
+    from cdc_cli.stream_needs import SILVER_READERS
 
     if engine not in status.ENGINES:
         _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
 
     pipeline = _config(config)
     ignored = tuple(ignore_service or ())
-    unknown = [s for s in ignored if s not in (MERGER, *maintenance.SILVER_READERS)]
+    unknown = [s for s in ignored if s not in (MERGER, *SILVER_READERS)]
     if unknown:
         _fail(f"--ignore-service: unknown services {unknown}", 2)
     refusals = (
-        maintenance.RetentionTooShortError,
+        RetentionTooShortError,
         maintenance.WritersMayRunError,
         maintenance.ServicesMayRunError,
     )

@@ -8,7 +8,7 @@ the reading: here delta-rs (the ``deltalake`` package) reads the tables, the sam
 log the services' Delta Lake writes, and delta-rs' storage layer (as a pyarrow file
 system) reads checkpoint and log files. :class:`DeltaLogState` is the
 :class:`cdc_cli.checkpoints.StateReader` that does so, and the
-``cdc_cli.maintenance.TableState`` of a dry run.
+``cdc_cli.table_state.TableState`` of a dry run.
 
 Paths are the configured ones (``StorageLayout``): a local folder, or ``s3a://`` (Hadoop's
 scheme, which the services use). Their mapping to delta-rs lives here only, so every
