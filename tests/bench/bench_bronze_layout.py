@@ -137,7 +137,8 @@ class Layouts:
         for start in range(0, len(calls), self.at_once):  # as the one query wrote them
             side_by_side(calls[start : start + self.at_once])
 
-    def one(self, cached: DataFrame, headers: Any, batch_id: int) -> None:
+    def one(self, cached: DataFrame, headers: Any, batch_id: int, cores: int = 0) -> None:
+        """The one-bronze append; ``cores``: coalesced to that many tasks (0: as unioned)."""
         parts = []
         for topic in sorted(headers):
             entity, _ = self.trackers[topic]
@@ -147,11 +148,13 @@ class Layouts:
             good = decoded.where(F.col("error_kind").isNull())
             parts.append(good.select(*bronze_columns(entity.name, envelope)))
         union = functools.reduce(DataFrame.union, parts)
+        if cores:
+            union = union.coalesce(cores)
         (
             union.write.format("delta")
             .mode("append")
             .partitionBy("entity")
-            .option("txnAppId", "spike-all")
+            .option("txnAppId", f"spike-all-{cores}")
             .option("txnVersion", batch_id)
             .save(self.one_bronze)
         )
@@ -164,6 +167,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10, help="measured, per layout")
     parser.add_argument("--warmup", type=int, default=3, help="not measured, per layout")
     parser.add_argument("--at-once", type=int, default=4, help="per-table writes side by side")
+    parser.add_argument(
+        "--coalesced",
+        action="store_true",
+        help="compare one bronze as unioned (a task per table and core) with the union "
+        "coalesced to the cores, as the ingestor writes it, instead of the per-table layout",
+    )
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-bronze-"))
     try:
@@ -172,9 +181,14 @@ def main() -> None:
         batches = kafka_batches(config, args.rows, rounds * 2)
         spark = build_spark_session(config.spark, "bench-bronze-layout")
         layouts = Layouts(spark, config, args.at_once)
-        times: dict[str, list[float]] = {"per-table": [], "one-bronze": []}
-        writers = {"per-table": layouts.per_table, "one-bronze": layouts.one}
-        order = itertools.cycle(["per-table", "one-bronze"])
+        cores = spark.sparkContext.defaultParallelism
+        writers = (
+            {"one-bronze": layouts.one, "coalesced": functools.partial(layouts.one, cores=cores)}
+            if args.coalesced
+            else {"per-table": layouts.per_table, "one-bronze": layouts.one}
+        )
+        times: dict[str, list[float]] = {name: [] for name in writers}
+        order = itertools.cycle(list(writers))
         for number, rows in enumerate(batches):
             name = next(order)
             frame = spark.createDataFrame(rows, KAFKA_ROWS)
@@ -193,8 +207,8 @@ def main() -> None:
 
 
 def print_figures(times: dict[str, list[float]], args: argparse.Namespace) -> None:
-    """Each layout's batch p50 / p90, per changed table, and the ratio to per-table."""
-    base = statistics.median(times["per-table"])
+    """Each layout's batch p50 / p90, per changed table, and the ratio to the first."""
+    base = statistics.median(next(iter(times.values())))
     print(
         f"\n{args.tables} tables changed per batch, {args.rows} records each, "
         f"{args.batches} batches per layout after {args.warmup} of warm-up"

@@ -322,7 +322,9 @@ class GroupIngestion:
         """One append of every table's rows, recording each topic's position (or none).
 
         An empty batch of a group holding tables is recorded all the same, so their
-        positions never fall behind what the checkpoint committed.
+        positions never fall behind what the checkpoint committed. The tables' rows are
+        written by a task per core (coalesced, no shuffle), not a task and a file per
+        table and core (docs/benchmarks.md, "the bronze append in a task per core").
         """
         positions = {**ends, **self.held_at}
         metadata = commit_metadata(self.group.name, positions, self.held)
@@ -332,6 +334,8 @@ class GroupIngestion:
         rows = functools.reduce(DataFrame.union, parts) if parts else None
         if rows is None:
             rows = frame_from_rows(self.spark, [], bronze.SCHEMA)
+        else:  # a task per core, not per table and core: fewer tasks and files to commit
+            rows = rows.coalesce(max(1, self.spark.sparkContext.defaultParallelism))
         writer = (
             rows.write.format("delta")
             .mode("append")
