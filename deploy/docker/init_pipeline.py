@@ -22,6 +22,8 @@ from cdc_shared.avro.registry import KnownSchema, SchemaRegistry, load_schema_fi
 from cdc_shared.clients import make_admin
 from cdc_shared.config import ConfigError, PipelineConfig, load_config
 from cdc_shared.schemas import entity_schemas, make_registry
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import NewTopic
 
 
 def schema_files(config: PipelineConfig) -> dict[str, list[KnownSchema]]:
@@ -58,9 +60,6 @@ def register_source_schemas(config: PipelineConfig, registry: SchemaRegistry) ->
 
 def create_source_topics(config: PipelineConfig, partitions: int, timeout_s: float) -> list[str]:
     """Create the entities' source topics that do not exist yet; the names created."""
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import NewTopic
-
     admin = make_admin(config.kafka)
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     missing = [e.source_topic for e in config.entities if e.source_topic not in existing]

@@ -12,11 +12,14 @@ from pathlib import Path
 from typing import TypeVar
 
 import typer
+from cdc_shared.avro import ConfluentSchemaRegistry
 from cdc_shared.config import ConfigError
 from cdc_shared.entity_sets import load_pipeline
+from cdc_shared.schemas import make_registry
 
 from cdc_devkit import infra, secured_kafka
 from cdc_devkit.processes import RunMode
+from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce, register_source_schemas
 
 T = TypeVar("T")
 
@@ -224,7 +227,9 @@ def demo(
     Exits 0 when silver, the change topics and the indexes all equal the oracle (or the
     database) and every service stopped cleanly on SIGTERM; 1 otherwise.
     """
-    from cdc_devkit.demo import DemoOptions, run_demo, summary_rows
+    # The demo imports PySpark: `cdc` loads this module for every command.
+    from cdc_devkit import demo_postgres  # noqa: PLC0415
+    from cdc_devkit.demo import DemoOptions, run_demo, summary_rows  # noqa: PLC0415
 
     postgres = source is DemoSource.POSTGRES
     options = DemoOptions(
@@ -236,8 +241,6 @@ def demo(
         mode=mode,
     )
     if postgres:
-        from cdc_devkit import demo_postgres
-
         found = _run_or_exit(lambda: demo_postgres.run_postgres_demo(options, typer.echo))
         _print_summary(demo_postgres.summary_rows(found))
         report, agrees = found.report, found.agrees
@@ -305,7 +308,8 @@ def chaos(
     Exits 0 when nothing diverged (offsets, silver, change topics, indexes, quarantine,
     logs free of secrets) and every service stopped cleanly at the end; 1 otherwise.
     """
-    from cdc_devkit.chaos import ChaosOptions, run_chaos, summary_rows
+    # The chaos run imports PySpark: `cdc` loads this module for every command.
+    from cdc_devkit.chaos import ChaosOptions, run_chaos, summary_rows  # noqa: PLC0415
 
     options = ChaosOptions(
         events=events,
@@ -344,16 +348,6 @@ def generate(
     partitions: int = typer.Option(3, min=1, help="Partitions of topics it creates."),
 ) -> None:
     """Write a realistic, deterministic Debezium-style CDC stream to the source topics."""
-    from cdc_shared.avro import ConfluentSchemaRegistry
-    from cdc_shared.schemas import make_registry
-
-    from cdc_devkit.workload import (
-        WorkloadGenerator,
-        WorkloadSpec,
-        produce,
-        register_source_schemas,
-    )
-
     try:
         pipeline = load_pipeline(config)
         entities = pipeline.select_entities(entity)

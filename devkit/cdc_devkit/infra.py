@@ -11,6 +11,7 @@ exactly what ``up`` started, with its whole process group.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pwd
@@ -30,7 +31,10 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+import boto3
 import httpx
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 from cdc_shared import jvm
 from confluent_kafka.admin import AdminClient
 from pydantic import Field
@@ -870,9 +874,6 @@ def start_registry(settings: InfraSettings) -> str:
 
 def s3_client(settings: InfraSettings) -> Any:
     """A boto3 S3 client for the local server, with its fixed credentials (path-style)."""
-    import boto3
-    from botocore.config import Config
-
     return boto3.client(
         "s3",
         endpoint_url=s3_endpoint(settings),
@@ -890,8 +891,6 @@ def s3_client(settings: InfraSettings) -> Any:
 
 def _s3_ready(settings: InfraSettings) -> bool:
     """Whether the server answers a signed ListBuckets (so the credentials work too)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     try:
         s3_client(settings).list_buckets()
     except (BotoCoreError, ClientError):
@@ -1189,10 +1188,14 @@ def start_connect(settings: InfraSettings) -> str:
 
 
 def _spark_class() -> Path:
-    """The installed pyspark's ``bin/spark-class`` (its wheel carries no ``sbin`` scripts)."""
-    import pyspark
+    """The installed pyspark's ``bin/spark-class`` (its wheel carries no ``sbin`` scripts).
 
-    return Path(pyspark.__file__).resolve().parent / "bin" / "spark-class"
+    Found without importing PySpark: ``cdc`` loads this module for every command.
+    """
+    spec = importlib.util.find_spec("pyspark")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("pyspark is not installed: pip install the project first")
+    return Path(spec.origin).resolve().parent / "bin" / "spark-class"
 
 
 def spark_master_state(settings: InfraSettings) -> dict[str, Any] | None:

@@ -30,6 +30,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_shared import jvm
+from cdc_shared.config import SparkConfig
+from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +107,6 @@ def build(archive: Path) -> bool:
 
 def _dump_child(partial: Path) -> None:
     """The child's side of :func:`build`: one driver dumping at exit, one workload."""
-    from cdc_shared.config import SparkConfig
-    from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
-
     conf = spark_conf(SparkConfig(), "cdc-class-archive")
     # The collector the local drivers run with; only errors: the dump warns of every
     # class of a signed jar it skips, as it must.

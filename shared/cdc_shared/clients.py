@@ -13,12 +13,14 @@ from __future__ import annotations
 import re
 import socket
 import ssl
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
+from elasticsearch import Elasticsearch
 
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config import ConfigError, ElasticsearchConfig, KafkaConfig
 
 if TYPE_CHECKING:  # the client costs a third of a second to import: only when used
     from elasticsearch import Elasticsearch
@@ -252,8 +254,6 @@ def make_admin(config: KafkaConfig, **overrides: Any) -> AdminClient:
 
 def make_elasticsearch(config: ElasticsearchConfig) -> Elasticsearch:
     """An Elasticsearch client; API key or basic auth when configured."""
-    from elasticsearch import Elasticsearch
-
     kwargs: dict[str, Any] = {
         "hosts": list(config.hosts),
         "request_timeout": config.request_timeout_s,
@@ -266,3 +266,44 @@ def make_elasticsearch(config: ElasticsearchConfig) -> Elasticsearch:
     elif config.username is not None and config.password is not None:
         kwargs["basic_auth"] = (config.username, config.password.get_secret_value())
     return Elasticsearch(**kwargs)
+
+
+def check_tls_files(config: KafkaConfig) -> None:
+    """ConfigError naming each TLS file that cannot be read or is not PEM the clients read.
+
+    Run at start (``cdc_shared.entity_sets.load_pipeline``), not at load: loading reads
+    only the configuration. Keys must be PKCS#8 (``PRIVATE KEY``, or ``ENCRYPTED PRIVATE
+    KEY`` with ``key_password``): the one PEM key form both librdkafka and the Java client
+    read.
+    """
+    tls = config.tls
+    if tls is None:
+        return
+    files = {
+        "ca_file": (tls.ca_file, "CERTIFICATE"),
+        "certificate_file": (tls.certificate_file, "CERTIFICATE"),
+        "key_file": (tls.key_file, "PRIVATE KEY"),
+    }
+    problems = [
+        f"  kafka.tls.{field}: {problem}"
+        for field, (path, kind) in files.items()
+        if path is not None and (problem := _pem_problem(path, kind)) is not None
+    ]
+    if problems:
+        raise ConfigError("\n".join(["invalid pipeline configuration:", *problems]))
+
+
+def _pem_problem(path: Path, kind: str) -> str | None:
+    """What is wrong with ``path`` as a PEM file holding a ``kind`` block; None if nothing."""
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror}"
+    if kind == "PRIVATE KEY" and re.search(r"-----BEGIN (RSA|EC|DSA) PRIVATE KEY-----", text):
+        return (
+            f"{path} holds a key in its algorithm's own PEM form, which the Java client "
+            "refuses: convert it to PKCS#8 (openssl pkcs8 -topk8 -nocrypt -in KEY -out NEW)"
+        )
+    if f"-----BEGIN {kind}-----" not in text and f"-----BEGIN ENCRYPTED {kind}-----" not in text:
+        return f"{path} is not a PEM file with a {kind.lower()} block"
+    return None

@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from deltalake import DeltaTable
+from pyarrow.fs import resolve_s3_region
+
 from cdc_shared.config import S3A_SCHEME, ObjectStorageConfig, PipelineConfig, s3a_bucket
 
 #: The region when neither the configuration nor the environment names one and the
@@ -45,8 +48,6 @@ def region(storage: ObjectStorageConfig, bucket: str) -> str:
     if chosen:
         return chosen
     if storage.endpoint is None:
-        from pyarrow.fs import resolve_s3_region
-
         return str(resolve_s3_region(bucket))
     return DEFAULT_REGION
 
@@ -90,8 +91,6 @@ def read_logs(
     ``paths``: name -> table path. Read without a JVM; ``transaction`` is the version
     ``app_id`` last wrote (Delta's ``txnVersion``), None when it never wrote the table.
     """
-    from deltalake import DeltaTable
-
     options = delta_storage_options(config) or None
     states: dict[str, LogState | None] = {}
     for name, path in paths.items():

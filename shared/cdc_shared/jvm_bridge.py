@@ -10,6 +10,7 @@ tests of its callers.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from py4j.protocol import Py4JJavaError
@@ -84,6 +85,43 @@ def move(spark: SparkSession, source: str, target: str) -> None:
     _, moved = hadoop_path(spark, target)
     if not fs.rename(path, moved):
         raise OSError(f"could not move {source} to {target}")
+
+
+class HadoopFiles:
+    """A checkpoint's files (``stream_checkpoint.CheckpointFiles``) through Hadoop.
+
+    Hadoop's file systems read local paths and object storage alike.
+    """
+
+    def __init__(self, spark: SparkSession) -> None:
+        self.spark = spark
+
+    def list_names(self, path: str) -> list[str] | None:
+        """Names of the entries in the folder ``path``; None when it does not exist."""
+        fs, folder = hadoop_path(self.spark, path)
+        if not fs.exists(folder):
+            return None
+        return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
+
+    def read_text_if_exists(self, path: str) -> str | None:
+        """The file ``path`` as UTF-8 text; None when there is no such file."""
+        return read_text_if_exists(self.spark, path)
+
+
+def move_aside(spark: SparkSession, checkpoint: str) -> str:
+    """Move ``checkpoint`` aside (to ``<checkpoint>.<UTC time>``); where it went.
+
+    A query that must start on a new checkpoint keeps its old one there (delete it at
+    will). A name taken already (two moves in one second) gets a count after it.
+    """
+    files = HadoopFiles(spark)
+    aside = f"{checkpoint.rstrip('/')}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    target, taken = aside, 0
+    while files.list_names(target) is not None:
+        taken += 1
+        target = f"{aside}-{taken}"
+    move(spark, checkpoint, target)
+    return target
 
 
 def delete_if_exists(spark: SparkSession, path: str) -> None:

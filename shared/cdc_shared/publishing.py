@@ -29,9 +29,9 @@ from cdc_shared.config import (
     interval_seconds,
 )
 from cdc_shared.delta_rs import read_logs
-from cdc_shared.jvm_bridge import delta_version
+from cdc_shared.jvm_bridge import HadoopFiles, delta_version
 from cdc_shared.spark import side_by_side
-from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch
+from cdc_shared.stream_checkpoint import last_committed_batch
 from cdc_shared.streaming import (
     BatchStats,
     BatchWrites,

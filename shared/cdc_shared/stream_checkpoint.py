@@ -5,19 +5,15 @@ A checkpoint records, per micro-batch ``n``, the end offsets of its sources in
 committed batch are where the stream resumes. ``cdc status`` and ``cdc maintenance``
 read them to tell how far a stream got; the services read them to start a new query
 where an older one (of a group, or of a release's per-entity streams) ended. Files are read
-through a :class:`CheckpointFiles` (:class:`HadoopFiles`: Spark's Hadoop file systems,
-so local paths and object storage alike).
+through a :class:`CheckpointFiles` (``cdc_shared.jvm_bridge.HadoopFiles``: Spark's Hadoop file
+systems, so local paths and object storage alike; the CLI's own without a JVM).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
-
-if TYPE_CHECKING:  # the CLI's read-only commands read checkpoints without importing PySpark
-    from pyspark.sql import SparkSession
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -38,28 +34,6 @@ class CheckpointFiles(Protocol):
     def read_text_if_exists(self, path: str) -> str | None:
         """The file ``path`` as UTF-8 text; None when there is no such file."""
         ...
-
-
-class HadoopFiles:
-    """:class:`CheckpointFiles` through a SparkSession's Hadoop file systems."""
-
-    def __init__(self, spark: SparkSession) -> None:
-        self.spark = spark
-
-    def list_names(self, path: str) -> list[str] | None:
-        """Names of the entries in the folder ``path``; None when it does not exist."""
-        from cdc_shared.jvm_bridge import hadoop_path
-
-        fs, folder = hadoop_path(self.spark, path)
-        if not fs.exists(folder):
-            return None
-        return [str(status.getPath().getName()) for status in fs.listStatus(folder)]
-
-    def read_text_if_exists(self, path: str) -> str | None:
-        """The file ``path`` as UTF-8 text; None when there is no such file."""
-        from cdc_shared.jvm_bridge import read_text_if_exists
-
-        return read_text_if_exists(self.spark, path)
 
 
 def last_committed_batch(files: CheckpointFiles, checkpoint: str) -> CommittedBatch | None:
@@ -83,29 +57,11 @@ def last_committed_batch(files: CheckpointFiles, checkpoint: str) -> CommittedBa
     return CommittedBatch(batch_id, parse_offsets(text))
 
 
-def move_aside(spark: SparkSession, checkpoint: str) -> str:
-    """Move ``checkpoint`` aside (to ``<checkpoint>.<UTC time>``); where it went.
-
-    A query that must start on a new checkpoint keeps its old one there (delete it at
-    will). A name taken already (two moves in one second) gets a count after it.
-    """
-    from cdc_shared.jvm_bridge import move
-
-    files = HadoopFiles(spark)
-    aside = f"{checkpoint.rstrip('/')}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
-    target, taken = aside, 0
-    while files.list_names(target) is not None:
-        taken += 1
-        target = f"{aside}-{taken}"
-    move(spark, checkpoint, target)
-    return target
-
-
 def start_file(checkpoint: str) -> str:
     """Where a one query's new checkpoint starts each table, beside it.
 
     ``<checkpoint>.start.json``: written before the old checkpoint is moved aside
-    (:func:`move_aside`), read while the new one has not recorded its start, then
+    (``jvm_bridge.move_aside``), read while the new one has not recorded its start, then
     deleted; a kill between the move and the new query's start loses no table's place.
     """
     return f"{checkpoint.rstrip('/')}.start.json"

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from py4j.protocol import Py4JError
 from pyspark.errors.exceptions.captured import CapturedException
 
+from cdc_shared import jvm_bridge
 from cdc_shared.layout import StorageLayout, display_name
 
 if TYPE_CHECKING:
@@ -235,8 +236,6 @@ class S3LeaseStore:
         self._spark = spark
 
     def _fs(self, path: str) -> tuple[Any, Any]:
-        from cdc_shared import jvm_bridge
-
         return jvm_bridge.hadoop_path(self._spark, path)
 
     @staticmethod
@@ -258,8 +257,6 @@ class S3LeaseStore:
 
     def read(self, path: str) -> tuple[bytes, str] | None:
         """The document and its ETag; None when there is none."""
-        from cdc_shared import jvm_bridge
-
         fs, file = self._fs(path)
         try:
             etag = fs.getFileStatus(file).getEtag()

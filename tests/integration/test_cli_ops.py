@@ -28,6 +28,7 @@ import yaml
 from cdc_cli import quarantine
 from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.maintenance import run_maintenance
+from cdc_cli.spark_state import SparkState
 from cdc_cli.status import collect_status
 from cdc_cli.stream_needs import bronze_needs, silver_needs
 from cdc_devkit.workload import GeneratedMessage, ProduceReport, produce
@@ -371,18 +372,18 @@ def test_a_publisher_lags_by_the_silver_versions_with_changes_after_its_progress
     try:
         progress.write(alias, ENTITY, merged - 1)  # behind the MERGE: it needs it
         assert publisher_es() == (1, f"indexed up to silver v{merged - 1}")
-        (need,) = silver_needs(config, entity, spark, ignored)
+        (need,) = silver_needs(config, entity, SparkState(spark), ignored)
         assert (need.service, need.table, need.version) == ("publisher_es", f"silver/{ENTITY}", 1)
 
         progress.write(alias, ENTITY, merged)
         assert publisher_es() == (0, f"indexed up to silver v{merged}")
         DeltaTable.forPath(spark, silver).optimize().executeCompaction()  # no change
         assert publisher_es()[0] == 0
-        assert silver_needs(config, entity, spark, ignored) == []  # VACUUM at will
+        assert silver_needs(config, entity, SparkState(spark), ignored) == []  # VACUUM at will
 
         DeltaTable.forPath(spark, silver).delete("id = 2")  # a version not published yet
         assert publisher_es()[0] == 1
-        (need,) = silver_needs(config, entity, spark, ignored)
+        (need,) = silver_needs(config, entity, SparkState(spark), ignored)
         assert need.version == _version(spark, silver)
     finally:
         es.delete(index=config.publisher_es.progress_index, id=alias, refresh=True)
@@ -814,7 +815,7 @@ def test_an_idle_table_holds_nothing_back_and_a_stopped_one_holds_bronze(
     merge_orders()
     assert idle_at is not None and idle_at < _version(spark, config.layout.bronze())
     assert lags() == {"customers": 0, "orders": 0}
-    assert bronze_needs(config, spark) == []  # VACUUM at will
+    assert bronze_needs(config, SparkState(spark)) == []  # VACUUM at will
 
     # customers changes while its merger is stopped; orders' goes on.
     produce(kafka_config, iter(of("customers")))
@@ -824,11 +825,11 @@ def test_an_idle_table_holds_nothing_back_and_a_stopped_one_holds_bronze(
     ingest_once(pipeline, spark)
     merge_orders()
     assert lags() == {"customers": 1, "orders": 0}
-    (need,) = bronze_needs(config, spark)
+    (need,) = bronze_needs(config, SparkState(spark))
     assert (need.service, need.table, need.version) == ("merger", "bronze", waiting)
     assert need.note == f"customers merged through version {idle_at}"
     assert bronze_needs(config, DeltaLogState(config)) == [need]  # read without a JVM too
 
     merge_once(pipeline, spark)  # its merger back: caught up, nothing held
     assert lags() == {"customers": 0, "orders": 0}
-    assert bronze_needs(config, spark) == []
+    assert bronze_needs(config, SparkState(spark)) == []

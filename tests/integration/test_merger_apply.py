@@ -532,7 +532,7 @@ def test_merges_beside_a_compaction_retry_the_commit_races_they_lose(
     often survives a MERGE commit): the MERGE's retry must have happened; an OPTIMIZE that
     lost without retrying would surface in ``failures``.
     """
-    from cdc_cli.maintenance import compact
+    from cdc_cli.spark_state import compact
 
     caplog.set_level(logging.WARNING)
     path = customers.layout.silver_path

@@ -26,6 +26,10 @@ from types import FrameType
 from typing import Any, Protocol
 from xml.sax.saxutils import quoteattr
 
+from cdc_ingestor.main import start as ingestor
+from cdc_merger.main import start as merger
+from cdc_publisher_es.main import start as publisher_es
+from cdc_publisher_kafka.main import start as publisher_kafka
 from cdc_shared.config import ConfigError, PipelineConfig, SparkConfig
 from cdc_shared.layout import (
     INGESTOR,
@@ -59,11 +63,6 @@ POOL_PROPERTY = "spark.scheduler.pool"
 
 def _starts() -> dict[str, StartService]:
     """Each service's ``start`` (imported here: a service's import pulls in its libraries)."""
-    from cdc_ingestor.main import start as ingestor
-    from cdc_merger.main import start as merger
-    from cdc_publisher_es.main import start as publisher_es
-    from cdc_publisher_kafka.main import start as publisher_kafka
-
     return {
         display_name(INGESTOR): ingestor,
         display_name(MERGER): merger,

@@ -18,13 +18,11 @@ reads them, and no data file. A stream checkpoint's last committed batch is read
 
 Files and tables are read through a :class:`StateReader`, so the same rules serve two
 ways of reading, each for a local storage root and object storage alike:
-:class:`SparkState`, through Spark's Hadoop FileSystem and Delta Lake (the services' own
-view, for commands that hold a session anyway), and
 :class:`cdc_cli.delta_log.DeltaLogState`, without a JVM (delta-rs and plain file reads),
-for read-only commands that must answer in a second. The functions that take a
-SparkSession instead of a reader read through :class:`SparkState`. Nothing here imports
-PySpark until a Spark reader is used: importing it alone costs a read-only command a
-noticeable part of its time.
+for read-only commands that must answer in a second, and
+:class:`cdc_cli.spark_state.SparkState`, through Spark's Hadoop FileSystem and Delta Lake
+(the services' own view, for commands that hold a session anyway). Nothing here imports
+PySpark (:mod:`cdc_cli.table_state` chooses the reader).
 """
 
 from __future__ import annotations
@@ -35,19 +33,15 @@ import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+from cdc_shared.config import PipelineConfig
 from cdc_shared.layout import ENTITY_COLUMN, INGESTOR_COMMIT_KEY, POSITIONS_COMMITS_READ
 from cdc_shared.stream_checkpoint import (
-    CommittedBatch,
-    HadoopFiles,
+    last_committed_batch,
     parse_offsets,
     planned_batches,
 )
-from cdc_shared.stream_checkpoint import last_committed_batch as read_last_committed_batch
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
 
 #: Commit files read side by side: each read mostly waits on storage.
 _READ_THREADS = 8
@@ -94,24 +88,9 @@ class StateReader(Protocol):
         ...
 
 
-def state_reader(source: StateReader | SparkSession) -> StateReader:
-    """``source`` itself when it is a reader, else a :class:`SparkState` on the session."""
-    return source if isinstance(source, StateReader) else SparkState(source)
-
-
-def list_names(source: StateReader | SparkSession, path: str) -> list[str] | None:
-    """Names of the entries in the folder ``path``; None when it does not exist."""
-    return state_reader(source).list_names(path)
-
-
-def last_committed_batch(
-    source: StateReader | SparkSession, checkpoint: str
-) -> CommittedBatch | None:
-    """The last committed batch of the stream checkpointed at ``checkpoint``; None if none.
-
-    (:func:`cdc_shared.stream_checkpoint.last_committed_batch`, through either reader.)
-    """
-    return read_last_committed_batch(state_reader(source), checkpoint)
+def streams_folder(config: PipelineConfig, service: str) -> str:
+    """``<root>/_streams/<service>``: where a service's group checkpoints are."""
+    return config.layout.checkpoint(service, "_").rsplit("/", 1)[0]
 
 
 def group_checkpoints(reader: StateReader, streams: str, first: str | None = None) -> list[str]:
@@ -492,18 +471,6 @@ def change_feed_versions(log: DeltaLog, progress: int) -> tuple[list[LogCommit],
     return list(reversed(changed)), sorted(unreadable)
 
 
-def is_delta_table(spark: SparkSession, path: str) -> bool:
-    """Whether ``path`` holds a Delta table."""
-    from delta.tables import DeltaTable
-
-    return bool(DeltaTable.isDeltaTable(spark, path))
-
-
-def table_version(spark: SparkSession, path: str) -> int | None:
-    """The latest version of the Delta table at ``path``; None when there is no table."""
-    return SparkState(spark).table_version(path)
-
-
 def as_utc(value: dt.datetime) -> dt.datetime:
     """A timestamp from Spark as an aware UTC datetime.
 
@@ -511,54 +478,3 @@ def as_utc(value: dt.datetime) -> dt.datetime:
     which ``astimezone`` assumes for naive values.
     """
     return value.astimezone(dt.UTC)
-
-
-class SparkState(HadoopFiles):
-    """A :class:`StateReader` through a SparkSession: Hadoop's file systems and Delta Lake.
-
-    Timestamps are those of Delta Lake's history: the commit file's modification time,
-    unless the table has in-commit timestamps.
-    """
-
-    def table_version(self, path: str) -> int | None:
-        """The latest version of the Delta table at ``path``; None when there is no table."""
-        from delta.tables import DeltaTable
-
-        if not is_delta_table(self.spark, path):
-            return None
-        row = DeltaTable.forPath(self.spark, path).history(1).select("version").head()
-        return None if row is None else int(row["version"])
-
-    def history(self, path: str, since: int = 0) -> dict[int, Commit]:
-        """The versions at or after ``since`` still in the history of the table at ``path``."""
-        from delta.tables import DeltaTable
-
-        rows = (
-            DeltaTable.forPath(self.spark, path)
-            .history()
-            .where(f"version >= {int(since)}")
-            .select("version", "timestamp", "operation")
-            .collect()
-        )
-        return {
-            int(r["version"]): Commit(
-                int(r["version"]), as_utc(r["timestamp"]), str(r["operation"])
-            )
-            for r in rows
-        }
-
-    def count_by(self, path: str, column: str) -> dict[str, int] | None:
-        """Rows per value of ``column`` in the table at ``path``; None when there is no table."""
-        if not is_delta_table(self.spark, path):
-            return None
-        rows = self.spark.read.format("delta").load(path).groupBy(column).count().collect()
-        return {str(r[column]): int(r["count"]) for r in rows}
-
-    def transaction_version(self, path: str, app_id: str) -> int | None:
-        """The version ``app_id`` last recorded in the table at ``path``, as Delta Lake reads it.
-
-        From the table's latest snapshot (brought up to date first): its ``txn`` actions.
-        """
-        from cdc_shared.jvm_bridge import delta_transaction_version
-
-        return delta_transaction_version(self.spark, path, app_id)

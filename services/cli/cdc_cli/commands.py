@@ -7,10 +7,12 @@ returns a typed result) and prints it as text, or as JSON with ``--json``. Exit 
 
 from __future__ import annotations
 
+import datetime as dt
 import inspect
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -18,6 +20,12 @@ import typer
 from cdc_shared.config import ConfigError, PipelineConfig
 from cdc_shared.entity_sets import load_pipeline
 from cdc_shared.layout import INGESTOR, MERGER
+
+from cdc_cli import maintenance, status
+from cdc_cli.retention import RetentionTooShortError
+from cdc_cli.stream_needs import SILVER_READERS
+from cdc_cli.table_state import ENGINES
+from cdc_cli.watch import watch as watch_status
 
 ConfigPath = typer.Option(
     ..., "--config", envvar="CDC_CONFIG", help="Pipeline YAML (or set $CDC_CONFIG)."
@@ -90,15 +98,12 @@ def status_command(
     batch time since the last refresh ("not reachable" when its /metrics does not answer).
     Exit 0 unless the configuration is bad.
     """
-    from cdc_cli import status
-
-    if engine not in status.ENGINES:
-        _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
+    if engine not in ENGINES:
+        _fail(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}", 2)
     if watch and as_json:
         _fail("--watch draws text; use --json without it", 2)
     pipeline = _config(config)
     if watch:
-        from cdc_cli.watch import watch as watch_status
 
         def report() -> str:
             with _problems():
@@ -120,9 +125,7 @@ def quarantine_list(
     as_json: bool = AsJson,
 ) -> None:
     """Quarantined rows counted by service, entity and error kind (and how many replayed)."""
-    from dataclasses import asdict
-
-    from cdc_cli import quarantine
+    from cdc_cli import quarantine  # noqa: PLC0415 (imports PySpark)
 
     pipeline = _config(config)
     with _problems():
@@ -152,7 +155,7 @@ def quarantine_show(
     as_json: bool = AsJson,
 ) -> None:
     """Quarantined rows: where they came from, the error, and a preview of the raw bytes."""
-    from cdc_cli import quarantine
+    from cdc_cli import quarantine  # noqa: PLC0415 (imports PySpark)
 
     pipeline = _config(config)
     with _problems():
@@ -203,7 +206,7 @@ def quarantine_replay(
     replayed old change never overwrites a newer one. A record that fails again is
     quarantined anew under its new offset.
     """
-    from cdc_cli import quarantine
+    from cdc_cli import quarantine  # noqa: PLC0415 (imports PySpark)
 
     pipeline = _config(config)
     with _problems(quarantine.QuarantineError):
@@ -216,8 +219,6 @@ def quarantine_replay(
             f"{result.recovered:,} recovered from an interrupted run, "
             f"{result.produced:,} produced to {result.topic}"
         )
-
-    from dataclasses import asdict
 
     _emit(as_json, lambda: asdict(result), text)
 
@@ -304,14 +305,8 @@ def maintenance_command(
     run would do, changing nothing. It starts no Spark session: it reads the tables' logs
     (delta-rs), the checkpoint files and the writer leases directly.
     """
-    import datetime as dt
-
-    from cdc_cli import maintenance, status
-    from cdc_cli.retention import RetentionTooShortError
-    from cdc_cli.stream_needs import SILVER_READERS
-
-    if engine not in status.ENGINES:
-        _fail(f"unknown --engine {engine!r}; use one of {', '.join(status.ENGINES)}", 2)
+    if engine not in ENGINES:
+        _fail(f"unknown --engine {engine!r}; use one of {', '.join(ENGINES)}", 2)
 
     pipeline = _config(config)
     ignored = tuple(ignore_service or ())
@@ -372,7 +367,7 @@ def verify_command(
     --target history names an entity without history: that target is reported skipped
     (not compared); a run that compared nothing exits 1.
     """
-    from cdc_cli import verify
+    from cdc_cli import verify  # noqa: PLC0415 (imports PySpark)
 
     pipeline = _config(config)
     with _problems(ValueError):

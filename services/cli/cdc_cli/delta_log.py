@@ -34,8 +34,15 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from cdc_shared.config import PipelineConfig
 from cdc_shared.delta_rs import delta_storage_options, is_object_storage, table_uri
+from deltalake import DeltaTable, QueryBuilder
+from deltalake.exceptions import TableNotFoundError
+from deltalake.fs import DeltaStorageHandler
+from pyarrow import fs as pafs
 
 from cdc_cli.checkpoints import Commit
 
@@ -64,9 +71,6 @@ class DeltaLogState:
 
     def _object_store(self, path: str) -> tuple[pafs.FileSystem, str]:
         """delta-rs' store for the object-storage root, and ``path`` relative to the root."""
-        from deltalake.fs import DeltaStorageHandler
-        from pyarrow import fs as pafs
-
         if path != self._root and not path.startswith(self._root + "/"):
             raise ValueError(f"{path} is not under the storage root {self._root}")
         if self._store is None:
@@ -78,7 +82,6 @@ class DeltaLogState:
         """The file system holding ``path`` and the path in it: local, or the root's store."""
         if is_object_storage(path):
             return self._object_store(path)
-        from pyarrow import fs as pafs
 
         return pafs.LocalFileSystem(), path
 
@@ -88,8 +91,6 @@ class DeltaLogState:
         None when the folder does not exist. On object storage a folder is listed only
         when the store reports it; its objects' paths name it all the same.
         """
-        from pyarrow import fs as pafs
-
         store, base = self._filesystem(folder)
         if store.get_file_info(base).type != pafs.FileType.Directory:
             return None
@@ -128,7 +129,6 @@ class DeltaLogState:
                 return os.listdir(path)
             except (FileNotFoundError, NotADirectoryError):
                 return None
-        from pyarrow import fs as pafs
 
         store, folder = self._object_store(path)
         if store.get_file_info(folder).type != pafs.FileType.Directory:
@@ -149,9 +149,6 @@ class DeltaLogState:
     def table(self, path: str) -> DeltaTable | None:
         """The Delta table at ``path`` at its latest version; None when there is none."""
         if path not in self._tables:
-            from deltalake import DeltaTable
-            from deltalake.exceptions import TableNotFoundError
-
             try:
                 table = DeltaTable(table_uri(path), storage_options=self._options or None)
             except TableNotFoundError:
@@ -211,8 +208,6 @@ class DeltaLogState:
         prunes the files read); ``below``: only the rows whose timestamp ``column`` is
         before it.
         """
-        from deltalake import DeltaTable, QueryBuilder
-
         self._existing(path)
         table = DeltaTable(table_uri(path), version=version, storage_options=self._options or None)
         result = QueryBuilder().register("t", table)
@@ -233,9 +228,6 @@ class DeltaLogState:
         The versions after ``since`` up to ``until`` (the table's Change Data Feed), the
         rows whose columns hold the ``where`` values; None when there are none.
         """
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         table = self._existing(path)
         predicate = " AND ".join(f"{name} = {_sql_string(v)}" for name, v in where.items())
         changes = table.load_cdf(
@@ -326,8 +318,6 @@ class DeltaLogState:
         checkpoint, parts = _checkpoint(self.list_names(log) or [], version, log)
         state: dict[tuple[str, Any], tuple[str, dict[str, Any]]] = {}
         if checkpoint >= 0:
-            import pyarrow.parquet as pq
-
             for part in parts:
                 store, file = self._filesystem(f"{log}/{part}")
                 names = pq.read_schema(file, filesystem=store).names
@@ -374,8 +364,6 @@ class DeltaLogState:
         vectors and column mapping, reads only the columns the query uses, and fails on a
         reader feature it does not know, with the feature named.
         """
-        from deltalake import QueryBuilder
-
         builder = QueryBuilder()
         for name, path in tables.items():
             table = self.table(path)

@@ -17,8 +17,13 @@ from typing import Protocol
 from cdc_shared.config import EntityConfig, PipelineConfig, StreamingServiceConfig
 from cdc_shared.layout import SERVICES, display_name
 
-from cdc_cli.checkpoints import Commit, StateReader, data_commits_from, group_checkpoints
-from cdc_cli.status import streams_folder
+from cdc_cli.checkpoints import (
+    Commit,
+    StateReader,
+    data_commits_from,
+    group_checkpoints,
+    streams_folder,
+)
 
 #: How long a commit or a checkpoint's progress counts as a sign of a running service.
 DEFAULT_QUIET = dt.timedelta(minutes=10)
@@ -125,7 +130,7 @@ def signs_of_life(
     """
     # Here, not at the top: writer_lease imports PySpark's error types, and a dry run
     # imports no PySpark (tests/unit/test_delta_log.py).
-    from cdc_shared.writer_lease import live_leases
+    from cdc_shared.writer_lease import live_leases  # noqa: PLC0415
 
     def read_lease(path: str) -> bytes | None:
         text = state.read_text_if_exists(path)

@@ -13,6 +13,9 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import typer
+from cdc_shared.observability import configure_logging
+
+from cdc_cli.commands import register
 
 COMMANDS_GROUP = "cdc.commands"
 
@@ -45,9 +48,7 @@ def run(
     to its own process (`cdc-<service>`) on the same storage, and back. Exit codes: 0
     done or stopped (SIGTERM drains every query), 1 a service failed, 2 bad configuration.
     """
-    from cdc_shared.observability import configure_logging
-
-    from cdc_cli.application import run_application
+    from cdc_cli.application import run_application  # noqa: PLC0415 (imports every service)
 
     configure_logging()
     code = run_application(
@@ -65,8 +66,6 @@ def _register_installed_commands() -> None:
 
 def _register_operator_commands() -> None:
     """Add status, quarantine, maintenance and verify (cdc_cli.commands)."""
-    from cdc_cli.commands import register
-
     register(app)
 
 

@@ -52,7 +52,8 @@ OPTIMIZE aside), the tombstones that would expire (counted by the same cutoff), 
 table's file count for OPTIMIZE, which Delta cannot plan without running it. It reads
 through a :class:`TableState`: without a JVM by default
 (:class:`cdc_cli.delta_log.DeltaLogState`: delta-rs, the tables' logs and the
-checkpoint files read directly), or through Spark (:class:`SparkTables`), as a run does.
+checkpoint files read directly), or through Spark
+(:class:`cdc_cli.spark_state.SparkTables`), as a run does.
 
 Tombstones (deleted keys and the sequence of their delete) stop a late, older event
 from resurrecting a deleted row. They expire as the merger expires them
@@ -101,7 +102,7 @@ from cdc_cli.stream_needs import (
     silver_needs,
     stream_needs,
 )
-from cdc_cli.table_state import SparkTables, TableState, vacuum_table
+from cdc_cli.table_state import DELTA_RS, SPARK, TableState, open_state
 from cdc_cli.tombstone_expiry import (
     expire_by_ingest_time,
     merged_ingest_times,
@@ -157,26 +158,6 @@ class MaintenanceReport:
         }
 
 
-def compact(spark: SparkSession, path: str) -> tuple[int, int]:
-    """OPTIMIZE (bin-packing) the table at ``path``: (files removed, files added).
-
-    Safe beside a running merger: a compaction that loses a commit race is tried again.
-    """
-    from cdc_shared.tables import on_conflict_retry
-
-    return on_conflict_retry(_compact)(spark, path)
-
-
-def _compact(spark: SparkSession, path: str) -> tuple[int, int]:
-    from delta.tables import DeltaTable
-
-    metrics = DeltaTable.forPath(spark, path).optimize().executeCompaction().head()
-    if metrics is None:
-        return 0, 0
-    m = metrics["metrics"]
-    return int(m["numFilesRemoved"]), int(m["numFilesAdded"])
-
-
 def _data_tables(config: PipelineConfig, entities: list[EntityConfig]) -> dict[str, str]:
     """The tables a running service commits data to: bronze and each entity's silver."""
     tables = {BRONZE: config.layout.bronze()}
@@ -211,30 +192,6 @@ def _tables(config: PipelineConfig, entities: list[EntityConfig]) -> dict[str, s
         tables[f"silver/{entity.name}"] = config.layout.silver(entity.name)
         tables[f"silver/_tombstones/{entity.name}"] = config.layout.tombstones(entity.name)
     return tables
-
-
-def _table_state(
-    config: PipelineConfig,
-    engine: str,
-    dry_run: bool,
-    spark: SparkSession | None,
-) -> tuple[TableState, SparkSession | None]:
-    """How maintenance reads, and the session it writes through (see :func:`run_maintenance`).
-
-    The session is None for a dry run without a JVM.
-    """
-    from cdc_cli.status import DELTA_RS, ENGINES
-
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-    if dry_run and engine == DELTA_RS:
-        from cdc_cli.delta_log import DeltaLogState
-
-        return DeltaLogState(config), None
-    from cdc_shared.spark import build_spark_session
-
-    spark = spark or build_spark_session(config.spark, "cdc-maintenance")
-    return SparkTables(spark), spark
 
 
 def _table_needs(
@@ -316,14 +273,14 @@ def run_maintenance(
     quiet: dt.timedelta = DEFAULT_QUIET,
     dry_run: bool = False,
     spark: SparkSession | None = None,
-    engine: str = "delta-rs",
+    engine: str = DELTA_RS,
 ) -> MaintenanceReport:
     """Check every retention first, then OPTIMIZE, VACUUM, expire tombstones.
 
     Bronze, shared by every entity, then each selected entity's silver and tombstones.
     ``dry_run``: the same checks and refusals, then what each step would do, changing
     nothing (see the module docstring). It reads as ``engine`` says (one of
-    ``cdc_cli.status.ENGINES``): delta-rs, without a JVM, or spark, through ``spark`` or
+    ``cdc_cli.table_state.ENGINES``): delta-rs, without a JVM, or spark, through ``spark`` or
     a session built from the configuration. A run reads and writes through Spark.
 
     ``vacuum_hours`` None skips VACUUM; ``tombstones`` False skips the tombstone tables.
@@ -349,7 +306,10 @@ def run_maintenance(
     expiry_hours = tombstone_retention(
         config.merger.tombstone_retention_hours, tombstone_retention_hours
     )
-    state, spark = _table_state(config, engine, dry_run, spark)
+    # A dry run reads as ``engine`` says; a run reads and writes through Spark.
+    state, writes = open_state(config, engine if dry_run else SPARK, "cdc-maintenance", spark)
+    if dry_run:
+        writes = None  # a dry run changes nothing, whichever engine reads
     tables = {
         name: path
         for name, path in _tables(config, entities).items()
@@ -387,8 +347,8 @@ def run_maintenance(
             check_services_stopped(config, every_entity, state, short, vacuum_hours, quiet)
         if dry_run:
             return state.vacuum_dry_run(tables[table], vacuum_hours, minimums[table].hours)
-        assert spark is not None
-        return vacuum_table(spark, tables[table], vacuum_hours, table in below)
+        assert writes is not None
+        return writes.vacuum(tables[table], vacuum_hours, table in below)
 
     def optimized(table: str) -> tuple[int | None, int | None, int | None]:
         """OPTIMIZE's files removed and added, or (dry run) the data files it would read."""
@@ -396,8 +356,8 @@ def run_maintenance(
             return None, None, None
         if dry_run:
             return None, None, state.data_file_count(tables[table])
-        assert spark is not None
-        return (*compact(spark, tables[table]), None)
+        assert writes is not None
+        return (*writes.compact(tables[table]), None)
 
     def maintain(table: str, entity: EntityConfig | None) -> None:
         removed, added, files = optimized(table)
@@ -412,9 +372,8 @@ def run_maintenance(
             maintain(f"silver/{entity.name}", entity)
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:
-            writer = None if dry_run else spark
             expired, note = expire_by_ingest_time(
-                config, entity, state, expiry_hours, merged.get(entity.name, (None, "")), writer
+                config, entity, state, expiry_hours, merged.get(entity.name, (None, "")), writes
             )
             vacuumed = None if vacuum_hours is None else vacuum(table, entity)
             report.tables.append(

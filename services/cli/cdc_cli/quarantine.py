@@ -51,6 +51,7 @@ from cdc_shared.config import ConfigError, PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
 from cdc_shared.layout import INGESTOR, QUARANTINE_WRITERS
 from cdc_shared.replay_origin import REPLAY_HEADER, Origin, origin_header, parse_origin
+from cdc_shared.spark import build_spark_session
 from cdc_shared.tables import ensure_table
 from confluent_kafka import KafkaError, Message, TopicPartition
 from delta.tables import DeltaTable
@@ -59,7 +60,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_cli.checkpoints import is_delta_table
+from cdc_cli.delta_log import DeltaLogState
+from cdc_cli.spark_state import is_delta_table
+from cdc_cli.status import kafka_end_offsets
 
 REPLAYABLE = (INGESTOR,)
 RUN_HEADER = "cdc.replay.run"
@@ -146,8 +149,6 @@ def preview(data: bytes | None, width: int = 32) -> str:
 
 
 def _spark(config: PipelineConfig, spark: SparkSession | None) -> SparkSession:
-    from cdc_shared.spark import build_spark_session
-
     return spark or build_spark_session(config.spark, "cdc-quarantine")
 
 
@@ -226,8 +227,6 @@ def list_groups(
     Read without a JVM (delta-rs, :class:`cdc_cli.delta_log.DeltaLogState`): counting
     needs no Spark session, so the command answers in about a second.
     """
-    from cdc_cli.delta_log import DeltaLogState
-
     if service is not None:
         _check_service(service)
     if entity is not None:
@@ -511,8 +510,6 @@ class Replay:
 
     def record_intent(self, candidates: list[_Candidate]) -> list[_Candidate]:
         """Insert the candidates as ``pending`` under this run; the ones this run owns."""
-        from cdc_cli.status import kafka_end_offsets
-
         ends = {p: high for p, (_, high) in kafka_end_offsets(self.config, self.topic).items()}
         if not ends:
             raise QuarantineError(f"source topic {self.topic} does not exist")

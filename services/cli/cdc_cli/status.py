@@ -37,9 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_shared.clients import make_consumer
+from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.layout import (
+    ALL_ENTITIES,
     INGESTOR,
     MERGER,
     MERGER_LEGACY_APP,
@@ -49,8 +50,9 @@ from cdc_shared.layout import (
     QUARANTINE_WRITERS,
     publisher_progress_group,
 )
-from cdc_shared.stream_checkpoint import entity_source
+from cdc_shared.stream_checkpoint import entity_source, last_committed_batch
 from confluent_kafka import KafkaException, TopicPartition
+from elasticsearch import ApiError, NotFoundError, TransportError
 
 from cdc_cli.checkpoints import (
     DeltaLog,
@@ -59,10 +61,11 @@ from cdc_cli.checkpoints import (
     change_feed_versions,
     group_checkpoints,
     kafka_ends,
-    last_committed_batch,
     merger_backlog,
     recorded_positions,
+    streams_folder,
 )
+from cdc_cli.table_state import DELTA_RS, SPARK, open_state
 
 if TYPE_CHECKING:
     from elasticsearch import Elasticsearch
@@ -80,9 +83,6 @@ ES_PROGRESS_FIELD = "silver_version"
 STATUS_THREADS = 8
 #: How ``cdc status`` reads tables and checkpoints: delta-rs and plain file reads (the
 #: default, no JVM), or a Spark session (the services' own view; ``--engine spark``).
-DELTA_RS = "delta-rs"
-SPARK = "spark"
-ENGINES = (DELTA_RS, SPARK)
 
 
 @dataclass(frozen=True)
@@ -172,8 +172,6 @@ def published_version(config: PipelineConfig, entity: EntityConfig) -> int | Non
 
 def status_client(config: PipelineConfig) -> Elasticsearch:
     """An Elasticsearch client for reading progress: the status's timeout, a few retries."""
-    from cdc_shared.clients import make_elasticsearch
-
     client = make_elasticsearch(config.elasticsearch)
     return client.options(
         request_timeout=ES_TIMEOUT_S, max_retries=ES_RETRIES, retry_on_timeout=True
@@ -186,8 +184,6 @@ def indexed_version(es: Elasticsearch, config: PipelineConfig, entity: EntityCon
     Its progress document in ``publisher_es.progress_index``, by alias
     (``cdc_publisher_es.progress``); read only, the index is never made here.
     """
-    from elasticsearch import NotFoundError
-
     try:
         found = es.get(index=config.publisher_es.progress_index, id=entity.es_index_name)
     except NotFoundError:  # no such document, or no progress index at all
@@ -204,8 +200,6 @@ def legacy_indexed_version(
     progress document (``cdc_publisher_es.progress.legacy_version``): the entity's own
     checkpoint, or their one query's. None when neither committed a batch.
     """
-    from cdc_shared.layout import ALL_ENTITIES
-
     for name in (entity.name, ALL_ENTITIES):
         checkpoint = config.layout.legacy_checkpoint(PUBLISHER_ES, name)
         batch = last_committed_batch(reader, checkpoint)
@@ -215,11 +209,6 @@ def legacy_indexed_version(
         if isinstance(offset, dict) and not offset.get("isStartingVersion", True):
             return int(offset["reservoirVersion"]) - 1
     return None
-
-
-def streams_folder(config: PipelineConfig, service: str) -> str:
-    """``<root>/_streams/<service>``: where a service's group checkpoints are."""
-    return config.layout.checkpoint(service, "_").rsplit("/", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -407,8 +396,6 @@ def publisher_kafka_lag(state: PipelineState, entity: EntityConfig) -> StreamLag
 
 def publisher_es_lag(state: PipelineState, entity: EntityConfig) -> StreamLag:
     """Silver versions with changes after the one publisher-es recorded as indexed."""
-    from elasticsearch import ApiError, TransportError
-
     try:
         indexed = indexed_version(state.elasticsearch(), state.config, entity)
     except (ApiError, TransportError) as exc:
@@ -434,26 +421,6 @@ def quarantine_counts(config: PipelineConfig, reader: StateReader) -> dict[str, 
     return counts
 
 
-def state_reader(
-    config: PipelineConfig, engine: str = DELTA_RS, spark: SparkSession | None = None
-) -> StateReader:
-    """The reader of tables and checkpoints for ``engine`` (one of ``ENGINES``).
-
-    The Spark engine reads through ``spark``, or a session built from the configuration.
-    """
-    if engine == DELTA_RS:
-        from cdc_cli.delta_log import DeltaLogState
-
-        return DeltaLogState(config)
-    if engine == SPARK:
-        from cdc_shared.spark import build_spark_session
-
-        from cdc_cli.checkpoints import SparkState
-
-        return SparkState(spark or build_spark_session(config.spark, "cdc-status"))
-    raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
-
-
 def collect_status(
     config: PipelineConfig,
     entity_names: list[str] | None = None,
@@ -462,11 +429,11 @@ def collect_status(
 ) -> StatusReport:
     """Versions, lags and quarantine counts for the selected entities (default: all).
 
-    ``engine`` says how tables and checkpoints are read (:func:`state_reader`); ``spark``
-    serves only the Spark engine.
+    ``engine`` says how tables and checkpoints are read
+    (:func:`cdc_cli.table_state.open_state`); ``spark`` serves only the Spark engine.
     """
     entities = config.select_entities(entity_names)
-    reader = state_reader(config, engine, spark)
+    reader, _ = open_state(config, engine, "cdc-status", spark)
     state = PipelineState(config, reader, entities)
     try:
         if engine == SPARK:  # one Spark session: its reads queue up anyway

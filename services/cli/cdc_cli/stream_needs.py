@@ -31,14 +31,16 @@ from cdc_shared.layout import (
     SERVICES,
     display_name,
 )
+from confluent_kafka import KafkaException
+from elasticsearch import ApiError, TransportError
 
+from cdc_cli import status
 from cdc_cli.checkpoints import (
     DeltaLog,
     StateReader,
     change_feed_versions,
     merger_backlog,
     recorded_positions,
-    state_reader,
 )
 from cdc_cli.retention import (
     LOG_RETENTION_PROPERTY,
@@ -46,11 +48,11 @@ from cdc_cli.retention import (
     RetentionTooShortError,
     log_retention_hours,
 )
+from cdc_cli.status import ingestor_checkpoint, status_client
 from cdc_cli.table_state import TableState
 
 if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
     from elasticsearch import Elasticsearch
-    from pyspark.sql import SparkSession
 
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
@@ -92,8 +94,6 @@ def ingested_positions(
     Bronze's own newest record of the topic; without one, the last batch its group's
     checkpoint planned.
     """
-    from cdc_cli.status import ingestor_checkpoint
-
     positions = recorded_positions(bronze, {e.source_topic: e.name for e in entities})
     furthest: dict[str, dict[str, int] | None] = {}
     for entity in entities:
@@ -114,7 +114,7 @@ def merger_progress(config: PipelineConfig, state: StateReader, entity: str) -> 
     return state.transaction_version(silver, MERGER_PROGRESS_APP)
 
 
-def bronze_needs(config: PipelineConfig, source: StateReader | SparkSession) -> list[StreamNeed]:
+def bronze_needs(config: PipelineConfig, state: StateReader) -> list[StreamNeed]:
     """What the merger still needs of bronze: per table, the oldest version it has to read.
 
     Every table of the pipeline, whatever the selection: bronze is one table. A table's
@@ -122,7 +122,6 @@ def bronze_needs(config: PipelineConfig, source: StateReader | SparkSession) -> 
     (:func:`cdc_cli.checkpoints.merger_backlog`); an idle table needs nothing, however
     old its progress.
     """
-    state = state_reader(source)
     bronze = DeltaLog(state, config.layout.bronze())
     if bronze.latest is None:
         return []
@@ -188,11 +187,6 @@ class PublisherProgress:
 
         ProgressUnknownError when its store does not answer.
         """
-        from confluent_kafka import KafkaException
-        from elasticsearch import ApiError, TransportError
-
-        from cdc_cli import status
-
         try:
             if service == PUBLISHER_KAFKA:
                 published = status.published_version(self.config, entity)
@@ -211,8 +205,6 @@ class PublisherProgress:
 
     def _elasticsearch(self) -> Elasticsearch:
         if self._es is None:
-            from cdc_cli.status import status_client
-
             self._es = status_client(self.config)
         return self._es
 
@@ -225,7 +217,7 @@ class PublisherProgress:
 def silver_needs(
     config: PipelineConfig,
     entity: EntityConfig,
-    source: StateReader | SparkSession,
+    state: StateReader,
     ignore_services: tuple[str, ...] = (),
     progress: PublisherProgress | None = None,
 ) -> list[StreamNeed]:
@@ -235,7 +227,6 @@ def silver_needs(
     changes; where a publisher that has not started will begin. ``progress`` reads the
     publishers' progress (one is made, and closed, when not given).
     """
-    state = state_reader(source)
     silver = DeltaLog(state, config.layout.silver(entity.name))
     if silver.latest is None:
         return []
@@ -274,14 +265,10 @@ def silver_needs(
 def stream_needs(
     config: PipelineConfig,
     entities: list[EntityConfig],
-    source: StateReader | SparkSession,
+    state: StateReader,
     ignore_services: tuple[str, ...] = (),
 ) -> list[StreamNeed]:
-    """What the merger needs of bronze and the publishers of the entities' silver tables.
-
-    Read through ``source``, a reader or a SparkSession (read through :class:`SparkState`).
-    """
-    state = state_reader(source)
+    """What the merger needs of bronze and the publishers of the entities' silver tables."""
     needs = [] if MERGER in ignore_services else bronze_needs(config, state)
     progress = PublisherProgress(config, state)
     try:

@@ -1,8 +1,10 @@
-"""What ``cdc maintenance`` reads of the tables and checkpoints, and its Spark reader.
+"""How the CLI reads the tables and checkpoints: what it reads, and the two engines.
 
-:class:`TableState` is what a maintenance run or dry run reads beyond a
-:class:`cdc_cli.checkpoints.StateReader`; :class:`SparkTables` reads it through the
-session a run holds anyway, :class:`cdc_cli.delta_log.DeltaLogState` without a JVM.
+:class:`TableState` is what ``cdc maintenance`` reads beyond a
+:class:`cdc_cli.checkpoints.StateReader` (what ``cdc status`` reads). Two engines read
+both: ``delta-rs`` (:class:`cdc_cli.delta_log.DeltaLogState`, no JVM: the default of every
+read-only command) and ``spark`` (:class:`cdc_cli.spark_state.SparkTables`, through the
+session a maintenance run holds anyway). :func:`open_state` chooses one.
 """
 
 from __future__ import annotations
@@ -11,25 +13,25 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cdc_cli.checkpoints import (
-    SparkState,
-    as_utc,
-)
+from cdc_shared.config import PipelineConfig
+
+from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.liveness import ActivityReader
 
-if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
+if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-
-_RETENTION_CHECK = "spark.databricks.delta.retentionDurationCheck.enabled"
-_VACUUM_LOGGING = "spark.databricks.delta.vacuum.logging.enabled"
+#: How a command reads tables and checkpoints: ``--engine``.
+DELTA_RS = "delta-rs"
+SPARK = "spark"
+ENGINES = (DELTA_RS, SPARK)
 
 
 class TableState(ActivityReader, Protocol):
     """What maintenance reads of the tables and checkpoints, beyond a :class:`StateReader`.
 
-    Two of them: :class:`SparkTables` (Delta Lake through the session a run holds anyway)
-    and :class:`cdc_cli.delta_log.DeltaLogState` (no JVM: a dry run's).
+    Two of them: ``SparkTables`` (Delta Lake through the session a run holds anyway) and
+    :class:`cdc_cli.delta_log.DeltaLogState` (no JVM: a dry run's).
     """
 
     def table_properties(self, path: str) -> dict[str, str]:
@@ -77,119 +79,42 @@ class TableState(ActivityReader, Protocol):
         ...
 
 
-class SparkTables(SparkState):
-    """A :class:`TableState` through a SparkSession: Delta Lake's and Hadoop's own answers."""
+class TableWrites(Protocol):
+    """What a maintenance run (not a dry run) writes: through Delta Lake, on a session."""
 
-    def table_properties(self, path: str) -> dict[str, str]:
-        """The table properties of the Delta table at ``path``."""
-        from delta.tables import DeltaTable
+    def vacuum(self, path: str, hours: float, below_minimum: bool) -> int | None:
+        """VACUUM with a retention of ``hours``: the files deleted (None: not reported).
 
-        row = DeltaTable.forPath(self.spark, path).detail().select("properties").head()
-        return dict((row["properties"] if row is not None else None) or {})
-
-    def data_file_count(self, path: str) -> int:
-        """The data files of the table's latest version (what OPTIMIZE would bin-pack)."""
-        from delta.tables import DeltaTable
-
-        detail = DeltaTable.forPath(self.spark, path).detail().select("numFiles").head()
-        return 0 if detail is None else int(detail["numFiles"])
-
-    def newest_modification(self, folder: str) -> dt.datetime | None:
-        """The newest modification time of an entry of ``folder``; None when it has none."""
-        from cdc_shared.jvm_bridge import hadoop_path
-
-        fs, path = hadoop_path(self.spark, folder)
-        if not fs.exists(path):
-            return None
-        times = [int(status.getModificationTime()) for status in fs.listStatus(path)]
-        return dt.datetime.fromtimestamp(max(times) / 1000, dt.UTC) if times else None
-
-    def column_max(
-        self,
-        path: str,
-        column: str,
-        version: int,
-        where: Mapping[str, str] | None = None,
-        below: dt.datetime | None = None,
-    ) -> Any:
-        """The greatest value of ``column`` in version ``version`` of the table at ``path``.
-
-        ``where``: only the rows whose columns hold these values; ``below``: only the rows
-        whose timestamp ``column`` is before it.
+        ``below_minimum``: the retention is below the table's and was allowed (Delta's
+        own minimum check off for this VACUUM).
         """
-        from pyspark.sql import functions as F
+        ...
 
-        rows = self.spark.read.format("delta").option("versionAsOf", version).load(path)
-        for name, wanted in (where or {}).items():
-            rows = rows.where(F.col(name) == F.lit(wanted))
-        if below is not None:
-            rows = rows.where(F.col(column) < F.lit(below))
-        row = rows.agg(F.max(column)).head()
-        value = None if row is None else row[0]
-        return as_utc(value) if isinstance(value, dt.datetime) else value
+    def compact(self, path: str) -> tuple[int, int]:
+        """OPTIMIZE (bin-packing): (files removed, files added)."""
+        ...
 
-    def change_feed_min(
-        self, path: str, column: str, since: int, until: int, where: Mapping[str, str]
-    ) -> Any:
-        """The least value of ``column`` among rows a range of versions changed.
-
-        The versions after ``since`` up to ``until`` (the table's Change Data Feed), the
-        rows whose columns hold the ``where`` values; None when there are none.
-        """
-        from pyspark.sql import functions as F
-
-        rows = (
-            self.spark.read.format("delta")
-            .option("readChangeFeed", "true")
-            .option("startingVersion", since + 1)
-            .option("endingVersion", until)
-            .load(path)
-        )
-        for name, wanted in where.items():
-            rows = rows.where(F.col(name) == F.lit(wanted))
-        row = rows.agg(F.min(column)).head()
-        value = None if row is None else row[0]
-        return as_utc(value) if isinstance(value, dt.datetime) else value
-
-    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
-        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
-        from pyspark.sql import functions as F
-
-        rows = self.spark.read.format("delta").load(path)
-        return int(rows.where(F.col(column) < F.lit(moment)).count())
-
-    def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:
-        """How many paths Delta Lake's ``VACUUM ... RETAIN hours HOURS DRY RUN`` lists."""
-        listed = vacuum_table(self.spark, path, hours, hours < table_retention_hours, dry_run=True)
-        return 0 if listed is None else listed
+    def expire_tombstones(self, path: str, cutoff: dt.datetime) -> int:
+        """Expire the tombstones recorded before ``cutoff``, as the merger does: how many."""
+        ...
 
 
-def vacuum_table(
-    spark: SparkSession, path: str, hours: float, below_minimum: bool, dry_run: bool = False
-) -> int | None:
-    """VACUUM (``dry_run``: list what it would delete); the files deleted (or listed).
+def open_state(
+    config: PipelineConfig, engine: str, app_name: str, spark: SparkSession | None = None
+) -> tuple[TableState, TableWrites | None]:
+    """The reader for ``engine`` (one of :data:`ENGINES`), and what writes through it.
 
-    Delta's own minimum check stays on unless a short retention was allowed.
+    The Spark engine reads and writes through ``spark``, or a session named ``app_name``
+    built from the configuration; the delta-rs engine reads only (no writes: None).
     """
-    from delta.tables import DeltaTable
+    if engine == DELTA_RS:
+        return DeltaLogState(config), None
+    if engine != SPARK:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
+    # Optional modules: the Spark engine's. The delta-rs engine never imports PySpark.
+    from cdc_shared.spark import build_spark_session  # noqa: PLC0415
 
-    previous = {key: spark.conf.get(key, None) for key in (_RETENTION_CHECK, _VACUUM_LOGGING)}
-    spark.conf.set(_RETENTION_CHECK, "false" if below_minimum else "true")
-    spark.conf.set(_VACUUM_LOGGING, "true")
-    try:
-        if dry_run:
-            listed = spark.sql(f"VACUUM delta.`{path}` RETAIN {hours!r} HOURS DRY RUN")
-            return listed.count()
-        table = DeltaTable.forPath(spark, path)
-        table.vacuum(hours)
-        last = table.history(1).select("operation", "operationMetrics").head()
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
-    if last is None or last["operation"] != "VACUUM END":
-        return None
-    deleted = (last["operationMetrics"] or {}).get("numDeletedFiles")
-    return None if deleted is None else int(deleted)
+    from cdc_cli.spark_state import SparkTables  # noqa: PLC0415
+
+    tables = SparkTables(spark or build_spark_session(config.spark, app_name))
+    return tables, tables

@@ -11,7 +11,6 @@ the configured one.
 from __future__ import annotations
 
 import datetime as dt
-from typing import TYPE_CHECKING
 
 from cdc_shared.config import (
     EntityConfig,
@@ -29,10 +28,7 @@ from cdc_cli.checkpoints import (
 )
 from cdc_cli.retention import RetentionTooShortError
 from cdc_cli.stream_needs import INGESTED_AT, ingested_positions, merger_progress
-from cdc_cli.table_state import TableState
-
-if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a session is used
-    from pyspark.sql import SparkSession
+from cdc_cli.table_state import TableState, TableWrites
 
 
 def tombstone_retention(configured: float | None, requested: float | None) -> float | None:
@@ -103,14 +99,15 @@ def expire_by_ingest_time(
     state: TableState,
     hours: float | None,
     merged: tuple[dt.datetime | None, str],
-    spark: SparkSession | None = None,
+    writes: TableWrites | None = None,
 ) -> tuple[int, str]:
     """Expire the entity's tombstones as the merger does: (how many, which and why).
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
     recorded (``merged``: from :func:`merged_ingest_times`), through the expiry the
-    merger runs (``cdc_shared.tables.expire_tombstones``) on ``spark``. Without ``spark``
-    (a dry run): count those that would go, by the same column and cutoff, and expire none.
+    merger runs (``cdc_shared.tables.expire_tombstones``) through ``writes``. Without
+    ``writes`` (a dry run): count those that would go, by the same column and cutoff, and
+    expire none.
     """
     if hours is None:
         return 0, "kept: merger.tombstone_retention_hours is null (tombstones never expire)"
@@ -119,13 +116,11 @@ def expire_by_ingest_time(
         return 0, why
     cutoff = until - dt.timedelta(hours=hours)
     path = config.layout.tombstones(entity.name)
-    dry_run = spark is None
-    if spark is None:
+    dry_run = writes is None
+    if writes is None:
         expired = state.count_before(path, DELETED_AT, cutoff)
     else:
-        from cdc_shared.tables import expire_tombstones
-
-        expired = expire_tombstones(spark, path, cutoff)
+        expired = writes.expire_tombstones(path, cutoff)
     verb = "would expire" if dry_run else "expired"
     return expired, (
         f"{verb} those recorded before {cutoff.isoformat(timespec='seconds')}: {hours:g} "

@@ -64,6 +64,7 @@ from cdc_shared.clients import make_consumer, make_elasticsearch
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.schemas import make_registry
 from cdc_shared.silver import END
+from cdc_shared.spark import build_spark_session
 from cdc_shared.unavailable import Placeholder
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, TransportError
@@ -72,7 +73,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_cli.checkpoints import is_delta_table
+from cdc_cli.spark_state import is_delta_table
 from cdc_cli.verify_buckets import (
     BucketComparison,
     BucketSpill,
@@ -668,8 +669,6 @@ def verify(
     ``buckets``: N key buckets per entity; by default one per ``ROWS_PER_BUCKET`` rows
     of silver.
     """
-    from cdc_shared.spark import build_spark_session
-
     asked = targets is not None
     targets = TARGETS if targets is None else targets
     unknown = [t for t in targets if t not in TARGETS]

@@ -33,11 +33,11 @@ from cdc_shared.avro import SchemaRegistry, SchemaRegistryUnavailableError
 from cdc_shared.clients import spark_kafka_options
 from cdc_shared.config import EntityConfig, PipelineConfig
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.jvm_bridge import observation_ready
+from cdc_shared.jvm_bridge import HadoopFiles, observation_ready
 from cdc_shared.layout import INGESTOR
 from cdc_shared.observability import Stopwatch
 from cdc_shared.spark import cached_in_few_partitions
-from cdc_shared.stream_checkpoint import HadoopFiles, kafka_initial_offsets, last_committed_batch
+from cdc_shared.stream_checkpoint import kafka_initial_offsets, last_committed_batch
 from cdc_shared.streaming import (
     BatchStats,
     QueryIdentity,

@@ -28,6 +28,7 @@ from typing import Any
 
 from cdc_shared.clients import make_admin
 from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.jvm_bridge import HadoopFiles, move_aside
 from cdc_shared.layout import (
     ALL_ENTITIES,
     INGESTOR,
@@ -36,9 +37,7 @@ from cdc_shared.layout import (
 )
 from cdc_shared.stream_checkpoint import (
     CheckpointFiles,
-    HadoopFiles,
     last_committed_batch,
-    move_aside,
     parse_offsets,
     planned_batches,
 )

@@ -28,9 +28,9 @@ from cdc_shared import bronze
 from cdc_shared.config import EntityConfig, PipelineConfig, interval_seconds
 from cdc_shared.delta_rs import read_logs, transaction_versions
 from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.jvm_bridge import delta_version
+from cdc_shared.jvm_bridge import HadoopFiles, delta_version
 from cdc_shared.layout import MERGER_PROGRESS_APP
-from cdc_shared.stream_checkpoint import HadoopFiles, last_committed_batch, parse_offsets
+from cdc_shared.stream_checkpoint import last_committed_batch, parse_offsets
 from cdc_shared.streaming import (
     BatchStats,
     BatchWrites,

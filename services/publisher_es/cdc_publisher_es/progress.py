@@ -16,8 +16,9 @@ import threading
 from typing import Any
 
 from cdc_shared.config import PipelineConfig
+from cdc_shared.jvm_bridge import HadoopFiles
 from cdc_shared.layout import ALL_ENTITIES, PUBLISHER_ES
-from cdc_shared.stream_checkpoint import HadoopFiles, entity_source, last_committed_batch
+from cdc_shared.stream_checkpoint import entity_source, last_committed_batch
 from elasticsearch import Elasticsearch, NotFoundError
 from pyspark.sql import SparkSession
 
