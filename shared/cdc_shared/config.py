@@ -251,26 +251,6 @@ KAFKA_SECURITY_KEYS = frozenset(
 )
 
 
-def _pem_file(path: Path, kind: str) -> Path:
-    """``path``, checked to be a readable PEM file holding a ``kind`` block.
-
-    Keys must be PKCS#8 (``PRIVATE KEY``, or ``ENCRYPTED PRIVATE KEY`` with
-    ``key_password``): the one PEM key form both librdkafka and the Java client read.
-    """
-    try:
-        text = path.read_text(encoding="ascii", errors="replace")
-    except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-    if kind == "PRIVATE KEY" and re.search(r"-----BEGIN (RSA|EC|DSA) PRIVATE KEY-----", text):
-        raise ValueError(
-            f"{path} holds a key in its algorithm's own PEM form, which the Java client "
-            "refuses: convert it to PKCS#8 (openssl pkcs8 -topk8 -nocrypt -in KEY -out NEW)"
-        )
-    if f"-----BEGIN {kind}-----" not in text and f"-----BEGIN ENCRYPTED {kind}-----" not in text:
-        raise ValueError(f"{path} is not a PEM file with a {kind.lower()} block")
-    return path
-
-
 class KafkaSaslConfig(_Section):
     """SASL credentials: a mechanism, a username and a password (a secret)."""
 
@@ -289,7 +269,8 @@ class KafkaSaslConfig(_Section):
 class KafkaTlsConfig(_Section):
     """TLS to the brokers: the CA bundle to trust and, for mutual TLS, a client cert + key.
 
-    All files are PEM, the key PKCS#8. Without ``ca_file`` the system's trust store
+    All files are PEM, the key PKCS#8 (checked at start, not at load:
+    ``cdc_shared.clients.check_tls_files``). Without ``ca_file`` the system's trust store
     applies (librdkafka) or the JVM's (the Java client). The key may be encrypted
     (``key_password``, a secret).
     """
@@ -300,15 +281,10 @@ class KafkaTlsConfig(_Section):
     key_password: Secret | None = None
     verify_hostname: bool = True
 
-    @field_validator("ca_file", "certificate_file")
+    @field_validator("ca_file", "certificate_file", "key_file")
     @classmethod
-    def _certificates(cls, path: Path | None) -> Path | None:
-        return None if path is None else _pem_file(path.expanduser(), "CERTIFICATE")
-
-    @field_validator("key_file")
-    @classmethod
-    def _key(cls, path: Path | None) -> Path | None:
-        return None if path is None else _pem_file(path.expanduser(), "PRIVATE KEY")
+    def _expanded(cls, path: Path | None) -> Path | None:
+        return None if path is None else path.expanduser()
 
     @model_validator(mode="after")
     def _certificate_with_key(self) -> Self:

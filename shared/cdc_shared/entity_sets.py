@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_shared.avro import SchemaRegistry, subject_name
-from cdc_shared.clients import make_admin
+from cdc_shared.clients import check_tls_files, make_admin
 from cdc_shared.config import (
     ConfigError,
     EntityConfig,
@@ -233,7 +233,10 @@ def with_discovered_entities(
 def load_pipeline(path: str | Path | None = None) -> PipelineConfig:
     """The pipeline a service or command runs, with the tables its sets select.
 
-    Its configuration (``load_config``: the file and the environment), then the entities
-    its ``entity_sets`` select (the broker's topics, the registry's key schemas), once.
+    Its configuration (``load_config``: the file and the environment), the TLS files it
+    names (``check_tls_files``), then the entities its ``entity_sets`` select (the
+    broker's topics, the registry's key schemas), once.
     """
-    return with_discovered_entities(load_config(path))
+    config = load_config(path)
+    check_tls_files(config.kafka)
+    return with_discovered_entities(config)

@@ -1,4 +1,4 @@
-"""Typed Kafka security: validation at load, and its rendering for both kinds of client."""
+"""Typed Kafka security: checked at load and start, rendered for both kinds of client."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from cdc_shared.clients import (
     spark_kafka_options,
 )
 from cdc_shared.config import ConfigError, KafkaConfig, load_config, redact
+from cdc_shared.entity_sets import load_pipeline
 from support.secured_kafka import pkcs8
 
 PASSWORD = "pl4nted-Secret"
@@ -250,7 +251,18 @@ def test_bad_security_is_named(
         "old": pems["traditional_key"],
     }
     with pytest.raises(ConfigError) as error:
-        load_config(write(tmp_path, text))
+        load_pipeline(write(tmp_path, text))
     assert f"  {field}: " in str(error.value)
     assert message in str(error.value)
     assert PASSWORD not in str(error.value)
+
+
+def test_loading_reads_no_tls_file_and_the_start_reads_each(tmp_path: Path) -> None:
+    """``load_config`` reads the file and the environment only; the TLS files it names are
+    read, and refused with their field named, by the start (``load_pipeline``)."""
+    missing = tmp_path / "gone" / "ca.pem"
+    path = write(tmp_path, f"kafka: {{security_protocol: SSL, tls: {{ca_file: {missing}}}}}")
+    config = load_config(path)
+    assert config.kafka.tls is not None and config.kafka.tls.ca_file == missing
+    with pytest.raises(ConfigError, match=r"  kafka\.tls\.ca_file: cannot read .*gone/ca\.pem"):
+        load_pipeline(path)
