@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 JVM_CACHE := $(CURDIR)/.cache/jvm
 VENV_STAMP := $(VENV)/.installed
 JVM_STAMP := $(JVM_CACHE)/.fetched
-# The Spark drivers' class archive (cdc_shared.class_archive): ~3 s off every start.
+# The Spark drivers' class archive (cdc_shared.jvm.class_archive): ~3 s off every start.
 CLASS_ARCHIVE_STAMP := $(JVM_CACHE)/cds/.built
 PYTEST_ARGS ?=
 
@@ -42,7 +42,7 @@ $(JVM_STAMP): $(shell find deploy/jvm -name pom.xml)
 
 # Tolerant: without an archive (e.g. a JDK without CDS) drivers start as before.
 $(CLASS_ARCHIVE_STAMP): $(JVM_STAMP) $(VENV_STAMP)
-	CDC_JVM_CACHE=$(JVM_CACHE) $(BIN)/python -m cdc_shared.class_archive
+	CDC_JVM_CACHE=$(JVM_CACHE) $(BIN)/python -m cdc_shared.jvm.class_archive
 	@mkdir -p $(@D) && touch $@
 
 jvm: $(JVM_STAMP) $(CLASS_ARCHIVE_STAMP)

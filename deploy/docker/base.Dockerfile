@@ -19,7 +19,7 @@ ARG MAVEN_IMAGE=maven:3.9-eclipse-temurin-17
 FROM ${MAVEN_IMAGE} AS jvm
 WORKDIR /src
 COPY deploy/jvm/ deploy/jvm/
-# Writes the jars to /opt/cdc/jvm/spark: the layout cdc_shared.jvm.spark_jars() reads
+# Writes the jars to /opt/cdc/jvm/spark: the layout cdc_shared.jvm.artifacts.spark_jars() reads
 # from $CDC_JVM_CACHE.
 RUN --mount=type=cache,target=/root/.m2 \
     mvn --batch-mode --quiet -f deploy/jvm/pom.xml -pl spark -Djvm.cache=/opt/cdc/jvm package \
@@ -78,4 +78,4 @@ USER 10001:10001
 # project imports, and the Spark jars are where the services look for them.
 RUN java -version 2>&1 | grep -q '"17\.' \
  && python -c "from importlib.metadata import entry_points as e; [s.load() for s in e(group='console_scripts') if s.dist.name == 'cdc-delta']" \
- && python -c "from cdc_shared import jvm; assert jvm.spark_jars(), jvm.jvm_cache_dir()"
+ && python -c "from cdc_shared.jvm import artifacts; assert artifacts.spark_jars(), artifacts.jvm_cache_dir()"

@@ -19,9 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from cdc_shared.avro.registry import KnownSchema, SchemaRegistry, load_schema_file
-from cdc_shared.clients import make_admin
-from cdc_shared.config import ConfigError, PipelineConfig, load_config
-from cdc_shared.schemas import entity_schemas, make_registry
+from cdc_shared.clients.connect import make_admin
+from cdc_shared.clients.schemas import entity_schemas, make_registry
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig, load_config
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 

@@ -43,13 +43,13 @@ from typing import Any, Literal
 import yaml
 from cdc_cli.verify import silver_hashes
 from cdc_shared.avro import ConfluentSchemaRegistry, subject_name
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import PipelineConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.layout import publisher_progress_group
-from cdc_shared.schemas import entity_schemas, make_registry
-from cdc_shared.spark import build_spark_session
-from cdc_shared.tables import has_commits
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.clients.schemas import entity_schemas, make_registry
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import publisher_progress_group
+from cdc_shared.jvm.spark import build_spark_session
+from cdc_shared.streaming.tables import has_commits
 from confluent_kafka import KafkaException, TopicPartition
 from pyspark.sql import SparkSession
 
@@ -485,7 +485,7 @@ class FaultInjector(threading.Thread):
         (and publisher-kafka registers its change schemas). So the process is SIGKILLed
         and started again as the outage begins, and the outage lasts until the registry
         has refused a request, then ``outage_s`` more: the restarted service retries
-        through it (``cdc_shared.retry``), and no valid record may be quarantined for
+        through it (``cdc_shared.clients.retry``), and no valid record may be quarantined for
         it. An outage no request met is reported as a fault not injected.
         """
         proxy = self.registry

@@ -19,12 +19,12 @@ from typing import Any
 
 import fastavro
 from cdc_shared.avro import SchemaRegistry, read_header
-from cdc_shared.bronze import ENTITY, entity_changes, read_payload_types
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import INGESTOR
-from cdc_shared.schemas import make_registry
-from cdc_shared.tables import has_commits
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.bronze import ENTITY, entity_changes, read_payload_types
+from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.streaming.tables import has_commits
 from confluent_kafka import TopicPartition
 from elasticsearch import NotFoundError
 from elasticsearch.helpers import scan
@@ -110,7 +110,9 @@ def compare(output: str, expected: Rows, got: Rows) -> Difference:
 def bronze_changes(
     spark: SparkSession, config: PipelineConfig, entity: EntityConfig
 ) -> DataFrame | None:
-    """The entity's rows in the one bronze table, typed (``cdc_shared.bronze.entity_changes``).
+    """The entity's rows in the one bronze table, typed.
+
+    (``cdc_shared.contracts.bronze.entity_changes``.)
 
     None before the ingestor wrote a row of the entity (no bronze yet, or no payload
     type recorded for it).

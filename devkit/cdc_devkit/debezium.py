@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from cdc_shared.clients import make_consumer
-from cdc_shared.config import DecimalHandling, KafkaConfig
+from cdc_shared.clients.connect import make_consumer
+from cdc_shared.config.pipeline import DecimalHandling, KafkaConfig
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from cdc_devkit.postgres import MARKER, TABLES, Column, Database, Table

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.layout import INGESTOR, MERGER, PUBLISHER_ES
-from cdc_shared.schemas import make_registry
-from cdc_shared.silver import END, START
-from cdc_shared.spark import build_spark_session
-from cdc_shared.tables import has_commits
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.layout import INGESTOR, MERGER, PUBLISHER_ES
+from cdc_shared.contracts.silver import END, START
+from cdc_shared.jvm.spark import build_spark_session
+from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra

@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.layout import INGESTOR
-from cdc_shared.tables import has_commits
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra

@@ -35,7 +35,7 @@ import boto3
 import httpx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
-from cdc_shared import jvm
+from cdc_shared.jvm import artifacts as jvm
 from confluent_kafka.admin import AdminClient
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict

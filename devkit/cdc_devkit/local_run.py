@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cdc_shared.config import PipelineConfig, StreamingServiceConfig
-from cdc_shared.layout import INGESTOR, SERVICES, section_name
-from cdc_shared.schemas import make_registry
-from cdc_shared.tables import has_commits
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import PipelineConfig, StreamingServiceConfig
+from cdc_shared.contracts.layout import INGESTOR, SERVICES, section_name
+from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra

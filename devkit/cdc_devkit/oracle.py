@@ -20,9 +20,9 @@ from typing import Any
 
 import fastavro
 from cdc_shared.avro import SchemaRegistry
-from cdc_shared.clients import make_consumer
-from cdc_shared.config import EntityConfig, KafkaConfig
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.connect import make_consumer
+from cdc_shared.clients.schemas import entity_schemas
+from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
 from confluent_kafka import TopicPartition
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 

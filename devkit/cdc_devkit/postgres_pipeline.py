@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.silver import END, START
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.silver import END, START
 from pyspark.sql import SparkSession
 
 from cdc_devkit import infra

@@ -22,7 +22,7 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import Any
 
-from cdc_shared import layout
+from cdc_shared.contracts import layout
 
 #: The services' process names, in pipeline order (``publisher-kafka``).
 SERVICES: tuple[str, ...] = tuple(layout.display_name(s) for s in layout.SERVICES)

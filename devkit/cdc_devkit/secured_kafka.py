@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     KafkaConfig,
     KafkaSaslConfig,
     KafkaTlsConfig,
     PublisherKafkaConfig,
 )
-from cdc_shared.layout import publisher_progress_group
+from cdc_shared.contracts.layout import publisher_progress_group
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AclBinding,
     AclBindingFilter,

@@ -24,10 +24,10 @@ from decimal import Decimal
 from typing import Any, Literal, Protocol, TypeVar
 
 from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry, subject_name
-from cdc_shared.clients import make_admin, make_producer
-from cdc_shared.config import EntityConfig, KafkaConfig
-from cdc_shared.retry import retrying
-from cdc_shared.schemas import EntitySchemas, entity_schemas
+from cdc_shared.clients.connect import make_admin, make_producer
+from cdc_shared.clients.retry import retrying
+from cdc_shared.clients.schemas import EntitySchemas, entity_schemas
+from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
 from confluent_kafka import KafkaError, KafkaException, Message
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 

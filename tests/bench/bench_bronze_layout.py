@@ -44,11 +44,11 @@ from cdc_ingestor.decode import KAFKA_SCHEMA, decode
 from cdc_ingestor.framing_headers import headers_by_topic
 from cdc_ingestor.projection import bronze_columns
 from cdc_ingestor.schema_learning import SchemaTracker
-from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.replay_origin import HEADERS_TYPE
-from cdc_shared.schemas import make_registry
-from cdc_shared.spark import build_spark_session, cached_in_few_partitions, side_by_side
-from cdc_shared.tables import idempotent_append
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.contracts.replay_origin import HEADERS_TYPE
+from cdc_shared.jvm.spark import build_spark_session, cached_in_few_partitions, side_by_side
+from cdc_shared.streaming.tables import idempotent_append
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

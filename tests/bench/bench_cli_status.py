@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cdc_devkit import infra  # noqa: E402
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig  # noqa: E402
+from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig  # noqa: E402
 from support.pipelines import write_pipeline  # noqa: E402
 from support.servers import TEST_INFRA  # noqa: E402
 
@@ -86,9 +86,9 @@ def make_pipeline(folder: Path, events: int) -> Path:
 def make_many_tables(folder: Path, tables: int, events: int) -> Path:
     """A pipeline of ``tables`` copies of the example's tables, ``events`` changes each."""
     from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-    from cdc_shared.config import load_config
-    from cdc_shared.layout import SERVICES, command_name
-    from cdc_shared.schemas import make_registry
+    from cdc_shared.clients.schemas import make_registry
+    from cdc_shared.config.pipeline import load_config
+    from cdc_shared.contracts.layout import SERVICES, command_name
 
     infra.up(TEST_INFRA)
     started = time.monotonic()
@@ -118,7 +118,7 @@ def make_many_tables(folder: Path, tables: int, events: int) -> Path:
 def start_services(pipeline: Path, timeout_s: float = 1800.0) -> list[Any]:
     """The four services running on ``pipeline``, once each started every group's query."""
     from cdc_devkit.processes import RunMode, launch, wait_a_little
-    from cdc_shared.config import load_config
+    from cdc_shared.config.pipeline import load_config
     from cdc_shared.streaming.groups import table_groups
 
     config = load_config(pipeline)

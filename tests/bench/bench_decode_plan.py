@@ -25,9 +25,9 @@ from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
 from cdc_ingestor.projection import bronze_columns
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config import EntityConfig, SparkConfig
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.spark import build_spark_session
+from cdc_shared.config.pipeline import EntityConfig, SparkConfig
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.jvm.spark import build_spark_session
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

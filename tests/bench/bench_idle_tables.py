@@ -50,9 +50,9 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import wait_until_healthy
 from cdc_devkit.processes import RunMode, ServiceProcess, launch, stop_all, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.schemas import make_registry
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from confluent_kafka import TopicPartition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run

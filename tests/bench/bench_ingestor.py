@@ -50,9 +50,9 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
 
 def baseline(config_path: str) -> None:
     """The seed-style pipeline, run in a child process; prints rows and batch time."""
-    from cdc_shared.clients import spark_kafka_options
-    from cdc_shared.config import load_config
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.clients.connect import spark_kafka_options
+    from cdc_shared.config.pipeline import load_config
+    from cdc_shared.jvm.spark import build_spark_session
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
@@ -100,8 +100,8 @@ def main() -> None:
         return
 
     from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
-    from cdc_shared.config import load_config
-    from cdc_shared.schemas import make_registry
+    from cdc_shared.clients.schemas import make_registry
+    from cdc_shared.config.pipeline import load_config
 
     work = Path(tempfile.mkdtemp(prefix="bench-ingestor-"))
     topic = f"bench_{uuid.uuid4().hex[:8]}.inventory.customers"

@@ -4,7 +4,7 @@ N copies of the example's ``customers`` entity (each on a topic of its own, the 
 topic plus ``_t<i>``), the ingestor alone: ``cdc-ingestor --config <file>`` in its own
 process group, a 1 s trigger, its metrics port polled for ``/health``, on fresh topics
 and a fresh storage root. Every table is one partition (``entity=<name>``) of the one
-bronze table (``cdc_shared.bronze``), written by one query per table group (all of them
+bronze table (``cdc_shared.contracts.bronze``), written by one query per table group (all of them
 in the group ``default`` here).
 
 Every topic gets ``--prime`` records before the launch (so every table gets data in its
@@ -70,9 +70,9 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import copied_entities, write_pipeline_config
 from cdc_devkit.processes import ServiceProcess, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-from cdc_shared.bronze import ENTITY
-from cdc_shared.config import EntityConfig, PipelineConfig, load_config
-from cdc_shared.schemas import make_registry
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
+from cdc_shared.contracts.bronze import ENTITY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/bench

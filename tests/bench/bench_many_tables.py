@@ -50,8 +50,8 @@ from cdc_devkit.processes import (
     wait_a_little,
 )
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-from cdc_shared.config import load_config
-from cdc_shared.schemas import make_registry
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import load_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run
 from support.servers import TEST_INFRA  # the test session's servers

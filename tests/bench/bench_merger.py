@@ -92,9 +92,9 @@ from cdc_merger.silver_tables import (  # noqa: E402
     tombstone_schema,
 )
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
-from cdc_shared.config import HistoryConfig, SparkConfig  # noqa: E402
-from cdc_shared.schemas import entity_schemas  # noqa: E402
-from cdc_shared.silver import (  # noqa: E402
+from cdc_shared.clients.schemas import entity_schemas  # noqa: E402
+from cdc_shared.config.pipeline import HistoryConfig, SparkConfig  # noqa: E402
+from cdc_shared.contracts.silver import (  # noqa: E402
     END,
     END_TS,
     OP,
@@ -104,9 +104,9 @@ from cdc_shared.silver import (  # noqa: E402
     START,
     START_TS,
 )
-from cdc_shared.spark import build_spark_session, counting_jobs  # noqa: E402
-from cdc_shared.tables import ensure_table  # noqa: E402
-from cdc_shared.unavailable import Placeholder  # noqa: E402
+from cdc_shared.contracts.unavailable import Placeholder  # noqa: E402
+from cdc_shared.jvm.spark import build_spark_session, counting_jobs  # noqa: E402
+from cdc_shared.streaming.tables import ensure_table  # noqa: E402
 from delta.tables import DeltaTable  # noqa: E402
 from jvm_cpu import cpu_by_kind, jvm_pid, shares, since  # noqa: E402
 from merger_before import apply_batch_before, delta_default_materialization  # noqa: E402

@@ -116,8 +116,8 @@ def append(rows: Any, path: str, versions: Any) -> None:
 def make_silver(config_path: str, changes: int) -> None:
     """Child process: silver/customers with ``changes`` inserts in COMMITS commits."""
     from cdc_merger.stream import SilverVersions
-    from cdc_shared.config import load_config
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.config.pipeline import load_config
+    from cdc_shared.jvm.spark import build_spark_session
 
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-make-silver")
@@ -138,11 +138,11 @@ def baseline(config_path: str, index: str) -> None:
         entity_properties,
         index_mappings,
     )
-    from cdc_shared.changefeed import row_columns
-    from cdc_shared.clients import make_elasticsearch
-    from cdc_shared.config import load_config
-    from cdc_shared.schemas import entity_schemas, make_registry
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.clients.connect import make_elasticsearch
+    from cdc_shared.clients.schemas import entity_schemas, make_registry
+    from cdc_shared.config.pipeline import load_config
+    from cdc_shared.jvm.spark import build_spark_session
+    from cdc_shared.streaming.changefeed import row_columns
     from elasticsearch import helpers
     from pyspark.sql import types as T
 
@@ -224,8 +224,8 @@ def delete_index(es_url: str, alias: str) -> None:
 
 
 def throughput(args: argparse.Namespace, work: Path) -> None:
-    from cdc_shared.config import DEFAULT_GROUP, load_config
-    from cdc_shared.layout import PUBLISHER_ES
+    from cdc_shared.config.pipeline import DEFAULT_GROUP, load_config
+    from cdc_shared.contracts.layout import PUBLISHER_ES
 
     run = uuid.uuid4().hex[:6]
     shared = write_config(work, args.es_url, f"bench_{run}_silver")
@@ -281,8 +281,8 @@ def commit_timestamp_s(table: Path, version: int) -> float:
 
 def delay(args: argparse.Namespace, work: Path) -> None:
     from cdc_merger.stream import SilverVersions
-    from cdc_shared.config import load_config
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.config.pipeline import load_config
+    from cdc_shared.jvm.spark import build_spark_session
     from elasticsearch import Elasticsearch
 
     index = f"bench_{uuid.uuid4().hex[:6]}_delay"

@@ -39,9 +39,9 @@ import yaml
 from bench_ingestor import run_measured
 from cdc_devkit.oracle import load_fingerprints
 from cdc_merger.stream import SilverVersions
-from cdc_shared.config import load_config
-from cdc_shared.spark import build_spark_session
-from cdc_shared.tables import ensure_table
+from cdc_shared.config.pipeline import load_config
+from cdc_shared.jvm.spark import build_spark_session
+from cdc_shared.streaming.tables import ensure_table
 from confluent_kafka import Consumer, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -98,8 +98,8 @@ def write_config(workdir: Path, bootstrap: str, run: str) -> Path:
 
 BASELINE = """
 import sys, json
-from cdc_shared.config import load_config
-from cdc_shared.spark import build_spark_session
+from cdc_shared.config.pipeline import load_config
+from cdc_shared.jvm.spark import build_spark_session
 from pyspark.sql import functions as F
 from pyspark.sql.avro.functions import to_avro
 config = load_config(sys.argv[1])

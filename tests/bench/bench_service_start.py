@@ -39,9 +39,9 @@ from typing import Any
 import yaml
 from cdc_devkit.processes import group_rss_bytes
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
-from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.layout import SERVICES, command_name
-from cdc_shared.schemas import make_registry
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.contracts.layout import SERVICES, command_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_many_tables import many_tables_config, restarted_config  # the same N tables

@@ -13,7 +13,7 @@ SparkContext), all on this machine:
 Each setup makes a silver table as the merger does (``ensure_tables``) with ``--rows``
 rows, merges ``--warmup`` uncounted 1,000-change batches, then ``--batches`` counted ones
 with the merger's own ``apply_batch``; then it appends ``--batches`` bronze batches of
-1,000 rows to a bronze table made as the ingestor makes it (``cdc_shared.bronze``: one
+1,000 rows to a bronze table made as the ingestor makes it (``cdc_shared.contracts.bronze``: one
 table, partitioned by ``entity``, the payload a VARIANT), each one append with the
 ingestor's idempotent-write options (its checkpoint's two small files per batch are not
 included). Per batch: wall time, and on S3 the requests the
@@ -53,12 +53,12 @@ from cdc_devkit import infra  # noqa: E402
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode  # noqa: E402
 from cdc_merger.apply import MergeState, apply_batch  # noqa: E402
 from cdc_merger.silver_tables import SilverLayout, ensure_tables  # noqa: E402
-from cdc_shared import bronze as bronze_table  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
-from cdc_shared.config import ObjectStorageConfig, SparkConfig  # noqa: E402
-from cdc_shared.schemas import entity_schemas  # noqa: E402
-from cdc_shared.spark import build_spark_session  # noqa: E402
-from cdc_shared.tables import ensure_table  # noqa: E402
+from cdc_shared.clients.schemas import entity_schemas  # noqa: E402
+from cdc_shared.config.pipeline import ObjectStorageConfig, SparkConfig  # noqa: E402
+from cdc_shared.contracts import bronze as bronze_table  # noqa: E402
+from cdc_shared.jvm.spark import build_spark_session  # noqa: E402
+from cdc_shared.streaming.tables import ensure_table  # noqa: E402
 from pydantic import SecretStr  # noqa: E402
 from pyspark.sql import DataFrame, SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
@@ -177,7 +177,7 @@ def child(setup: str, rows: int, batches: int, warmup: int, master: str, s3: str
 
 
 def as_bronze_rows(events: DataFrame) -> DataFrame:
-    """Typed bronze rows (``cdc_shared.bronze.typed``'s columns) as the ingestor writes
+    """Typed bronze rows (``cdc_shared.contracts.bronze.typed``'s columns) as the ingestor writes
     them: the key and the envelope's fields in the ``payload`` VARIANT."""
     shared = set(bronze_table.SHARED_COLUMNS)
     payload = F.struct(*[F.col(f"`{c}`") for c in events.columns if c not in shared])

@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cdc_merger.guards import TombstoneIndex  # noqa: E402
-from cdc_shared.config import SparkConfig  # noqa: E402
-from cdc_shared.silver import SEQUENCE  # noqa: E402
-from cdc_shared.spark import build_spark_session  # noqa: E402
+from cdc_shared.config.pipeline import SparkConfig  # noqa: E402
+from cdc_shared.contracts.silver import SEQUENCE  # noqa: E402
+from cdc_shared.jvm.spark import build_spark_session  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 

@@ -14,7 +14,7 @@ from functools import reduce
 
 from cdc_merger.apply import DELETE, ERROR_KIND, TRUNCATE, latest_per_key, rejection, silver_merge
 from cdc_merger.silver_tables import SilverLayout
-from cdc_shared.silver import COMMIT_TS, OP, SEQUENCE
+from cdc_shared.contracts.silver import COMMIT_TS, OP, SEQUENCE
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F

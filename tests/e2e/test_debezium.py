@@ -39,11 +39,11 @@ from cdc_devkit.postgres_pipeline import (
     outputs_against_database,
     write_postgres_pipeline,
 )
-from cdc_shared.bronze import entity_changes
-from cdc_shared.config import SERVICE_NAMES, KafkaConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.tables import has_commits
-from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import SERVICE_NAMES, KafkaConfig
+from cdc_shared.contracts.bronze import entity_changes
+from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER
+from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from support.servers import TEST_INFRA

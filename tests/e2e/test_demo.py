@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from cdc_devkit import infra
 from cdc_devkit.processes import RunMode, launch
-from cdc_shared.layout import SERVICES
+from cdc_shared.contracts.layout import SERVICES
 from support.servers import infra_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

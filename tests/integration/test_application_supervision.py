@@ -11,8 +11,9 @@ from typing import cast
 
 import pytest
 from cdc_cli.application import POOL_PROPERTY, Application
-from cdc_shared.config import PipelineConfig
-from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.failures import StreamFailedError
+from cdc_shared.streaming.runner import StreamRunner
 from pyspark.sql import SparkSession
 
 pytestmark = pytest.mark.integration

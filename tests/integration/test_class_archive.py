@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cdc_shared import jvm
+from cdc_shared.jvm import artifacts as jvm
 from pyspark.sql import SparkSession
 
 pytestmark = pytest.mark.integration

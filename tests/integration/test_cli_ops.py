@@ -37,12 +37,12 @@ from cdc_merger.main import start as start_merger
 from cdc_merger.merging import quarantine_rows
 from cdc_merger.silver_tables import SILVER_PROPERTIES
 from cdc_publisher_es.progress import IndexProgress
-from cdc_shared.bronze import entity_changes
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
-from cdc_shared.delta_rs import transaction_versions
-from cdc_shared.layout import MERGER_PROGRESS_APP
-from cdc_shared.tables import idempotent_append, record_progress
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.clients.delta_rs import transaction_versions
+from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
+from cdc_shared.contracts.bronze import entity_changes
+from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
+from cdc_shared.streaming.tables import idempotent_append, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -198,7 +198,7 @@ def test_status_without_a_jvm_reads_what_spark_reads(world: World, spark: SparkS
     script = (
         "import json, sys\n"
         "from cdc_cli.status import collect_status\n"
-        "from cdc_shared.config import load_config\n"
+        "from cdc_shared.config.pipeline import load_config\n"
         f"report = collect_status(load_config({str(world.pipeline.path)!r}))\n"
         "assert 'pyspark' not in sys.modules, 'PySpark was imported'\n"
         "print(json.dumps(report.to_dict()))\n"

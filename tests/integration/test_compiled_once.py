@@ -3,7 +3,7 @@
 Spark writes long and timestamp literals into the code it generates, and keeps compiled
 classes in a cache keyed by that code: a per-batch value in a query (a batch id, the
 current time) costs a compilation per batch. The services read the time with
-``cdc_shared.spark.clock`` instead; these tests hold that to account, beside the Spark
+``cdc_shared.jvm.spark.clock`` instead; these tests hold that to account, beside the Spark
 behaviour that makes it necessary (so the counter is shown to see a compilation).
 """
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from cdc_shared.spark import clock
+from cdc_shared.jvm.spark import clock
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from decimal import Decimal
 
 import pytest
-from cdc_shared.driver_frames import frame_from_rows
+from cdc_shared.jvm.driver_frames import frame_from_rows
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

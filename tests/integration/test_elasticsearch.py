@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import ElasticsearchConfig
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.config.pipeline import ElasticsearchConfig
 from elasticsearch import ConflictError
 
 pytestmark = pytest.mark.integration

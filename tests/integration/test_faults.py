@@ -21,9 +21,10 @@ from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_ingestor.main import start
 from cdc_ingestor.positions import recorded_positions
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
-from cdc_shared.clients import make_consumer
-from cdc_shared.config import KafkaConfig, PipelineConfig
-from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.clients.connect import make_consumer
+from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig
+from cdc_shared.streaming.failures import StreamFailedError
+from cdc_shared.streaming.runner import StreamRunner
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, generate, launch_ingestor, quarantine, topic_offsets

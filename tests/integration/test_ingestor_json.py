@@ -12,8 +12,8 @@ import pytest
 from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpec, produce
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config import EntityConfig, KafkaConfig
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.schemas import entity_schemas
+from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
 from pyspark.sql import DataFrame, SparkSession
 from support.entities import ORDERS, SCHEMAS
 from support.ingestion import (

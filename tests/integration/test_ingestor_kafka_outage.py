@@ -12,8 +12,8 @@ import httpx
 import pytest
 from cdc_devkit import infra
 from cdc_devkit.workload import ProduceReport, produce
-from cdc_shared.clients import make_admin
-from cdc_shared.config import KafkaConfig
+from cdc_shared.clients.connect import make_admin
+from cdc_shared.config.pipeline import KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import (

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cdc_shared import jvm_bridge
+from cdc_shared.jvm import bridge as jvm_bridge
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cdc_shared.clients import make_consumer, make_producer
-from cdc_shared.config import KafkaConfig
+from cdc_shared.clients.connect import make_consumer, make_producer
+from cdc_shared.config.pipeline import KafkaConfig
 
 pytestmark = pytest.mark.integration
 

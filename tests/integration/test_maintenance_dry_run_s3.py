@@ -21,8 +21,8 @@ from cdc_cli.checkpoints import DeltaLog, recorded_positions
 from cdc_cli.delta_log import DeltaLogState, delta_storage_options, table_uri
 from cdc_cli.maintenance import ServicesMayRunError, run_maintenance
 from cdc_devkit import infra
-from cdc_shared.config import PipelineConfig
-from cdc_shared.writer_lease import LocalLeaseStore, WriterLease
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.writer_lease import LocalLeaseStore, WriterLease
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from pyarrow import fs as pafs
 
@@ -153,7 +153,7 @@ def test_a_forced_dry_run_finds_a_writer_lease_on_s3_without_a_jvm(
     def no_spark(*_args: object) -> None:
         raise AssertionError("the dry run started a Spark session")
 
-    monkeypatch.setattr("cdc_shared.spark.build_spark_session", no_spark)
+    monkeypatch.setattr("cdc_shared.jvm.spark.build_spark_session", no_spark)
 
     def forced_dry_run() -> None:  # VACUUM below Delta's minimum, forced
         run_maintenance(

@@ -14,11 +14,11 @@ import pytest
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import silver_layout
-from cdc_shared.config import KafkaConfig
-from cdc_shared.delta_rs import transaction_versions
-from cdc_shared.layout import MERGER_PROGRESS_APP
-from cdc_shared.spark import counting_jobs
-from cdc_shared.tables import table_properties
+from cdc_shared.clients.delta_rs import transaction_versions
+from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
+from cdc_shared.jvm.spark import counting_jobs
+from cdc_shared.streaming.tables import table_properties
 from pyspark.sql import SparkSession
 from support.history import assert_history_equals_bronze
 from support.ingestion import bronze, generate, generate_across_schema_change, ingest_once

@@ -25,14 +25,14 @@ from cdc_merger.apply import (
 )
 from cdc_merger.history import HistoryTable
 from cdc_merger.silver_tables import SilverLayout, ensure_tables
-from cdc_shared import bronze
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.bronze import read_payload_types
-from cdc_shared.config import EntityConfig, HistoryConfig
-from cdc_shared.jvm_bridge import delta_version
-from cdc_shared.schemas import entity_schemas
-from cdc_shared.tables import ensure_table, expire_tombstones, table_properties
-from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
+from cdc_shared.clients.schemas import entity_schemas
+from cdc_shared.config.pipeline import EntityConfig, HistoryConfig
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.bronze import read_payload_types
+from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
+from cdc_shared.jvm.bridge import delta_version
+from cdc_shared.streaming.tables import ensure_table, expire_tombstones, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
@@ -590,7 +590,7 @@ def test_tables_made_before_get_auto_compaction_at_the_next_start(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     """Tuning properties reach existing tables; protocol-changing ones are left alone."""
-    from cdc_shared.tables import ensure_table
+    from cdc_shared.streaming.tables import ensure_table
 
     path = str(tmp_path / "old")
     spark.range(3).write.format("delta").save(path)  # made without our properties
@@ -609,7 +609,7 @@ def test_tables_made_before_get_auto_compaction_at_the_next_start(
 
 PLACEHOLDER = DEBEZIUM_PLACEHOLDER
 #: Columns a TOASTed PostgreSQL value can arrive in, with Debezium's rendering of the
-#: placeholder in each (see cdc_shared.unavailable).
+#: placeholder in each (see cdc_shared.contracts.unavailable).
 TOASTABLE = T.StructType(
     [
         T.StructField("bio", T.StringType()),

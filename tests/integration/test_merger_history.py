@@ -18,9 +18,9 @@ import pytest
 from cdc_cli.verify import TargetComparison, verify
 from cdc_devkit.oracle import SourceEvent, history_versions
 from cdc_merger.merging import silver_layout
-from cdc_shared.config import HistoryConfig, PipelineConfig
-from cdc_shared.silver import END, END_TS, START, START_TS
-from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER
+from cdc_shared.config.pipeline import HistoryConfig, PipelineConfig
+from cdc_shared.contracts.silver import END, END_TS, START, START_TS
+from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER
 from delta.tables import DeltaTable
 from pyspark.sql import Row, SparkSession
 from pyspark.sql import functions as F

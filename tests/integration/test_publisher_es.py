@@ -21,15 +21,15 @@ from cdc_publisher_es.index_lifecycle import IndexLostError
 from cdc_publisher_es.main import start as start_publisher
 from cdc_publisher_es.mapping import ensure_index, index_mappings
 from cdc_publisher_es.progress import IndexProgress
-from cdc_shared.bronze import entity_changes
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import (
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.config.pipeline import (
     ElasticsearchConfig,
     KafkaConfig,
     PipelineConfig,
     PublisherEsConfig,
 )
-from cdc_shared.streaming import StreamFailedError
+from cdc_shared.contracts.bronze import entity_changes
+from cdc_shared.streaming.failures import StreamFailedError
 from delta.tables import DeltaTable
 from elasticsearch import NotFoundError
 from pyspark.sql import SparkSession

@@ -32,8 +32,9 @@ from cdc_shared.avro import (
     subject_name,
 )
 from cdc_shared.avro.framing import confluent_header
-from cdc_shared.config import KafkaConfig
-from cdc_shared.streaming import StreamFailedError, StreamRunner
+from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.streaming.failures import StreamFailedError
+from cdc_shared.streaming.runner import StreamRunner
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, quarantine, topic_offsets
 from support.pipelines import SCHEMAS, Pipeline, PipelineFactory

@@ -32,10 +32,10 @@ from cdc_cli.quarantine import LEDGER_SCHEMA, Replay
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_shared.avro import AvroEncoder, FileSchemaRegistry
-from cdc_shared.clients import make_consumer, make_producer
-from cdc_shared.config import KafkaConfig
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.replay_origin import REPLAY_HEADER
+from cdc_shared.clients.connect import make_consumer, make_producer
+from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.contracts.replay_origin import REPLAY_HEADER
+from cdc_shared.jvm.driver_frames import frame_from_rows
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import bronze, generate, ingest_once, quarantine

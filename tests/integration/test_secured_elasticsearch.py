@@ -21,8 +21,8 @@ import yaml
 from cdc_devkit import secured_elasticsearch
 from cdc_devkit.secured_elasticsearch import OPERATOR, PUBLISHER, SecuredCluster
 from cdc_publisher_es.main import start as start_publisher
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import KafkaConfig, PublisherEsConfig, load_config
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.config.pipeline import KafkaConfig, PublisherEsConfig, load_config
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_silver, build_silver, index_documents
 from support.ops import cdc

@@ -34,11 +34,11 @@ from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
 from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import TransactionalPublisher
-from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import KafkaConfig, PipelineConfig, PublisherKafkaConfig
-from cdc_shared.layout import publisher_progress_group
-from cdc_shared.service import run_to_exit_code
-from cdc_shared.streaming import StreamRunner
+from cdc_shared.clients.connect import spark_kafka_options
+from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.contracts.layout import publisher_progress_group
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.service import run_to_exit_code
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession

@@ -30,8 +30,8 @@ from cdc_cli.status import collect_status
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_merger.apply import LOST_CHECKPOINT
-from cdc_shared import jvm_bridge
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig
+from cdc_shared.jvm import bridge as jvm_bridge
 from pyspark.sql import SparkSession
 from support.cluster import (
     NO_PYTHON,

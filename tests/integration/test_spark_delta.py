@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 from cdc_cli.application import POOL_PROPERTY
-from cdc_shared.clients import make_producer, spark_kafka_options
-from cdc_shared.config import KafkaConfig
-from cdc_shared.tables import AUTO_COMPACT, ensure_table, has_commits, table_properties
+from cdc_shared.clients.connect import make_producer, spark_kafka_options
+from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.streaming.tables import AUTO_COMPACT, ensure_table, has_commits, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -102,7 +102,7 @@ def test_kafka_stream_to_delta_with_checkpoint(
 def test_counting_jobs_counts_this_threads_jobs_and_its_background_calls(
     spark: SparkSession,
 ) -> None:
-    from cdc_shared.spark import BackgroundCall, counting_jobs
+    from cdc_shared.jvm.spark import BackgroundCall, counting_jobs
 
     spark.range(3).collect()  # before the block: not counted
     with counting_jobs(spark) as jobs:
@@ -114,7 +114,7 @@ def test_counting_jobs_counts_this_threads_jobs_and_its_background_calls(
 
 
 def test_a_background_call_raises_what_the_call_raised(spark: SparkSession) -> None:
-    from cdc_shared.spark import BackgroundCall
+    from cdc_shared.jvm.spark import BackgroundCall
 
     def fail() -> None:
         raise ValueError("in the background")
@@ -212,9 +212,9 @@ def test_java_objects_python_dropped_are_released_while_the_driver_idles(
     # sessions, their plans) is freed only by Python's cyclic collector, and until then
     # py4j's gateway keeps the Java object alive. Python collects its oldest objects
     # rarely and never while idle: without the session's collector
-    # (cdc_shared.spark.collect_python_garbage) such a proxy, and the plans it holds in the
+    # (cdc_shared.jvm.spark.collect_python_garbage) such a proxy, and the plans it holds in the
     # driver's heap, stay. The test does not collect itself after the proxy is dropped.
-    from cdc_shared.spark import PYTHON_GC_INTERVAL
+    from cdc_shared.jvm.spark import PYTHON_GC_INTERVAL
 
     frame = spark.range(3)._jdf
     assert frame.count() == 3  # caches the method: the proxy is in a reference cycle now

@@ -7,13 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdc_shared.streaming import (
-    Failure,
-    QueryIdentity,
-    StreamFailedError,
-    StreamRunner,
-    with_trigger,
-)
+from cdc_shared.streaming.failures import Failure, StreamFailedError
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.streaming.runtime import with_trigger
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 from cdc_devkit import infra
-from cdc_shared import jvm_bridge
-from cdc_shared.config import ObjectStorageConfig
-from cdc_shared.layout import MERGER, StorageLayout
-from cdc_shared.streaming import StreamFailedError, StreamRunner
-from cdc_shared.streaming.runner import QueryIdentity
-from cdc_shared.writer_lease import (
+from cdc_shared.config.pipeline import ObjectStorageConfig
+from cdc_shared.contracts.layout import MERGER, StorageLayout
+from cdc_shared.jvm import bridge as jvm_bridge
+from cdc_shared.streaming.failures import StreamFailedError
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.streaming.writer_lease import (
     LEASE_TTL_S,
     LeaseConflictError,
     LeaseKeeper,

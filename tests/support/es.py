@@ -10,8 +10,8 @@ from typing import Any
 from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import KafkaConfig, PipelineConfig
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import scan
 from pyspark.sql import SparkSession

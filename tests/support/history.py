@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from cdc_devkit.oracle import SourceEvent, history_versions
-from cdc_shared.silver import END, START
+from cdc_shared.contracts.silver import END, START
 from pyspark.sql import SparkSession
 
 from support.ingestion import bronze

@@ -12,9 +12,9 @@ from cdc_devkit.workload import GeneratedMessage, ProduceReport, WorkloadGenerat
 from cdc_ingestor.main import start
 from cdc_ingestor.projection import bronze_columns, payload_type
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.bronze import entity_changes, typed
-from cdc_shared.clients import make_consumer
-from cdc_shared.config import DEFAULT_GROUP, KafkaConfig
+from cdc_shared.clients.connect import make_consumer
+from cdc_shared.config.pipeline import DEFAULT_GROUP, KafkaConfig
+from cdc_shared.contracts.bronze import entity_changes, typed
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -76,7 +76,7 @@ def ingest_once(pipeline: Pipeline, spark: SparkSession, max_offsets: int | None
 
 
 def bronze(spark: SparkSession, pipeline: Pipeline, entity: str) -> DataFrame:
-    """``entity``'s rows of bronze, typed (``cdc_shared.bronze.entity_changes``)."""
+    """``entity``'s rows of bronze, typed (``cdc_shared.contracts.bronze.entity_changes``)."""
     return entity_changes(spark, pipeline.config.layout.bronze(), entity)
 
 
@@ -84,7 +84,7 @@ def typed_bronze_rows(decoded: DataFrame) -> DataFrame:
     """A decoded batch's records that decoded, as bronze holds them and gives them back.
 
     Projected as the ingestor writes them (``bronze_columns``: the payload one VARIANT),
-    then typed again as ``cdc_shared.bronze.entity_changes`` reads one entity's rows.
+    then typed again as ``cdc_shared.contracts.bronze.entity_changes`` reads one entity's rows.
     """
     envelope = decoded.schema["envelope"].dataType
     assert isinstance(envelope, T.StructType)

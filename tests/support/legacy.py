@@ -16,11 +16,11 @@ from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_merger.apply import MergeState, apply_batch
 from cdc_merger.merging import silver_layout
 from cdc_merger.silver_tables import ensure_tables
-from cdc_shared.config import EntityConfig
-from cdc_shared.layout import INGESTOR, MERGER
-from cdc_shared.schemas import make_registry
-from cdc_shared.spark import clock
-from cdc_shared.tables import idempotent_append
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.contracts.layout import INGESTOR, MERGER
+from cdc_shared.jvm.spark import clock
+from cdc_shared.streaming.tables import idempotent_append
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from cdc_cli.main import app
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import ElasticsearchConfig, KafkaConfig, PipelineConfig
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig
 from confluent_kafka import TopicPartition
 from elasticsearch import helpers
 from pyspark.sql import SparkSession

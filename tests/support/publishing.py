@@ -9,8 +9,8 @@ from typing import Any
 
 from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_publisher_kafka.main import start
-from cdc_shared.clients import librdkafka_security
-from cdc_shared.config import KafkaConfig
+from cdc_shared.clients.connect import librdkafka_security
+from cdc_shared.config.pipeline import KafkaConfig
 from pyspark.sql import SparkSession
 
 from support.change_topics import ChangeRecord, read_change_topic

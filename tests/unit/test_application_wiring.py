@@ -12,8 +12,8 @@ from cdc_cli.application import (
     select_services,
     without_service_endpoints,
 )
-from cdc_shared.config import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
-from cdc_shared.spark import DRIVER_MEMORY, driver_memory, with_sized_heap
+from cdc_shared.config.pipeline import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.jvm.spark import DRIVER_MEMORY, driver_memory, with_sized_heap
 
 
 def test_services_default_to_all_four_in_pipeline_order() -> None:

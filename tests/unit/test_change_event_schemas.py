@@ -8,9 +8,9 @@ from pathlib import Path
 import fastavro
 import pytest
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config import load_config
-from cdc_shared.names import avro_namespace
-from cdc_shared.schemas import change_event_schemas, entity_schemas
+from cdc_shared.clients.schemas import change_event_schemas, entity_schemas
+from cdc_shared.config.names import avro_namespace
+from cdc_shared.config.pipeline import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

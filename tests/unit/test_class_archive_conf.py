@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_shared import jvm
-from cdc_shared.config import SparkConfig
-from cdc_shared.spark import (
+from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.jvm import artifacts as jvm
+from cdc_shared.jvm.spark import (
     DRIVER_JAVA_OPTIONS,
     DRIVER_TIME_ZONE,
     JVM_LOGGING,
@@ -76,7 +76,7 @@ def test_an_archive_comes_first_so_the_users_options_win(cache: Path) -> None:
 
 
 def test_the_users_logging_file_replaces_ours(cache: Path) -> None:
-    assert JVM_LOGGING.is_file()  # shipped beside cdc_shared.spark
+    assert JVM_LOGGING.is_file()  # shipped beside cdc_shared.jvm.spark
     theirs = "-Dlog4j2.configurationFile=/etc/spark/log4j2.properties"
     chosen = options({DRIVER_JAVA_OPTIONS: theirs})
     assert chosen is not None and LOGGING not in chosen and chosen.endswith(theirs)

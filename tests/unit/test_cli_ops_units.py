@@ -39,8 +39,8 @@ from cdc_cli.tombstone_expiry import tombstone_retention
 from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
 from cdc_devkit.local_run import EXAMPLE_CONFIG, write_pipeline_config
-from cdc_shared.config import EntityConfig, PipelineConfig, load_config
-from cdc_shared.observability import HealthServer
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
+from cdc_shared.streaming.observability import HealthServer
 from pyspark.sql import types as T
 
 NOW = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
@@ -440,7 +440,7 @@ def test_local_run_copies_the_example_into_many_tables_each_with_its_own_names(
 
 def test_the_names_the_cli_reads_without_pyspark_are_the_services_own() -> None:
     """The read-only commands name what the services write without importing them (their
-    modules import PySpark): the one name kept outside ``cdc_shared.layout`` agrees."""
+    modules import PySpark): the one name kept outside ``cdc_shared.contracts.layout`` agrees."""
     from cdc_cli import status
     from cdc_publisher_es import progress
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 from cdc_cli.watch import CLEAR, NOT_REACHABLE, Pace, Totals, pace, refreshes, watch
-from cdc_shared.config import PipelineConfig
-from cdc_shared.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, HealthServer
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, HealthServer
 
 SERVICE = "watch_test"  # a service label no other test's metrics use
 

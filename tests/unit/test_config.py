@@ -5,7 +5,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig, load_config, redact
+from cdc_shared.config.pipeline import (
+    ConfigError,
+    EntityConfig,
+    PipelineConfig,
+    load_config,
+    redact,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -274,7 +280,7 @@ def test_metrics_endpoints_bind_loopback_unless_configured_otherwise(
     import inspect
     import os
 
-    from cdc_shared.config import PipelineConfig
+    from cdc_shared.config.pipeline import PipelineConfig
     from cdc_shared.streaming.runner import StreamRunner
 
     for name in [n for n in os.environ if n.startswith("CDC_")]:

@@ -21,7 +21,7 @@ from cdc_devkit.connect_json import (
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import JSON_POISON_KINDS, WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import AvroDecoder, FileSchemaRegistry
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.schemas import entity_schemas
 from hypothesis import given
 from hypothesis import strategies as st
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS

@@ -35,7 +35,7 @@ from cdc_devkit.postgres import (
 from cdc_devkit.postgres_pipeline import entity_name, table_of, write_postgres_pipeline
 from cdc_ingestor.decode_json import shape_of
 from cdc_shared.avro import load_schema_file
-from cdc_shared.config import load_config
+from cdc_shared.config.pipeline import load_config
 
 DATABASE = Database("127.0.0.1", 5432, "cdc", "s3cret-pw", "shop")
 CAPTURES = [

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pytest
 from cdc_cli.checkpoints import group_checkpoints, kafka_ends, last_committed_batch
 from cdc_cli.delta_log import DeltaLogState, _vector_file, delta_storage_options, table_uri
-from cdc_shared.config import PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
 
@@ -183,7 +183,7 @@ def test_status_reads_start_no_jvm_and_import_no_spark(tmp_path: Path) -> None:
     _write(config.layout.bronze(), [("append", ["a"])])
     script = (
         "import sys\n"
-        "from cdc_shared.config import PipelineConfig\n"
+        "from cdc_shared.config.pipeline import PipelineConfig\n"
         "from cdc_cli.status import collect_status\n"
         f"config = PipelineConfig(storage_root={str(tmp_path)!r}, entities=[{{"
         "'name': 'customers', 'source_topic': 't', 'key': ['id'], 'sequence_by': ['lsn']}])\n"

@@ -4,7 +4,7 @@ What a running stack would find out late is checked here: every service script h
 image and a compose service, each runs its script with the mounted pipeline file, its
 healthcheck probes the port its configuration serves /health on (and the healthcheck
 command really tells a healthy service from a failing one), the JVM jars land where
-cdc_shared.jvm looks, the mounted pipeline file loads and has the example entities,
+cdc_shared.jvm.artifacts looks, the mounted pipeline file loads and has the example entities,
 volumes and dependencies are declared, and Kafka is configured for single-node
 transactions.
 """
@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 import yaml
-from cdc_shared import jvm
 from cdc_shared.avro.registry import ConfluentSchemaRegistry, subject_name
-from cdc_shared.config import PipelineConfig, load_config
-from cdc_shared.observability import HealthServer
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.schemas import entity_schemas
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.jvm import artifacts as jvm
+from cdc_shared.streaming.observability import HealthServer
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -281,7 +281,7 @@ def test_jvm_module_the_image_builds_fills_the_folder_the_services_read(
     spark_pom = ET.parse(ROOT / "deploy" / "jvm" / "spark" / "pom.xml").getroot()
     outputs = [e.text for e in spark_pom.iter(f"{{{ns['m']}}}outputDirectory")]
     assert outputs and set(outputs) == {"${jvm.cache}/spark"}  # Delta etc., hadoop-aws
-    # ... which is where cdc_shared.jvm looks under $CDC_JVM_CACHE.
+    # ... which is where cdc_shared.jvm.artifacts looks under $CDC_JVM_CACHE.
     (tmp_path / "spark").mkdir()
     (tmp_path / "spark" / "delta-spark_2.13-x.jar").touch()
     monkeypatch.setenv(jvm.JVM_CACHE_ENV_VAR, str(tmp_path))

@@ -28,8 +28,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from cdc_shared.config import PipelineConfig, load_config, s3a_bucket
-from cdc_shared.spark import spark_conf
+from cdc_shared.config.pipeline import PipelineConfig, load_config, s3a_bucket
+from cdc_shared.jvm.spark import spark_conf
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "k8s"
@@ -753,13 +753,13 @@ PYTHON_ON_EXECUTORS = re.compile(
 )
 #: The one module that makes DataFrames of the driver's rows: from Arrow, which the JVM
 #: decodes (``createDataFrame`` of Python rows has pyspark's worker decode them on executors).
-DRIVER_FRAMES = ROOT / "shared" / "cdc_shared" / "driver_frames.py"
+DRIVER_FRAMES = ROOT / "shared" / "cdc_shared" / "jvm" / "driver_frames.py"
 
 
 def test_executors_run_no_python() -> None:
     """The services' transformations are DataFrame and SQL; their Python callbacks
     (foreachBatch bodies, Kafka and Elasticsearch clients) run on the driver; DataFrames
-    of the driver's rows come from ``cdc_shared.driver_frames`` only. So no PySpark API
+    of the driver's rows come from ``cdc_shared.jvm.driver_frames`` only. So no PySpark API
     starts a Python worker on an executor (the cluster test runs the services with none)."""
     found = []
     for path in sorted([*ROOT.glob("services/*/cdc_*/**/*.py"), *ROOT.glob("shared/**/*.py")]):
@@ -768,4 +768,4 @@ def test_executors_run_no_python() -> None:
             rows_frame = "createDataFrame(" in code and path != DRIVER_FRAMES
             if PYTHON_ON_EXECUTORS.search(code) or rows_frame:
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert found == [], "Python on executors (use cdc_shared.driver_frames for driver rows)"
+    assert found == [], "Python on executors (use cdc_shared.jvm.driver_frames for driver rows)"

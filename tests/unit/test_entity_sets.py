@@ -5,16 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from cdc_shared.config import (
+from cdc_shared.config.entity_sets import resolve_entity_sets, with_discovered_entities
+from cdc_shared.config.pipeline import (
     ConfigError,
     EntityConfig,
     PipelineConfig,
     entity_name_from,
     interval_seconds,
 )
-from cdc_shared.entity_sets import resolve_entity_sets, with_discovered_entities
 from cdc_shared.streaming.discovery import EntityDiscovery
-from cdc_shared.tables import SourceTableMissingError
+from cdc_shared.streaming.tables import SourceTableMissingError
 
 BROKER_TOPICS = [
     "dbserver1.inventory.customers",

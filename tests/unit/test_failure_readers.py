@@ -6,7 +6,7 @@ Each JVM text reader is shown the message Spark or Delta actually sends (Delta's
 
 from __future__ import annotations
 
-from cdc_shared.streaming import (
+from cdc_shared.streaming.failures import (
     Failure,
     KnownFailureError,
     read_failure,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cdc_ingestor.failures import kafka_failures
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
 
 CONFIG = PipelineConfig(
     entities=[

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cdc_ingestor.positions import batch_ends, commit_metadata
-from cdc_shared.layout import INGESTOR_COMMIT_KEY
+from cdc_shared.contracts.layout import INGESTOR_COMMIT_KEY
 from support.checkpoint_files import Files
 
 CHECKPOINT = "/data/_streams/ingestor/default"

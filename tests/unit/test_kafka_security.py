@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 import trustme
-from cdc_shared.clients import (
+from cdc_shared.clients.connect import (
     kafka_authentication_failure,
     kafka_client_config,
     kafka_missing_permission,
     kafka_refusal,
     spark_kafka_options,
 )
-from cdc_shared.config import ConfigError, KafkaConfig, load_config, redact
-from cdc_shared.entity_sets import load_pipeline
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import ConfigError, KafkaConfig, load_config, redact
 from support.secured_kafka import pkcs8
 
 PASSWORD = "pl4nted-Secret"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cdc_shared.layout import (
+from cdc_shared.contracts.layout import (
     SERVICES,
     StorageLayout,
     command_name,

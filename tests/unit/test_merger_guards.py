@@ -7,7 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 from cdc_merger.guards import TombstoneIndex, pack_sequence, packed_sequences
-from cdc_shared.silver import SEQUENCE
+from cdc_shared.contracts.silver import SEQUENCE
 from hypothesis import given
 from hypothesis import strategies as st
 

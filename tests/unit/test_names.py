@@ -6,7 +6,7 @@ import re
 
 import fastavro
 import pytest
-from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
+from cdc_shared.config.names import avro_namespace, es_index_problem, kafka_topic_problem
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     S3A_STATIC_CREDENTIALS,
     ConfigError,
     PipelineConfig,
@@ -14,7 +14,7 @@ from cdc_shared.config import (
     redact,
     s3a_bucket,
 )
-from cdc_shared.spark import spark_conf
+from cdc_shared.jvm.spark import spark_conf
 
 SECRET = "s3-secret-value-7f3a"
 ACCESS = "AKIA-TEST-ACCESS"

@@ -7,9 +7,9 @@ import json
 
 from cdc_publisher_es.documents import document_id, snapshot_document_frame
 from cdc_publisher_es.index_lifecycle import IndexLostError
-from cdc_shared.changefeed import external_version
-from cdc_shared.config import PublisherEsConfig
-from cdc_shared.streaming import read_failure
+from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.streaming.changefeed import external_version
+from cdc_shared.streaming.failures import read_failure
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 

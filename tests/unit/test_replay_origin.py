@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cdc_shared.replay_origin import Origin, origin_header, parse_origin
+from cdc_shared.contracts.replay_origin import Origin, origin_header, parse_origin
 
 
 def test_a_header_names_the_coordinates_it_was_written_with() -> None:

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 
 import pytest
-from cdc_shared.retry import backoff_s, log_retry, retrying
+from cdc_shared.clients.retry import backoff_s, log_retry, retrying
 
 LOGGER = "cdc_test_retry"
 

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from cdc_shared.layout import command_name
+from cdc_shared.contracts.layout import command_name
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ("cdc_ingestor", "cdc_merger", "cdc_publisher_kafka", "cdc_publisher_es")

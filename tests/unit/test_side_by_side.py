@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from cdc_shared.spark import side_by_side
+from cdc_shared.jvm.spark import side_by_side
 
 
 def test_calls_overlap_and_all_end_before_it_returns() -> None:

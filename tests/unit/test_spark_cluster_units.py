@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from cdc_devkit import infra
-from cdc_shared.config import SparkConfig
-from cdc_shared.spark import spark_conf
+from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.jvm.spark import spark_conf
 
 
 def test_settings_defaults_and_env_overrides(
@@ -38,7 +38,7 @@ def test_workers_are_one_server_stopped_after_the_master_starts(tmp_path: Path) 
 
 
 def test_local_masters_are_unchanged_and_get_no_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="cdc_shared.spark"):
+    with caplog.at_level(logging.WARNING, logger="cdc_shared.jvm.spark"):
         conf = spark_conf(SparkConfig(master="local[2]"), "t")
     assert conf["spark.sql.shuffle.partitions"] == "4"
     assert "spark.cores.max" not in conf
@@ -49,7 +49,7 @@ def test_a_standalone_master_without_cores_max_is_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     master = "spark://127.0.0.1:7077"
-    with caplog.at_level(logging.WARNING, logger="cdc_shared.spark"):
+    with caplog.at_level(logging.WARNING, logger="cdc_shared.jvm.spark"):
         conf = spark_conf(SparkConfig(master=master), "cdc-merger")
         sized = spark_conf(SparkConfig(master=master, conf={"spark.cores.max": "2"}), "t")
     assert conf["spark.master"] == master and conf["spark.sql.shuffle.partitions"] == "200"

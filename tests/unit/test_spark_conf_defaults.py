@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
-from cdc_shared.config import SparkConfig
-from cdc_shared.spark import PYTHON_GC_INTERVAL, collect_python_garbage, spark_conf
+from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.jvm.spark import PYTHON_GC_INTERVAL, collect_python_garbage, spark_conf
 
 BOUNDED = (
     "spark.sql.streaming.numRecentProgressUpdates",

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cdc_shared.config import ConfigError, PipelineConfig
-from cdc_shared.streaming import table_groups
-from cdc_shared.streaming.groups import group_named_by
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.streaming.groups import group_named_by, table_groups
 
 
 def _config(groups: list[dict[str, object]] | None = None) -> PipelineConfig:

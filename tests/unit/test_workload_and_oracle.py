@@ -25,7 +25,7 @@ from cdc_shared.avro import (
     UnknownSchemaError,
     subject_name,
 )
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.schemas import entity_schemas
 from support.entities import CUSTOMERS, ORDERS, SCHEMAS
 
 

@@ -16,8 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from cdc_shared.layout import MERGER, SERVICES, StorageLayout
-from cdc_shared.writer_lease import (
+from cdc_shared.contracts.layout import MERGER, SERVICES, StorageLayout
+from cdc_shared.streaming.writer_lease import (
     Lease,
     LeaseConflictError,
     LeaseKeeper,

@@ -30,8 +30,8 @@ from cdc_ingestor.main import start as ingestor
 from cdc_merger.main import start as merger
 from cdc_publisher_es.main import start as publisher_es
 from cdc_publisher_kafka.main import start as publisher_kafka
-from cdc_shared.config import ConfigError, PipelineConfig, SparkConfig
-from cdc_shared.layout import (
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.contracts.layout import (
     INGESTOR,
     MERGER,
     PUBLISHER_ES,
@@ -41,15 +41,16 @@ from cdc_shared.layout import (
     display_name,
     section_name,
 )
-from cdc_shared.observability import HealthServer
-from cdc_shared.service import run_to_exit_code
-from cdc_shared.spark import (
+from cdc_shared.jvm.spark import (
     build_spark_session,
     side_by_side,
     with_sized_heap,
 )
-from cdc_shared.streaming import StreamFailedError, StreamRunner
-from cdc_shared.writer_lease import refuse_if_running
+from cdc_shared.streaming.failures import StreamFailedError
+from cdc_shared.streaming.observability import HealthServer
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.service import run_to_exit_code
+from cdc_shared.streaming.writer_lease import refuse_if_running
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 

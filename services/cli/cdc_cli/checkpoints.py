@@ -14,7 +14,7 @@ runtime"):
 Which bronze versions hold a table's rows, how many, and what the ingestor recorded is
 read from bronze's commit files (:class:`DeltaLog`): the same bytes whichever reader
 reads them, and no data file. A stream checkpoint's last committed batch is read by
-:mod:`cdc_shared.stream_checkpoint`, which the services share.
+:mod:`cdc_shared.contracts.stream_checkpoint`, which the services share.
 
 Files and tables are read through a :class:`StateReader`, so the same rules serve two
 ways of reading, each for a local storage root and object storage alike:
@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.layout import ENTITY_COLUMN, INGESTOR_COMMIT_KEY, POSITIONS_COMMITS_READ
-from cdc_shared.stream_checkpoint import (
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import ENTITY_COLUMN, INGESTOR_COMMIT_KEY, POSITIONS_COMMITS_READ
+from cdc_shared.contracts.stream_checkpoint import (
     last_committed_batch,
     parse_offsets,
     planned_batches,

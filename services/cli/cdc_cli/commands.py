@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
-from cdc_shared.config import ConfigError, PipelineConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.layout import INGESTOR, MERGER
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.contracts.layout import INGESTOR, MERGER
 
 from cdc_cli import maintenance, status
 from cdc_cli.retention import RetentionTooShortError

@@ -37,8 +37,8 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from cdc_shared.config import PipelineConfig
-from cdc_shared.delta_rs import delta_storage_options, is_object_storage, table_uri
+from cdc_shared.clients.delta_rs import delta_storage_options, is_object_storage, table_uri
+from cdc_shared.config.pipeline import PipelineConfig
 from deltalake import DeltaTable, QueryBuilder
 from deltalake.exceptions import TableNotFoundError
 from deltalake.fs import DeltaStorageHandler
@@ -181,7 +181,7 @@ class DeltaLogState:
     def transaction_version(self, path: str, app_id: str) -> int | None:
         """The version ``app_id`` last recorded in the table at ``path`` (Delta's ``txn``).
 
-        As the services read their progress at start (``cdc_shared.delta_rs``).
+        As the services read their progress at start (``cdc_shared.clients.delta_rs``).
         """
         written = self._existing(path).transaction_version(app_id)
         return None if written is None else int(written)

@@ -14,8 +14,8 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Protocol
 
-from cdc_shared.config import EntityConfig, PipelineConfig, StreamingServiceConfig
-from cdc_shared.layout import SERVICES, display_name
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, StreamingServiceConfig
+from cdc_shared.contracts.layout import SERVICES, display_name
 
 from cdc_cli.checkpoints import (
     Commit,
@@ -117,7 +117,7 @@ def signs_of_life(
 ) -> list[str]:
     """What suggests a service may be running; empty when nothing does.
 
-    A live writer lease of ``entities`` (``cdc_shared.writer_lease``); a configured
+    A live writer lease of ``entities`` (``cdc_shared.streaming.writer_lease``); a configured
     ``/health`` endpoint that answers; a data commit on one of ``tables`` (name -> path:
     bronze, written by the ingestor, and silver, by the merger) within ``quiet``; a group
     checkpoint of any service (``_streams/<service>/<group>``) that planned or committed
@@ -130,7 +130,7 @@ def signs_of_life(
     """
     # Here, not at the top: writer_lease imports PySpark's error types, and a dry run
     # imports no PySpark (tests/unit/test_delta_log.py).
-    from cdc_shared.writer_lease import live_leases  # noqa: PLC0415
+    from cdc_shared.streaming.writer_lease import live_leases  # noqa: PLC0415
 
     def read_lease(path: str) -> bytes | None:
         text = state.read_text_if_exists(path)

@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import typer
-from cdc_shared.observability import configure_logging
+from cdc_shared.streaming.observability import configure_logging
 
 from cdc_cli.commands import register
 

@@ -71,12 +71,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     EntityConfig,
     PipelineConfig,
     s3a_bucket,
 )
-from cdc_shared.layout import (
+from cdc_shared.contracts.layout import (
     MERGER,
 )
 

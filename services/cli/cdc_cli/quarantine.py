@@ -23,7 +23,7 @@ keyed by the record's original (service, topic, partition, offset):
 
 A replayed record keeps the sequence of its change: the ingestor takes the sequence's
 Kafka coordinates (the default ``sequence_by``) from the header
-(``cdc_shared.replay_origin``), and sequence paths into the envelope come from the
+(``cdc_shared.contracts.replay_origin``), and sequence paths into the envelope come from the
 payload, which replay keeps. So a replayed old change never overwrites a newer change of
 its key.
 
@@ -46,13 +46,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cdc_shared.clients import make_consumer, make_producer
-from cdc_shared.config import ConfigError, PipelineConfig
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.layout import INGESTOR, QUARANTINE_WRITERS
-from cdc_shared.replay_origin import REPLAY_HEADER, Origin, origin_header, parse_origin
-from cdc_shared.spark import build_spark_session
-from cdc_shared.tables import ensure_table
+from cdc_shared.clients.connect import make_consumer, make_producer
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.contracts.layout import INGESTOR, QUARANTINE_WRITERS
+from cdc_shared.contracts.replay_origin import REPLAY_HEADER, Origin, origin_header, parse_origin
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.jvm.spark import build_spark_session
+from cdc_shared.streaming.tables import ensure_table
 from confluent_kafka import KafkaError, Message, TopicPartition
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException

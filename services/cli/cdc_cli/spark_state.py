@@ -13,8 +13,8 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from cdc_shared.jvm_bridge import HadoopFiles, delta_transaction_version, hadoop_path
-from cdc_shared.tables import expire_tombstones, on_conflict_retry
+from cdc_shared.jvm.bridge import HadoopFiles, delta_transaction_version, hadoop_path
+from cdc_shared.streaming.tables import expire_tombstones, on_conflict_retry
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F

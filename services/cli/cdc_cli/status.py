@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import (
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.layout import (
     ALL_ENTITIES,
     INGESTOR,
     MERGER,
@@ -50,7 +50,7 @@ from cdc_shared.layout import (
     QUARANTINE_WRITERS,
     publisher_progress_group,
 )
-from cdc_shared.stream_checkpoint import entity_source, last_committed_batch
+from cdc_shared.contracts.stream_checkpoint import entity_source, last_committed_batch
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, NotFoundError, TransportError
 

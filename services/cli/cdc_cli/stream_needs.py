@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     ChangeFeedConfig,
     EntityConfig,
     PipelineConfig,
 )
-from cdc_shared.layout import (
+from cdc_shared.contracts.layout import (
     MERGER,
     MERGER_LEGACY_APP,
     MERGER_PROGRESS_APP,
@@ -58,7 +58,7 @@ SAFETY_MARGIN = dt.timedelta(minutes=5)
 SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
 #: The one bronze table, as maintenance names it.
 BRONZE = "bronze"
-INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_shared.bronze)
+INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_shared.contracts.bronze)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cdc_shared.config import PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.liveness import ActivityReader
@@ -112,7 +112,7 @@ def open_state(
     if engine != SPARK:
         raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ENGINES)}")
     # Optional modules: the Spark engine's. The delta-rs engine never imports PySpark.
-    from cdc_shared.spark import build_spark_session  # noqa: PLC0415
+    from cdc_shared.jvm.spark import build_spark_session  # noqa: PLC0415
 
     from cdc_cli.spark_state import SparkTables  # noqa: PLC0415
 

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import datetime as dt
 
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     EntityConfig,
     PipelineConfig,
 )
-from cdc_shared.layout import (
+from cdc_shared.contracts.layout import (
     ENTITY_COLUMN,
 )
-from cdc_shared.silver import DELETED_AT
+from cdc_shared.contracts.silver import DELETED_AT
 
 from cdc_cli.checkpoints import (
     DeltaLog,
@@ -105,7 +105,7 @@ def expire_by_ingest_time(
 
     A tombstone goes once the merger has merged events ingested ``hours`` after it was
     recorded (``merged``: from :func:`merged_ingest_times`), through the expiry the
-    merger runs (``cdc_shared.tables.expire_tombstones``) through ``writes``. Without
+    merger runs (``cdc_shared.streaming.tables.expire_tombstones``) through ``writes``. Without
     ``writes`` (a dry run): count those that would go, by the same column and cutoff, and
     expire none.
     """

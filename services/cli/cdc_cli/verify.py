@@ -59,13 +59,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from cdc_shared.avro import AvroDecoder, AvroSerdeError
-from cdc_shared.changefeed import row_columns
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.schemas import make_registry
-from cdc_shared.silver import END
-from cdc_shared.spark import build_spark_session
-from cdc_shared.unavailable import Placeholder
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.silver import END
+from cdc_shared.contracts.unavailable import Placeholder
+from cdc_shared.jvm.spark import build_spark_session
+from cdc_shared.streaming.changefeed import row_columns
 from confluent_kafka import KafkaException, TopicPartition
 from elasticsearch import ApiError, TransportError
 from elasticsearch.helpers import scan

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.layout import display_name
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import display_name
 from prometheus_client.parser import text_string_to_metric_families
 
 from cdc_cli.liveness import health_endpoints

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cdc_shared.avro import KnownSchema
-from cdc_shared.jvm_bridge import avro_compatibility, avro_schema
+from cdc_shared.jvm.bridge import avro_compatibility, avro_schema
 from pyspark.sql import SparkSession
 
 #: (reader, writer) fingerprints -> why Avro cannot resolve the writer to the reader, or None.

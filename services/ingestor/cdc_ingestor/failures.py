@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 
-from cdc_shared.clients import (
+from cdc_shared.clients.connect import (
     KAFKA_TOPIC_AUTHORIZATION_FAILED,
     kafka_authentication_failure,
     kafka_missing_permission,
 )
-from cdc_shared.config import PipelineConfig
-from cdc_shared.streaming import Failure, OnFailure
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.failures import Failure, OnFailure
 
 #: Spark's failure when the Kafka brokers are out of reach (a query restarted with backoff).
 KAFKA_UNAVAILABLE = re.compile(

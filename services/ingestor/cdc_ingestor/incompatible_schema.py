@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cdc_shared.config import EntityConfig
-from cdc_shared.layout import INGESTOR
+from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.contracts.layout import INGESTOR
 
 log = logging.getLogger("cdc_ingestor")
 

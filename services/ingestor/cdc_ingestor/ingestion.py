@@ -3,7 +3,7 @@
 One Kafka source reads every topic of the group (source); each micro-batch is cached
 once, and each table's records in it are decoded in the JVM, Avro or JSON, with contract
 checks (transform); then one append writes every table's rows to bronze, the one table
-of every entity's change log (``cdc_shared.bronze``), and one append the records that
+of every entity's change log (``cdc_shared.contracts.bronze``), and one append the records that
 could not be decoded to ``quarantine/ingestor`` (sink). Both appends carry
 ``txnAppId`` (the service, the group and the checkpoint's query id) and ``txnVersion``
 (the batch id), so a batch run again after a crash writes nothing twice; bronze's commit
@@ -28,23 +28,20 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from cdc_shared import bronze
 from cdc_shared.avro import SchemaRegistry, SchemaRegistryUnavailableError
-from cdc_shared.clients import spark_kafka_options
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.jvm_bridge import HadoopFiles, observation_ready
-from cdc_shared.layout import INGESTOR
-from cdc_shared.observability import Stopwatch
-from cdc_shared.spark import cached_in_few_partitions
-from cdc_shared.stream_checkpoint import kafka_initial_offsets, last_committed_batch
-from cdc_shared.streaming import (
-    BatchStats,
-    QueryIdentity,
-    StreamRunner,
-    TableGroup,
-)
-from cdc_shared.tables import (
+from cdc_shared.clients.connect import spark_kafka_options
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.contracts.stream_checkpoint import kafka_initial_offsets, last_committed_batch
+from cdc_shared.jvm.bridge import HadoopFiles, observation_ready
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.jvm.spark import cached_in_few_partitions
+from cdc_shared.streaming.groups import TableGroup
+from cdc_shared.streaming.observability import Stopwatch
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.streaming.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     ensure_table,

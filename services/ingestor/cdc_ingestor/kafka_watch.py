@@ -10,10 +10,10 @@ import logging
 import threading
 import time
 
-from cdc_shared.clients import FIX_CREDENTIALS, kafka_refusal, make_admin
-from cdc_shared.config import KafkaConfig
-from cdc_shared.layout import INGESTOR
-from cdc_shared.streaming import StreamRunner
+from cdc_shared.clients.connect import FIX_CREDENTIALS, kafka_refusal, make_admin
+from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.streaming.runner import StreamRunner
 from confluent_kafka import KafkaError, KafkaException
 
 log = logging.getLogger("cdc_ingestor")

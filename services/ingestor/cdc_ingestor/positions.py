@@ -26,21 +26,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cdc_shared.clients import make_admin
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.jvm_bridge import HadoopFiles, move_aside
-from cdc_shared.layout import (
+from cdc_shared.clients.connect import make_admin
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.layout import (
     ALL_ENTITIES,
     INGESTOR,
     INGESTOR_COMMIT_KEY,
     POSITIONS_COMMITS_READ,
 )
-from cdc_shared.stream_checkpoint import (
+from cdc_shared.contracts.stream_checkpoint import (
     CheckpointFiles,
     last_committed_batch,
     parse_offsets,
     planned_batches,
 )
+from cdc_shared.jvm.bridge import HadoopFiles, move_aside
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F

@@ -1,7 +1,7 @@
 """What a decoded batch writes: its bronze rows and its quarantine rows.
 
 ``decode`` gives every record an ``error_kind`` (null when it decoded and keeps the
-contract); the records without one become bronze rows (``cdc_shared.bronze``), the
+contract); the records without one become bronze rows (``cdc_shared.contracts.bronze``), the
 others quarantine rows with their raw bytes.
 """
 
@@ -11,17 +11,18 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from cdc_shared import bronze, tables
-from cdc_shared.config import EntityConfig
-from cdc_shared.layout import INGESTOR
-from cdc_shared.spark import clock
+from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.jvm.spark import clock
+from cdc_shared.streaming import tables
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 
 def bronze_columns(entity: str, envelope: T.StructType) -> list[Column]:
-    """A decoded record's bronze row (``cdc_shared.bronze``), for records that decoded.
+    """A decoded record's bronze row (``cdc_shared.contracts.bronze``), for records that decoded.
 
     The key and the envelope's fields but ``op`` go into the one ``payload`` column.
     """
@@ -52,7 +53,7 @@ def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Colum
 
     Without ``batch_id``, ``batch_id`` and ``quarantined_at`` are left null, for the
     caller to fill in on the driver: a per-batch literal would make the query compile
-    anew every batch (see ``cdc_shared.spark.clock``).
+    anew every batch (see ``cdc_shared.jvm.spark.clock``).
     """
     given = {
         name: F.col(name)

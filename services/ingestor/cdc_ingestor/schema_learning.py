@@ -17,9 +17,9 @@ from cdc_shared.avro import (
     UnknownSchemaError,
     read_header,
 )
-from cdc_shared.config import EntityConfig
-from cdc_shared.layout import INGESTOR
-from cdc_shared.schemas import entity_schemas
+from cdc_shared.clients.schemas import entity_schemas
+from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.contracts.layout import INGESTOR
 from pyspark.sql import DataFrame, SparkSession
 
 from cdc_ingestor.compatibility import incompatibility, readable_reader

@@ -21,17 +21,17 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.observability import Stopwatch
-from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.spark import clock, observed
-from cdc_shared.tables import (
+from cdc_shared.contracts.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.jvm.spark import clock, observed
+from cdc_shared.streaming.observability import Stopwatch
+from cdc_shared.streaming.tables import (
     Progress,
     idempotent_dml,
     on_conflict_retry,
     record_progress,
 )
-from cdc_shared.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -329,7 +329,7 @@ def apply_batch(
     ``_cdc_error_kind`` and ``_cdc_error_message``) and the rest is applied. A long-lived
     caller passes the same ``state`` every batch; without it the side tables are read.
     A column carrying ``placeholder`` (the source's unavailable value) keeps its prior
-    value (``cdc_shared.unavailable``); None stores every value as sent. So does a
+    value (``cdc_shared.contracts.unavailable``); None stores every value as sent. So does a
     ``null_updates`` column whose update brings a null (``ignore_null_updates``). The
     ``dropped`` columns of the rows (the entity's column selection) are left out of
     silver; the quarantine keeps whole bronze rows. ``progress`` (an app id and the

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from cdc_shared.silver import SEQUENCE
+from cdc_shared.contracts.silver import SEQUENCE
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 

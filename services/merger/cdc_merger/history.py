@@ -25,9 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial, reduce
 
-from cdc_shared.config import HistoryConfig
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.silver import (
+from cdc_shared.config.pipeline import HistoryConfig
+from cdc_shared.contracts.silver import (
     COMMIT_TS,
     END,
     END_TS,
@@ -38,8 +37,9 @@ from cdc_shared.silver import (
     START,
     START_TS,
 )
-from cdc_shared.spark import observed, side_by_side
-from cdc_shared.tables import Progress, on_conflict_retry, record_progress
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.jvm.spark import observed, side_by_side
+from cdc_shared.streaming.tables import Progress, on_conflict_retry, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window, WindowSpec
 from pyspark.sql import functions as F

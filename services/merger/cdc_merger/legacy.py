@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from cdc_shared import bronze
-from cdc_shared.config import PipelineConfig
-from cdc_shared.delta_rs import transaction_versions
-from cdc_shared.jvm_bridge import HadoopFiles, delete_tree
-from cdc_shared.layout import ALL_ENTITIES, MERGER_LEGACY_APP
-from cdc_shared.stream_checkpoint import entity_source, last_committed_batch
-from cdc_shared.tables import idempotent_append, not_quarantined_yet, record_progress
+from cdc_shared.clients.delta_rs import transaction_versions
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.layout import ALL_ENTITIES, MERGER_LEGACY_APP
+from cdc_shared.contracts.stream_checkpoint import entity_source, last_committed_batch
+from cdc_shared.jvm.bridge import HadoopFiles, delete_tree
+from cdc_shared.streaming.tables import idempotent_append, not_quarantined_yet, record_progress
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import sys
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.service import service_main
-from cdc_shared.streaming import StreamRunner, StreamService, start_service
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.runtime import StreamService, start_service
+from cdc_shared.streaming.service import service_main
 from pyspark.sql import SparkSession
 
 from cdc_merger.merging import SERVICE

@@ -2,7 +2,7 @@
 
 The merger's group stream (:mod:`cdc_merger.stream`) hands each table the bronze version
 its changes reach; the table reads its own rows since its progress (bronze's Change Data
-Feed, typed: ``cdc_shared.bronze.entity_changes``) and applies them
+Feed, typed: ``cdc_shared.contracts.bronze.entity_changes``) and applies them
 (:func:`cdc_merger.apply.apply_batch`: latest event per key, tombstone and truncate
 guards, one MERGE into silver). The MERGE's commit records the bronze version reached
 (Delta's idempotent writes, app id ``MERGER_PROGRESS_APP``): silver's own log says how far the
@@ -19,13 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cdc_shared import bronze
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import MERGER, MERGER_PROGRESS_APP
-from cdc_shared.retry import retrying
-from cdc_shared.spark import counting_jobs
-from cdc_shared.streaming import BatchStats
-from cdc_shared.tables import (
+from cdc_shared.clients.retry import retrying
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.layout import MERGER, MERGER_PROGRESS_APP
+from cdc_shared.contracts.unavailable import Placeholder
+from cdc_shared.jvm.spark import counting_jobs
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     ensure_table,
@@ -35,7 +36,6 @@ from cdc_shared.tables import (
     quarantine_columns,
     record_progress,
 )
-from cdc_shared.unavailable import Placeholder
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

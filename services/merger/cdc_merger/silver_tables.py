@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cdc_shared.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
-from cdc_shared.tables import AUTO_COMPACT, ensure_table
+from cdc_shared.contracts.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.streaming.tables import AUTO_COMPACT, ensure_table
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 

@@ -24,23 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cdc_shared import bronze
-from cdc_shared.config import EntityConfig, PipelineConfig, interval_seconds
-from cdc_shared.delta_rs import read_logs, transaction_versions
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.jvm_bridge import HadoopFiles, delta_version
-from cdc_shared.layout import MERGER_PROGRESS_APP
-from cdc_shared.stream_checkpoint import last_committed_batch, parse_offsets
-from cdc_shared.streaming import (
-    BatchStats,
-    BatchWrites,
-    Failure,
-    QueryIdentity,
-    StreamRunner,
-    TableGroup,
-    TableQueue,
-)
-from cdc_shared.tables import (
+from cdc_shared.clients.delta_rs import read_logs, transaction_versions
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, interval_seconds
+from cdc_shared.contracts import bronze
+from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
+from cdc_shared.contracts.stream_checkpoint import last_committed_batch, parse_offsets
+from cdc_shared.jvm.bridge import HadoopFiles, delta_version
+from cdc_shared.jvm.driver_frames import frame_from_rows
+from cdc_shared.streaming.failures import Failure
+from cdc_shared.streaming.groups import TableGroup
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.queue import BatchWrites, TableQueue
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.streaming.tables import (
     SILVER_VERSIONS_SCHEMA,
     ensure_table,
     on_conflict_retry,

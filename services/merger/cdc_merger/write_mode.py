@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 
-from cdc_shared.jvm_bridge import delta_table_bytes
-from cdc_shared.tables import on_conflict_retry, table_properties
+from cdc_shared.jvm.bridge import delta_table_bytes
+from cdc_shared.streaming.tables import on_conflict_retry, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 

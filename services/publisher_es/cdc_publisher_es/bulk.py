@@ -7,7 +7,7 @@ retries off, errors returned instead of raised) and sorts each answer:
   on delete (nothing to delete; the delete's version is still recorded);
 - retried: 429, 5xx, 408, and every failure of a whole request (connection refused,
   timeout, 401/403, ...), since those say nothing about the document. Retries use
-  exponential backoff (``cdc_shared.retry``) and never give up: after ``max_retries``
+  exponential backoff (``cdc_shared.clients.retry``) and never give up: after ``max_retries``
   rounds the entity is reported unhealthy, and it keeps waiting, so nothing is lost or
   skipped while Elasticsearch is down;
 - failed: any other per-document 4xx (mapping or parse errors, an id too long, a
@@ -31,8 +31,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from cdc_shared.config import PublisherEsConfig
-from cdc_shared.retry import backoff_s, log_retry
+from cdc_shared.clients.retry import backoff_s, log_retry
+from cdc_shared.config.pipeline import PublisherEsConfig
 from elastic_transport import TransportError
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import streaming_bulk

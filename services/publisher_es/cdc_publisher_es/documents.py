@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from cdc_shared.changefeed import CHANGE_COLUMNS, MAX_SEQUENCE_FOR_VERSION, row_columns
-from cdc_shared.config import PublisherEsConfig
-from cdc_shared.silver import SEQUENCE
+from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.contracts.silver import SEQUENCE
+from cdc_shared.streaming.changefeed import CHANGE_COLUMNS, MAX_SEQUENCE_FOR_VERSION, row_columns
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -125,7 +125,9 @@ def _has_string_decimal(data_type: T.DataType, settings: PublisherEsConfig) -> b
 
 
 def external_version_column(op: Column, sequence: Column, commit_version: Column) -> Column:
-    """``cdc_shared.changefeed.external_version`` as a Spark column (same rule, in the JVM).
+    """``changefeed.external_version`` as a Spark column (the same rule, in the JVM).
+
+    (``cdc_shared.streaming.changefeed``.)
 
     One-column sequence in range: ``2 * sequence`` (+1 for a delete); otherwise the
     silver commit version.
@@ -141,7 +143,7 @@ def external_version_column(op: Column, sequence: Column, commit_version: Column
 def document_frame(
     changes: DataFrame, key: Sequence[str], settings: PublisherEsConfig
 ) -> DataFrame:
-    """Shaped changes (``cdc_shared.changefeed.shape_changes``) -> ``DOCUMENT_COLUMNS``.
+    """Shaped changes (``cdc_shared.streaming.changefeed.shape_changes``) -> ``DOCUMENT_COLUMNS``.
 
     ``op`` is the bulk operation (``index`` or ``delete``); ``source`` is the row after
     the change as JSON (null on delete); ``doc_id`` is null when a key part is null (such

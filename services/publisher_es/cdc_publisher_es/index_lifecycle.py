@@ -18,7 +18,7 @@
   is removed only once the rebuild is complete, so a crash during one makes the next
   start rebuild again rather than adopt a partial index.
 - **Elasticsearch unavailable**: every index admin call waits with the one retry policy
-  (``cdc_shared.retry``), reporting the problem on ``/health``. A refusal for good stops
+  (``cdc_shared.clients.retry``), reporting the problem on ``/health``. A refusal for good stops
   the publisher: credentials, permissions or a certificate that fails verification with
   an ElasticsearchRefusedError (waiting would not help), anything else Elasticsearch
   refuses of the index with a MappingError naming the alias.
@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from cdc_shared.avro import UnknownSchemaError
-from cdc_shared.changefeed import row_columns
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import PUBLISHER_ES
-from cdc_shared.retry import retrying
-from cdc_shared.schemas import entity_schemas, make_registry
-from cdc_shared.streaming import Failure as StreamFailure
-from cdc_shared.streaming import KnownFailureError
+from cdc_shared.clients.retry import retrying
+from cdc_shared.clients.schemas import entity_schemas, make_registry
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.layout import PUBLISHER_ES
+from cdc_shared.streaming.changefeed import row_columns
+from cdc_shared.streaming.failures import Failure as StreamFailure
+from cdc_shared.streaming.failures import KnownFailureError
 from delta.tables import DeltaTable
 from elastic_transport import TlsError, TransportError
 from elasticsearch import ApiError, Elasticsearch

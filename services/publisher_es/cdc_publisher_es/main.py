@@ -1,6 +1,6 @@
 """``cdc-publisher-es``: silver Change Data Feed -> one Elasticsearch index per entity.
 
-One query per group of tables (``cdc_shared.publishing``): each table's silver change
+One query per group of tables (``cdc_shared.streaming.publishing``): each table's silver change
 feed since its progress (source) -> one action per change, id = primary key,
 ``version_type=external`` with a version that grows per key (transform) -> bulk writes
 with retries, permanent failures to ``quarantine/publisher_es`` (sink). A table's write
@@ -18,14 +18,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
-from cdc_shared.changefeed import change_feed_range, shape_changes
-from cdc_shared.clients import make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
-from cdc_shared.layout import PUBLISHER_ES
-from cdc_shared.publishing import ChangeFeedGroup
-from cdc_shared.service import service_main
-from cdc_shared.streaming import BatchStats, StreamRunner, StreamService, TableGroup, start_service
-from cdc_shared.tables import (
+from cdc_shared.clients.connect import make_elasticsearch
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.contracts.layout import PUBLISHER_ES
+from cdc_shared.streaming.changefeed import change_feed_range, shape_changes
+from cdc_shared.streaming.groups import TableGroup
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.publishing import ChangeFeedGroup
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.runtime import StreamService, start_service
+from cdc_shared.streaming.service import service_main
+from cdc_shared.streaming.tables import (
     QuarantineRecord,
     idempotent_append,
     quarantine_frame,

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_shared.config import EntityConfig, PublisherEsConfig
+from cdc_shared.config.pipeline import EntityConfig, PublisherEsConfig
 from elasticsearch import ApiError, Elasticsearch
 from pyspark.sql import types as T
 

@@ -15,10 +15,10 @@ import datetime as dt
 import threading
 from typing import Any
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.jvm_bridge import HadoopFiles
-from cdc_shared.layout import ALL_ENTITIES, PUBLISHER_ES
-from cdc_shared.stream_checkpoint import entity_source, last_committed_batch
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import ALL_ENTITIES, PUBLISHER_ES
+from cdc_shared.contracts.stream_checkpoint import entity_source, last_committed_batch
+from cdc_shared.jvm.bridge import HadoopFiles
 from elasticsearch import Elasticsearch, NotFoundError
 from pyspark.sql import SparkSession
 

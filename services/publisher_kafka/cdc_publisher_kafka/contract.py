@@ -1,6 +1,6 @@
 """The change topic's contract: its registered Avro schemas, and encoding changes in the JVM.
 
-The key and value schemas (``cdc_shared.schemas.change_event_schemas``) are registered
+The key and value schemas (``cdc_shared.clients.schemas.change_event_schemas``) are registered
 under TopicNameStrategy: in the Confluent registry when one is configured (messages then
 carry the Confluent header), else as .avsc files under ``<storage_root>/_schemas`` (Avro
 single-object encoding, found by fingerprint). Encoding runs in Spark with ``to_avro``;
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry, subject_name
-from cdc_shared.config import EntityConfig
-from cdc_shared.jvm_bridge import spark_type_of_avro
-from cdc_shared.schemas import EntitySchemas, change_event_schemas
+from cdc_shared.clients.schemas import EntitySchemas, change_event_schemas
+from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.jvm.bridge import spark_type_of_avro
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

@@ -1,6 +1,6 @@
 """``cdc-publisher-kafka``: silver Change Data Feed -> Avro change topics, exactly-once.
 
-One query per group of tables (``cdc_shared.publishing``): each table's silver change
+One query per group of tables (``cdc_shared.streaming.publishing``): each table's silver change
 feed since its progress (source) -> change events encoded with the topic's registered
 schemas (transform) -> one Kafka transaction per table write that also records how far
 it got (sink). A write run again skips everything already published.
@@ -22,23 +22,19 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from cdc_shared.avro import SchemaRegistry
-from cdc_shared.changefeed import change_feed_range, row_columns, shape_changes
-from cdc_shared.clients import make_admin
-from cdc_shared.config import EntityConfig, PipelineConfig, PublisherKafkaConfig
-from cdc_shared.layout import PUBLISHER_KAFKA
-from cdc_shared.publishing import ChangeFeedGroup
-from cdc_shared.schemas import entity_schemas, make_registry
-from cdc_shared.service import service_main
-from cdc_shared.streaming import (
-    BatchStats,
-    EntityStoppedError,
-    StreamFailedError,
-    StreamRunner,
-    StreamService,
-    TableGroup,
-    start_service,
-)
-from cdc_shared.tables import (
+from cdc_shared.clients.connect import make_admin
+from cdc_shared.clients.schemas import entity_schemas, make_registry
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.contracts.layout import PUBLISHER_KAFKA
+from cdc_shared.streaming.changefeed import change_feed_range, row_columns, shape_changes
+from cdc_shared.streaming.failures import EntityStoppedError, StreamFailedError
+from cdc_shared.streaming.groups import TableGroup
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.publishing import ChangeFeedGroup
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.runtime import StreamService, start_service
+from cdc_shared.streaming.service import service_main
+from cdc_shared.streaming.tables import (
     QuarantineRecord,
     idempotent_append,
     quarantine_frame,

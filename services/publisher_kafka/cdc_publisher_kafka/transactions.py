@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cdc_shared.clients import kafka_client_config, kafka_missing_permission, make_admin
-from cdc_shared.config import KafkaConfig, PublisherKafkaConfig
-from cdc_shared.layout import publisher_progress_group
-from cdc_shared.retry import retrying
-from cdc_shared.streaming import KnownFailureError
+from cdc_shared.clients.connect import kafka_client_config, kafka_missing_permission, make_admin
+from cdc_shared.clients.retry import retrying
+from cdc_shared.config.pipeline import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.contracts.layout import publisher_progress_group
+from cdc_shared.streaming.failures import KnownFailureError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka import Message as KafkaMessage
 from confluent_kafka.admin import (  # type: ignore[attr-defined]

@@ -39,10 +39,10 @@ from cdc_shared.avro.framing import (
     confluent_header,
     single_object_header,
 )
-from cdc_shared.retry import retrying
+from cdc_shared.clients.retry import retrying
 
 _VERSIONED_FILE = re.compile(r"^(?P<subject>.+?)(?:\.v(?P<version>\d+))?\.avsc$")
-#: Backoff between retries of a registry request (cdc_shared.retry's policy).
+#: Backoff between retries of a registry request (cdc_shared.clients.retry's policy).
 _INITIAL_BACKOFF_S = 0.5
 _MAX_BACKOFF_S = 15.0
 #: Answers worth asking again: the registry is down or overloaded, or refuses credentials
@@ -283,7 +283,7 @@ class ConfluentSchemaRegistry(SchemaRegistry):
 
     Single-object messages (fingerprints) still resolve through ``files``, so topics
     written by both kinds of producer can be read. A request the registry fails to answer
-    is retried with backoff (``cdc_shared.retry``; the client's own retries are off, so
+    is retried with backoff (``cdc_shared.clients.retry``; the client's own retries are off, so
     there is one policy) for about ``retry_budget_s``, each try warned in the log, then
     raises :class:`SchemaRegistryUnavailableError`; each request gives up waiting for an
     answer after ``request_timeout_s``. The defaults are ``SchemaRegistryConfig``'s.

@@ -15,9 +15,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cdc_shared.config import ConfigError, EntityConfig, PipelineConfig
-from cdc_shared.entity_sets import TopicLister, broker_topics, newly_selected
-from cdc_shared.tables import SourceTableMissingError
+from cdc_shared.config.entity_sets import TopicLister, broker_topics, newly_selected
+from cdc_shared.config.pipeline import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.streaming.tables import SourceTableMissingError
 
 log = logging.getLogger("cdc_shared.streaming")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from cdc_shared.config import (
+from cdc_shared.config.pipeline import (
     DEFAULT_GROUP,
     ConfigError,
     EntityConfig,

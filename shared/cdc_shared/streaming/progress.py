@@ -22,7 +22,7 @@ from pyspark.sql.streaming.listener import (
     StreamingQueryListener,
 )
 
-from cdc_shared.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, LAG, ROWS
+from cdc_shared.streaming.observability import BATCH_SECONDS, BATCHES, INPUT_ROWS, LAG, ROWS
 
 # One logger for the whole package: the name the logs show stays "cdc_shared.streaming".
 log = logging.getLogger("cdc_shared.streaming")

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 
-from cdc_shared.config import StreamingServiceConfig, interval_seconds
+from cdc_shared.config.pipeline import StreamingServiceConfig, interval_seconds
 from cdc_shared.streaming.failures import Failure
 from cdc_shared.streaming.progress import BatchStats
 

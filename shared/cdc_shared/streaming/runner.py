@@ -20,8 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_shared.observability import HEALTHY, INPUT_ROWS, ROWS, HealthServer
-from cdc_shared.retry import backoff_s, log_retry
+from cdc_shared.clients.retry import backoff_s, log_retry
 from cdc_shared.streaming.failures import (
     Failure,
     KnownFailureError,
@@ -29,6 +28,7 @@ from cdc_shared.streaming.failures import (
     StreamFailedError,
     read_failure,
 )
+from cdc_shared.streaming.observability import HEALTHY, INPUT_ROWS, ROWS, HealthServer
 from cdc_shared.streaming.progress import (
     BatchStats,
     LagReader,

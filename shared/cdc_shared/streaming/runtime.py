@@ -20,15 +20,15 @@ from typing import Protocol
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_shared.config import EntityConfig, PipelineConfig, StreamingServiceConfig
-from cdc_shared.layout import command_name
-from cdc_shared.spark import build_spark_session, with_sized_heap
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, StreamingServiceConfig
+from cdc_shared.contracts.layout import command_name
+from cdc_shared.jvm.spark import build_spark_session, with_sized_heap
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.failures import OnFailure, recognising_full_storage
 from cdc_shared.streaming.groups import TableGroup, table_groups
 from cdc_shared.streaming.progress import LagReader, source_metric
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
-from cdc_shared.writer_lease import acquire_writer_leases
+from cdc_shared.streaming.writer_lease import acquire_writer_leases
 
 #: How long a continuous service waits for its source table (the upstream service
 #: creates it); ``--once`` waits for nothing.
@@ -101,7 +101,7 @@ def start_service(
     ``entity_sets`` also takes up the tables its sets select later
     (``cdc_shared.streaming.discovery``).
 
-    First the service takes its writer lease on each table (``cdc_shared.writer_lease``):
+    First the service takes its writer lease on each table (``cdc_shared.streaming.writer_lease``):
     WriterRunningError when another instance writes them (on object storage once its
     session is built, through which they are written). The leases are renewed while it
     runs and released when its runner closes; a lease taken over fails the runner.

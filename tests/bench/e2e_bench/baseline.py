@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_devkit.processes import ServiceProcess
-from cdc_shared.config import EntityConfig, PipelineConfig, load_config
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
 #: The bench's command; the baseline's process is this command with ``--run-baseline``.
@@ -85,7 +85,7 @@ class JsonProgress(StreamingQueryListener):
 
 def baseline_queries(spark: Any, config: PipelineConfig, entity: EntityConfig) -> list[Any]:
     """The baseline's three queries for ``entity``: to bronze, to silver, to the topic."""
-    from cdc_shared.clients import spark_kafka_options
+    from cdc_shared.clients.connect import spark_kafka_options
     from delta.tables import DeltaTable
     from pyspark.sql import DataFrame
     from pyspark.sql import functions as F
@@ -230,7 +230,7 @@ def baseline_queries(spark: Any, config: PipelineConfig, entity: EntityConfig) -
 
 def run_baseline(config_path: str) -> None:
     """The baseline process: Kafka -> bronze -> MERGE -> silver CDF -> Kafka, until SIGTERM."""
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.jvm.spark import build_spark_session
 
     config = load_config(config_path)
     spark = build_spark_session(config.spark, "bench-e2e-baseline")

@@ -13,8 +13,8 @@ from typing import Any
 
 from cdc_devkit.oracle import load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, WorkloadSpec, produce
-from cdc_shared.config import load_config
-from cdc_shared.schemas import make_registry
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import load_config
 
 from .probes import ROOT, Key, Seq, ShardGenerator, decode_single_object, sequence_of
 

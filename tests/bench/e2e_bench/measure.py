@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from cdc_shared.config import PipelineConfig
-from cdc_shared.tables import has_commits
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.streaming.tables import has_commits
 
 from .baseline import baseline_bronze
 from .probes import Key, Mark, Seq
@@ -149,7 +149,7 @@ def _bronze_times(
     spark: SparkSession, config: PipelineConfig, probes: set[tuple[str, Key]]
 ) -> tuple[dict[Mark, float], dict[Mark, float]]:
     """Kafka timestamps of the probes' bronze rows, and when the bronze commit that added
-    each landed: ours, every table in one bronze (``cdc_shared.bronze``).
+    each landed: ours, every table in one bronze (``cdc_shared.contracts.bronze``).
 
     Bronze only appends, so its Change Data Feed holds each row once, with the commit that
     added it (``_commit_timestamp``: that commit's time, as silver's feed gives silver's).
@@ -157,7 +157,7 @@ def _bronze_times(
     partition and the first column of its key (in the ``payload`` VARIANT), the key itself
     compared as JSON (the example's keys are integers).
     """
-    from cdc_shared.bronze import ENTITY, PAYLOAD, read_payload_types
+    from cdc_shared.contracts.bronze import ENTITY, PAYLOAD, read_payload_types
     from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
@@ -271,7 +271,7 @@ def _silver_times(
 ]:
     """Kafka timestamps and bronze commit times (ours: ``_bronze_times``; ``baseline``:
     ``_baseline_bronze_times``); silver commit times and commit versions from silver's CDF."""
-    from cdc_shared.spark import build_spark_session
+    from cdc_shared.jvm.spark import build_spark_session
     from pyspark.sql import functions as F
 
     spark = build_spark_session(config.spark, "bench-e2e-measure")

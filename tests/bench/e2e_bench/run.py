@@ -15,9 +15,9 @@ from cdc_devkit import infra
 from cdc_devkit.local_run import Progress, wait_until_healthy, write_pipeline_config
 from cdc_devkit.processes import SERVICES, RunMode, ServiceProcess, launch, wait_a_little
 from cdc_devkit.workload import WorkloadSpec, ensure_topics
-from cdc_shared import layout
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import PipelineConfig, load_config
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.contracts import layout
 
 from .baseline import BaselineProcess
 from .load import Load

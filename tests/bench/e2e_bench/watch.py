@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from cdc_devkit.oracle import load_fingerprints
-from cdc_shared.clients import make_consumer, make_elasticsearch
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.clients.connect import make_consumer, make_elasticsearch
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
 
 from .probes import ROOT, Key, Mark, Seq, decode_single_object
 
@@ -166,7 +166,7 @@ class IndexWatcher(threading.Thread):
 def index_sequence(
     entity: EntityConfig, key: Key, version: int, commit_seq: dict[tuple[str, Key, int], Seq]
 ) -> Seq | None:
-    """The sequence a document version stands for (``cdc_shared.changefeed.external_version``).
+    """The sequence a document version stands for (``changefeed.external_version``).
 
     One-column sequences: version = 2 x sequence (+1 for a delete); otherwise the silver
     commit version, resolved through what silver's change feed or the topic showed.

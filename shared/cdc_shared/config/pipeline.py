@@ -31,7 +31,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cdc_shared.layout import (
+from cdc_shared.config.names import avro_namespace, es_index_problem, kafka_topic_problem
+from cdc_shared.contracts.layout import (
     INGESTOR,
     MERGER,
     PUBLISHER_ES,
@@ -40,7 +41,6 @@ from cdc_shared.layout import (
     StorageLayout,
     display_name,
 )
-from cdc_shared.names import avro_namespace, es_index_problem, kafka_topic_problem
 
 CONFIG_ENV_VAR = "CDC_CONFIG"
 KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
@@ -270,7 +270,7 @@ class KafkaTlsConfig(_Section):
     """TLS to the brokers: the CA bundle to trust and, for mutual TLS, a client cert + key.
 
     All files are PEM, the key PKCS#8 (checked at start, not at load:
-    ``cdc_shared.clients.check_tls_files``). Without ``ca_file`` the system's trust store
+    ``cdc_shared.clients.connect.check_tls_files``). Without ``ca_file`` the system's trust store
     applies (librdkafka) or the JVM's (the Java client). The key may be encrypted
     (``key_password``, a secret).
     """
@@ -299,7 +299,7 @@ class KafkaConfig(_Section):
     """Kafka connection and security, rendered for both kinds of client.
 
     The typed part (``security_protocol``, ``sasl``, ``tls``) is rendered by
-    :mod:`cdc_shared.clients` for librdkafka (confluent-kafka: admin, producers,
+    :mod:`cdc_shared.clients.connect` for librdkafka (confluent-kafka: admin, producers,
     consumers) and for the Java client (Spark's Kafka source and sink), whose settings
     differ. Pass-through for what it lacks: ``options`` go to both clients,
     ``librdkafka_options`` only to librdkafka, ``java_options`` (without Spark's
@@ -433,7 +433,7 @@ class MergerConfig(StreamingServiceConfig):
 
     ``unavailable_value_placeholder`` is the source's marker for a value it did not send
     (Debezium's ``unavailable.value.placeholder``; ``hex:`` then hex octets, as there): a
-    column carrying it keeps its prior value (``cdc_shared.unavailable``). ``null`` stores
+    column carrying it keeps its prior value (``cdc_shared.contracts.unavailable``). ``null`` stores
     every value as sent.
 
     ``deletion_vectors_from_mib``: the size from which a silver's MERGEs mark changed
@@ -808,7 +808,7 @@ def entity_conflict(entities: list[EntityConfig]) -> str | None:
 class EntitySetConfig(_Section):
     """Many tables at once: the source topics a pattern selects (``entity_sets`` in the file).
 
-    Each selected topic becomes an entity (cdc_shared.entity_sets resolves them at start,
+    Each selected topic becomes an entity (cdc_shared.config.entity_sets resolves them at start,
     from the broker's topic list). Templates (``name``, ``change_topic``, ``es_index``)
     take ``{table}`` (the entity name), ``{topic}`` and the pattern's named groups.
     """
@@ -1057,7 +1057,7 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
     ``path`` defaults to ``$CDC_CONFIG``; with neither, only defaults and ``CDC_*``
     environment variables apply. Reads nothing else: the entities of ``entity_sets``,
     which the broker and the registry decide, are added at start
-    (``cdc_shared.entity_sets.load_pipeline``).
+    (``cdc_shared.config.entity_sets.load_pipeline``).
     """
     chosen = path if path is not None else os.environ.get(CONFIG_ENV_VAR)
     data: dict[str, Any] = {}

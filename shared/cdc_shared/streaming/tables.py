@@ -30,11 +30,11 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_shared.config import ConfigError
-from cdc_shared.driver_frames import frame_from_rows
-from cdc_shared.jvm_bridge import hadoop_path
-from cdc_shared.retry import retrying
-from cdc_shared.silver import DELETED_AT, VERSIONS_COLUMNS
+from cdc_shared.clients.retry import retrying
+from cdc_shared.config.pipeline import ConfigError
+from cdc_shared.contracts.silver import DELETED_AT, VERSIONS_COLUMNS
+from cdc_shared.jvm.bridge import hadoop_path
+from cdc_shared.jvm.driver_frames import frame_from_rows
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
 QUARANTINE_SCHEMA = T.StructType(
@@ -58,7 +58,7 @@ QUARANTINE_SCHEMA = T.StructType(
 
 QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
 
-#: ``silver/_versions`` (``cdc_shared.silver.VERSIONS_COLUMNS``): written by the merger.
+#: ``silver/_versions`` (``cdc_shared.contracts.silver.VERSIONS_COLUMNS``): written by the merger.
 SILVER_VERSIONS_SCHEMA = T.StructType(
     [
         T.StructField(VERSIONS_COLUMNS[0], T.StringType(), False),
@@ -131,7 +131,7 @@ def not_quarantined_yet(spark: SparkSession, rows: DataFrame, quarantine_path: s
 
 
 #: Compact small files after a commit once enough have gathered (thresholds: the
-#: ``spark.databricks.delta.autoCompact.*`` settings in ``cdc_shared.spark``), so a table
+#: ``spark.databricks.delta.autoCompact.*`` settings in ``cdc_shared.jvm.spark``), so a table
 #: written every few seconds does not fragment between ``cdc maintenance`` runs.
 AUTO_COMPACT = {"delta.autoOptimize.autoCompact": "true"}
 

@@ -6,12 +6,13 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from cdc_shared.config import ConfigError, PipelineConfig
-from cdc_shared.entity_sets import load_pipeline
-from cdc_shared.layout import command_name
-from cdc_shared.observability import configure_logging
-from cdc_shared.streaming import NO_SPACE, StreamFailedError, StreamRunner, no_space_message
-from cdc_shared.writer_lease import WriterRunningError
+from cdc_shared.config.entity_sets import load_pipeline
+from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.contracts.layout import command_name
+from cdc_shared.streaming.failures import NO_SPACE, StreamFailedError, no_space_message
+from cdc_shared.streaming.observability import configure_logging
+from cdc_shared.streaming.runner import StreamRunner
+from cdc_shared.streaming.writer_lease import WriterRunningError
 
 #: A service's start: (config, --entity names, --once, a session to share, --group names).
 StartStreams = Callable[..., StreamRunner]

@@ -5,10 +5,10 @@ classes (Spark, Scala, Delta). The JDK's class data sharing (CDS) maps classes a
 previous run dumped to an archive file instead: the session starts ~3 s sooner, and every
 restart of a service (after a crash, a deploy, each kill in the tests) with it.
 
-``python -m cdc_shared.class_archive`` (run by ``make jvm``) starts a driver that dumps
+``python -m cdc_shared.jvm.class_archive`` (run by ``make jvm``) starts a driver that dumps
 its classes at exit (``-XX:ArchiveClassesAtExit``) after a small Delta workload: writes,
 a MERGE, a streaming ``foreachBatch`` and a Change Data Feed read, the kinds of work the
-services do. :func:`cdc_shared.spark.spark_conf` then starts every driver with the
+services do. :func:`cdc_shared.jvm.spark.spark_conf` then starts every driver with the
 archive (``-XX:SharedArchiveFile``) when it exists. The archive belongs to one JDK build
 and one Spark classpath; a JVM that finds it does not match says so in a warning and
 starts without it, so a stale archive costs only the time it would have saved.
@@ -29,9 +29,9 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared import jvm
-from cdc_shared.config import SparkConfig
-from cdc_shared.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
+from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.jvm import artifacts as jvm
+from cdc_shared.jvm.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def build(archive: Path) -> bool:
     partial.unlink(missing_ok=True)
     started = time.monotonic()
     child = subprocess.run(
-        [sys.executable, "-m", "cdc_shared.class_archive", "--dump-to", str(partial)],
+        [sys.executable, "-m", "cdc_shared.jvm.class_archive", "--dump-to", str(partial)],
         check=False,
         capture_output=True,
         text=True,
@@ -124,7 +124,7 @@ def _dump_child(partial: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m cdc_shared.class_archive`` writes ``jvm.class_archive()``."""
+    """Entry point: ``python -m cdc_shared.jvm.class_archive`` writes ``jvm.class_archive()``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump-to", type=Path, help=argparse.SUPPRESS)  # build()'s child
     options = parser.parse_args(argv)

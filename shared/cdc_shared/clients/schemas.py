@@ -21,7 +21,7 @@ from cdc_shared.avro import (
     load_schema_file,
     subject_name,
 )
-from cdc_shared.config import EntityConfig, PipelineConfig
+from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ micro-batch offers every table whose silver moved to the group's work queue
 (``cdc_shared.streaming.queue``), up to the newest version recorded; each table due is
 published from its own progress (kept in its target: the change topic's progress group,
 the index's progress document) up to there, reading silver's Change Data Feed by
-version (``cdc_shared.changefeed.change_feed_range``). A table whose progress is behind
+version (``cdc_shared.streaming.changefeed.change_feed_range``). A table whose progress is behind
 silver at start (written in no batch before a stop, held by an earlier run, new) is
 offered from the start: one look at the versions recorded finds them.
 """
@@ -22,34 +22,29 @@ from typing import Protocol
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared.config import (
+from cdc_shared.clients.delta_rs import read_logs
+from cdc_shared.config.pipeline import (
     ChangeFeedConfig,
     EntityConfig,
     PipelineConfig,
     interval_seconds,
 )
-from cdc_shared.delta_rs import read_logs
-from cdc_shared.jvm_bridge import HadoopFiles, delta_version
-from cdc_shared.spark import side_by_side
-from cdc_shared.stream_checkpoint import last_committed_batch
-from cdc_shared.streaming import (
-    BatchStats,
-    BatchWrites,
-    EntityStoppedError,
-    Failure,
-    QueryIdentity,
-    StreamRunner,
-    TableGroup,
-    TableQueue,
-)
-from cdc_shared.tables import (
+from cdc_shared.contracts.stream_checkpoint import last_committed_batch
+from cdc_shared.jvm.bridge import HadoopFiles, delta_version
+from cdc_shared.jvm.spark import side_by_side
+from cdc_shared.streaming.failures import EntityStoppedError, Failure
+from cdc_shared.streaming.groups import TableGroup
+from cdc_shared.streaming.progress import BatchStats
+from cdc_shared.streaming.queue import BatchWrites, TableQueue
+from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
+from cdc_shared.streaming.tables import (
     QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     ensure_table,
     wait_for_table,
 )
 
-log = logging.getLogger("cdc_shared.publishing")
+log = logging.getLogger("cdc_shared.streaming.publishing")
 #: How many tables' publications start side by side (a producer's transactions, an index).
 STARTS_AT_ONCE = 8
 

@@ -34,7 +34,7 @@ SPARK_PACKAGES = [
 
 def project_root() -> Path | None:
     """The source checkout this package runs from, if it is one (editable install)."""
-    candidate = Path(__file__).resolve().parents[2]
+    candidate = Path(__file__).resolve().parents[3]
     return candidate if (candidate / "deploy" / "jvm" / "pom.xml").is_file() else None
 
 
@@ -59,7 +59,7 @@ def spark_jars() -> list[Path]:
 
 
 def class_archive() -> Path:
-    """The drivers' JVM class archive (``cdc_shared.class_archive``; may not exist yet)."""
+    """The drivers' JVM class archive (``cdc_shared.jvm.class_archive``; may not exist yet)."""
     return jvm_cache_dir() / "cds" / "spark-driver.jsa"
 
 

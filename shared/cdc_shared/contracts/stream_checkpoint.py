@@ -5,7 +5,7 @@ A checkpoint records, per micro-batch ``n``, the end offsets of its sources in
 committed batch are where the stream resumes. ``cdc status`` and ``cdc maintenance``
 read them to tell how far a stream got; the services read them to start a new query
 where an older one (of a group, or of a release's per-entity streams) ended. Files are read
-through a :class:`CheckpointFiles` (``cdc_shared.jvm_bridge.HadoopFiles``: Spark's Hadoop file
+through a :class:`CheckpointFiles` (``cdc_shared.jvm.bridge.HadoopFiles``: Spark's Hadoop file
 systems, so local paths and object storage alike; the CLI's own without a JVM).
 """
 

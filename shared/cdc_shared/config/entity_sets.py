@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from cdc_shared.avro import SchemaRegistry, subject_name
-from cdc_shared.clients import check_tls_files, make_admin
-from cdc_shared.config import (
+from cdc_shared.clients.connect import check_tls_files, make_admin
+from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.pipeline import (
     ConfigError,
     EntityConfig,
     EntitySetConfig,
@@ -35,7 +36,6 @@ from cdc_shared.config import (
     entity_name_from,
     load_config,
 )
-from cdc_shared.schemas import make_registry
 
 log = logging.getLogger(__name__)
 

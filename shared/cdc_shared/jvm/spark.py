@@ -17,8 +17,9 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared import jvm, jvm_bridge
-from cdc_shared.config import SparkConfig
+from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.jvm import artifacts as jvm
+from cdc_shared.jvm import bridge as jvm_bridge
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ _NAMES_A_LOGGING_FILE = re.compile(r"-Dlog4j2?\.configurationFile=")
 OPTIONS_REDACTION = "spark.sql.redaction.options.regex"
 #: Spark's default (``url``), plus the Kafka client's secrets that Spark's other pattern
 #: misses by name: the JAAS line (its password) and a PEM key store's private key
-#: (``kafka.ssl.keystore.key``, see :func:`cdc_shared.clients.java_security`).
+#: (``kafka.ssl.keystore.key``, see :func:`cdc_shared.clients.connect.java_security`).
 OPTIONS_REDACTION_PATTERN = r"(?i)url|sasl\.jaas\.config|ssl\.keystore\.key|ssl\.key\.password"
 
 #: Our setting (not Spark's) for how often, in seconds, the driver's Python process
@@ -85,7 +86,7 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
     ``spark.redaction.regex`` hides the secret ones in its UI and event logs, and
     ``OPTIONS_REDACTION`` the Kafka secrets among the source options in plans. The driver
     starts with the class archive of ``make jvm`` when there is one (see
-    :mod:`cdc_shared.class_archive`) and, on a local master, the parallel garbage
+    :mod:`cdc_shared.jvm.class_archive`) and, on a local master, the parallel garbage
     collector (``LOCAL_DRIVER_GC``) with its young generation capped
     (``LOCAL_DRIVER_YOUNG``). Spark's UI is off unless ``conf`` sets
     ``spark.ui.enabled``: it would listen on every interface.

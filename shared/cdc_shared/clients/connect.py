@@ -5,7 +5,7 @@ The Kafka security of the configuration (``kafka.security_protocol``, ``kafka.sa
 librdkafka (confluent-kafka) takes ``sasl.username``/``sasl.password`` and PEM file
 locations; the Java client (Spark's Kafka source and sink) takes a JAAS line and PEM
 trust and key stores. Both renderings hold secrets: never log them (use
-:func:`cdc_shared.config.redact` for anything printed).
+:func:`cdc_shared.config.pipeline.redact` for anything printed).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 from elasticsearch import Elasticsearch
 
-from cdc_shared.config import ConfigError, ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import ConfigError, ElasticsearchConfig, KafkaConfig
 
 if TYPE_CHECKING:  # the client costs a third of a second to import: only when used
     from elasticsearch import Elasticsearch
@@ -69,7 +69,7 @@ def java_security(config: KafkaConfig) -> dict[str, str]:
     ships source options to its executors, so workers need no copy of the files. (A
     PEM key store by location would also need an encrypted key: the client refuses a
     PEM ``ssl.keystore.location`` without ``ssl.key.password``.) Holds the password and
-    the private key: Spark redacts both in plans and its UI (:mod:`cdc_shared.spark`).
+    the private key: Spark redacts both in plans and its UI (:mod:`cdc_shared.jvm.spark`).
     None for PLAINTEXT.
     """
     if config.security_protocol == "PLAINTEXT":
@@ -271,7 +271,7 @@ def make_elasticsearch(config: ElasticsearchConfig) -> Elasticsearch:
 def check_tls_files(config: KafkaConfig) -> None:
     """ConfigError naming each TLS file that cannot be read or is not PEM the clients read.
 
-    Run at start (``cdc_shared.entity_sets.load_pipeline``), not at load: loading reads
+    Run at start (``cdc_shared.config.entity_sets.load_pipeline``), not at load: loading reads
     only the configuration. Keys must be PKCS#8 (``PRIVATE KEY``, or ``ENCRYPTED PRIVATE
     KEY`` with ``key_password``): the one PEM key form both librdkafka and the Java client
     read.

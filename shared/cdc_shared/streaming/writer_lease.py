@@ -50,13 +50,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from py4j.protocol import Py4JError
 from pyspark.errors.exceptions.captured import CapturedException
 
-from cdc_shared import jvm_bridge
-from cdc_shared.layout import StorageLayout, display_name
+from cdc_shared.contracts.layout import StorageLayout, display_name
+from cdc_shared.jvm import bridge as jvm_bridge
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-log = logging.getLogger("cdc_shared.writer_lease")
+log = logging.getLogger("cdc_shared.streaming.writer_lease")
 
 #: How long a lease lasts without renewal. Long enough that a holder survives a stalled
 #: disk, a long GC pause or a slow renewal (two heartbeats may fail before it could be

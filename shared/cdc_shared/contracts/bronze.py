@@ -36,8 +36,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_shared.layout import ENTITY_COLUMN
-from cdc_shared.tables import AUTO_COMPACT, table_properties
+from cdc_shared.contracts.layout import ENTITY_COLUMN
+from cdc_shared.streaming.tables import AUTO_COMPACT, table_properties
 
 ENTITY = ENTITY_COLUMN
 PAYLOAD = "payload"

@@ -1,7 +1,7 @@
 """The silver tables' contract: the metadata columns, and the record of silver commits.
 
 This module imports no PySpark (the CLI's JVM-free commands read these names); the
-Spark schemas of the merger's side tables are in ``cdc_shared.tables``.
+Spark schemas of the merger's side tables are in ``cdc_shared.streaming.tables``.
 
 A silver row is the entity's columns (the source row) followed by these columns, written
 by the merger only. After writing silver tables the merger records each one's new

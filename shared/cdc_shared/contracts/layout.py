@@ -80,7 +80,7 @@ class StorageLayout:
         return "/".join([self.root.rstrip("/"), *parts])
 
     def bronze(self) -> str:
-        """Every entity's append-only change log, one table (``cdc_shared.bronze``)."""
+        """Every entity's append-only change log, one table (``cdc_shared.contracts.bronze``)."""
         return self._under("bronze", ALL_ENTITIES)
 
     def legacy_bronze(self, entity: str) -> str:
@@ -124,7 +124,7 @@ class StorageLayout:
         return self._under("_checkpoints", service, entity)
 
     def writer_lease(self, service: str, entity: str) -> str:
-        """The lease of ``service``'s one writer for ``entity`` (``cdc_shared.writer_lease``)."""
+        """The lease of ``service``'s one writer for ``entity`` (``streaming.writer_lease``)."""
         return self._under("_leases", service, f"{entity}.json")
 
     def change_schemas(self) -> str:

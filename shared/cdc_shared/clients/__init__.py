@@ -1,0 +1,1 @@
+"""Clients of the servers the pipeline depends on: Kafka, Elasticsearch, the registry, delta-rs."""

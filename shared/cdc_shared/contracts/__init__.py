@@ -1,0 +1,1 @@
+"""What the services, the CLI and the devkit agree on: tables, their columns and places, headers."""

@@ -1,0 +1,1 @@
+"""The JVM side: artifacts, the SparkSession, and every call beyond PySpark's public API."""
