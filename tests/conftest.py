@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import pytest
 from cdc_devkit import infra
 from cdc_devkit.postgres import Database, local_server
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, SparkConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm.spark import build_spark_session
 from confluent_kafka.admin import AdminClient, NewTopic
 from hypothesis import settings

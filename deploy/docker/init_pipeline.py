@@ -21,7 +21,8 @@ from pathlib import Path
 from cdc_shared.avro.registry import KnownSchema, SchemaRegistry, load_schema_file
 from cdc_shared.clients.connect import make_admin
 from cdc_shared.clients.schemas import entity_schemas, make_registry
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig, load_config
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.config.values import ConfigError
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import NewTopic
 

@@ -21,7 +21,8 @@ import fastavro
 from cdc_shared.avro import SchemaRegistry, read_header
 from cdc_shared.clients.connect import make_consumer, make_elasticsearch
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.bronze import ENTITY, entity_changes, read_payload_types
 from cdc_shared.contracts.layout import INGESTOR
 from cdc_shared.streaming.tables import has_commits

@@ -15,7 +15,7 @@ import typer
 from cdc_shared.avro import ConfluentSchemaRegistry
 from cdc_shared.clients.schemas import make_registry
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import ConfigError
+from cdc_shared.config.values import ConfigError
 
 from cdc_devkit import infra, secured_kafka
 from cdc_devkit.processes import RunMode

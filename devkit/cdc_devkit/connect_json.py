@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import fastavro
 from cdc_shared.avro import KnownSchema
-from cdc_shared.config.pipeline import DecimalHandling
+from cdc_shared.config.entities import DecimalHandling
 
 #: ``plain``: schemas.enable=false; ``schemas``: =true; ``mixed``: alternately, per record.
 JsonForm = Literal["plain", "schemas", "mixed"]

@@ -37,7 +37,8 @@ from typing import Any, Literal
 
 import httpx
 from cdc_shared.clients.connect import make_consumer
-from cdc_shared.config.pipeline import DecimalHandling, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import DecimalHandling
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from cdc_devkit.postgres import MARKER, TABLES, Column, Database, Table

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from cdc_shared.clients.schemas import make_registry
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import INGESTOR, MERGER, PUBLISHER_ES
 from cdc_shared.contracts.silver import END, START
 from cdc_shared.jvm.spark import build_spark_session

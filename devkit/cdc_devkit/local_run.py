@@ -22,7 +22,8 @@ from typing import Any
 
 import yaml
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import PipelineConfig, StreamingServiceConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import StreamingServiceConfig
 from cdc_shared.contracts.layout import INGESTOR, SERVICES, section_name
 from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession

@@ -22,7 +22,8 @@ import fastavro
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients.connect import make_consumer
 from cdc_shared.clients.schemas import entity_schemas
-from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import EntityConfig
 from confluent_kafka import TopicPartition
 from fastavro.schema import fingerprint, to_parsing_canonical_form
 

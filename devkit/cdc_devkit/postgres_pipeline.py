@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.silver import END, START
 from pyspark.sql import SparkSession
 

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdc_shared.config.pipeline import ElasticsearchConfig
+from cdc_shared.config.connections import ElasticsearchConfig
 from pydantic import SecretStr
 
 from cdc_devkit import infra

@@ -17,12 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cdc_shared.config.pipeline import (
-    KafkaConfig,
-    KafkaSaslConfig,
-    KafkaTlsConfig,
-    PublisherKafkaConfig,
-)
+from cdc_shared.config.connections import KafkaConfig, KafkaSaslConfig, KafkaTlsConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import publisher_progress_group
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
     AclBinding,

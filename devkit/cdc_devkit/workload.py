@@ -27,7 +27,8 @@ from cdc_shared.avro import AvroEncoder, KnownSchema, SchemaRegistry, subject_na
 from cdc_shared.clients.connect import make_admin, make_producer
 from cdc_shared.clients.retry import retrying
 from cdc_shared.clients.schemas import EntitySchemas, entity_schemas
-from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import EntityConfig
 from confluent_kafka import KafkaError, KafkaException, Message
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 

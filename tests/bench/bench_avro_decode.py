@@ -21,7 +21,7 @@ from pathlib import Path
 import fastavro
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import AvroDecoder, FileSchemaRegistry
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cdc_devkit import infra  # noqa: E402
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig  # noqa: E402
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig  # noqa: E402
 from support.pipelines import write_pipeline  # noqa: E402
 from support.servers import TEST_INFRA  # noqa: E402
 

@@ -25,7 +25,8 @@ from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
 from cdc_ingestor.projection import bronze_columns
 from cdc_ingestor.schema_learning import SchemaTracker
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config.pipeline import EntityConfig, SparkConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm.driver_frames import frame_from_rows
 from cdc_shared.jvm.spark import build_spark_session
 from pyspark.sql import SparkSession

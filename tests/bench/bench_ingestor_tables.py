@@ -71,7 +71,8 @@ from cdc_devkit.local_run import copied_entities, write_pipeline_config
 from cdc_devkit.processes import ServiceProcess, wait_a_little
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, ensure_topics, produce
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from cdc_shared.contracts.bronze import ENTITY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, however this is run

@@ -93,7 +93,8 @@ from cdc_merger.silver_tables import (  # noqa: E402
 )
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.clients.schemas import entity_schemas  # noqa: E402
-from cdc_shared.config.pipeline import HistoryConfig, SparkConfig  # noqa: E402
+from cdc_shared.config.entities import HistoryConfig  # noqa: E402
+from cdc_shared.config.services import SparkConfig  # noqa: E402
 from cdc_shared.contracts.silver import (  # noqa: E402
     END,
     END_TS,

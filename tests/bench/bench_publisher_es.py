@@ -224,7 +224,8 @@ def delete_index(es_url: str, alias: str) -> None:
 
 
 def throughput(args: argparse.Namespace, work: Path) -> None:
-    from cdc_shared.config.pipeline import DEFAULT_GROUP, load_config
+    from cdc_shared.config.entities import DEFAULT_GROUP
+    from cdc_shared.config.pipeline import load_config
     from cdc_shared.contracts.layout import PUBLISHER_ES
 
     run = uuid.uuid4().hex[:6]

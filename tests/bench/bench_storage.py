@@ -55,7 +55,8 @@ from cdc_merger.apply import MergeState, apply_batch  # noqa: E402
 from cdc_merger.silver_tables import SilverLayout, ensure_tables  # noqa: E402
 from cdc_shared.avro import FileSchemaRegistry  # noqa: E402
 from cdc_shared.clients.schemas import entity_schemas  # noqa: E402
-from cdc_shared.config.pipeline import ObjectStorageConfig, SparkConfig  # noqa: E402
+from cdc_shared.config.connections import ObjectStorageConfig  # noqa: E402
+from cdc_shared.config.services import SparkConfig  # noqa: E402
 from cdc_shared.contracts import bronze as bronze_table  # noqa: E402
 from cdc_shared.jvm.spark import build_spark_session  # noqa: E402
 from cdc_shared.streaming.tables import ensure_table  # noqa: E402

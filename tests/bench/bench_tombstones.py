@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from cdc_merger.guards import TombstoneIndex  # noqa: E402
-from cdc_shared.config.pipeline import SparkConfig  # noqa: E402
+from cdc_shared.config.services import SparkConfig  # noqa: E402
 from cdc_shared.contracts.silver import SEQUENCE  # noqa: E402
 from cdc_shared.jvm.spark import build_spark_session  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402

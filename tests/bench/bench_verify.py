@@ -47,7 +47,8 @@ from cdc_cli.verify import (
     silver_hashes,
     spill_silver,
 )
-from cdc_shared.config.pipeline import EntityConfig, SparkConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm.spark import build_spark_session
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F

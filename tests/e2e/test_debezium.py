@@ -39,9 +39,10 @@ from cdc_devkit.postgres_pipeline import (
     outputs_against_database,
     write_postgres_pipeline,
 )
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import SERVICE_NAMES, KafkaConfig
 from cdc_shared.contracts.bronze import entity_changes
+from cdc_shared.contracts.layout import SERVICE_NAMES
 from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER
 from cdc_shared.streaming.tables import has_commits
 from pyspark.sql import SparkSession

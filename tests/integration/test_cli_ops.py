@@ -39,7 +39,8 @@ from cdc_merger.silver_tables import SILVER_PROPERTIES
 from cdc_publisher_es.progress import IndexProgress
 from cdc_shared.clients.connect import make_elasticsearch
 from cdc_shared.clients.delta_rs import transaction_versions
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig, load_config
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from cdc_shared.contracts.bronze import entity_changes
 from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
 from cdc_shared.streaming.tables import idempotent_append, record_progress

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import ElasticsearchConfig
+from cdc_shared.config.connections import ElasticsearchConfig
 from elasticsearch import ConflictError
 
 pytestmark = pytest.mark.integration

@@ -22,8 +22,8 @@ from cdc_ingestor.main import start as start_ingestor
 from cdc_merger.main import start as start_merger
 from cdc_publisher_kafka.main import start as start_publisher_kafka
 from cdc_shared.avro import FileSchemaRegistry
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.config.entity_sets import resolve_entity_sets
-from cdc_shared.config.pipeline import KafkaConfig
 from cdc_shared.streaming.runner import StreamRunner
 from pyspark.sql import SparkSession
 from support.ingestion import generate

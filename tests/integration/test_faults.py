@@ -22,7 +22,8 @@ from cdc_ingestor.main import start
 from cdc_ingestor.positions import recorded_positions
 from cdc_shared.avro import AvroDecoder, AvroEncoder, FileSchemaRegistry, KnownSchema, parse_schema
 from cdc_shared.clients.connect import make_consumer
-from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.streaming.failures import StreamFailedError
 from cdc_shared.streaming.runner import StreamRunner
 from confluent_kafka import TopicPartition

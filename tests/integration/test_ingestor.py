@@ -17,7 +17,7 @@ from cdc_devkit.workload import (
 from cdc_ingestor import ingestion as ingestor_main
 from cdc_ingestor import positions
 from cdc_ingestor.main import start
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.streaming.failures import StreamFailedError
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F

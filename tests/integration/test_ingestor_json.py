@@ -13,7 +13,8 @@ from cdc_devkit.workload import GeneratedMessage, WorkloadGenerator, WorkloadSpe
 from cdc_ingestor.decode import KAFKA_SCHEMA, DecodePlan, decode
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients.schemas import entity_schemas
-from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import EntityConfig
 from pyspark.sql import DataFrame, SparkSession
 from support.entities import ORDERS, SCHEMAS
 from support.ingestion import (

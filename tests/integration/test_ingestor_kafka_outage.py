@@ -13,7 +13,7 @@ import pytest
 from cdc_devkit import infra
 from cdc_devkit.workload import ProduceReport, produce
 from cdc_shared.clients.connect import make_admin
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 from support.ingestion import (

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from cdc_devkit.workload import ProduceReport, produce
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from pyspark.sql import SparkSession
 from support.ingestion import (
     assert_bronze_exactly_once,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cdc_shared.clients.connect import make_consumer, make_producer
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 
 pytestmark = pytest.mark.integration
 

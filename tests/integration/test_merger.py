@@ -15,7 +15,7 @@ from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import silver_layout
 from cdc_shared.clients.delta_rs import transaction_versions
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
 from cdc_shared.jvm.spark import counting_jobs
 from cdc_shared.streaming.tables import table_properties

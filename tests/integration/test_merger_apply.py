@@ -27,7 +27,7 @@ from cdc_merger.history import HistoryTable
 from cdc_merger.silver_tables import SilverLayout, ensure_tables
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients.schemas import entity_schemas
-from cdc_shared.config.pipeline import EntityConfig, HistoryConfig
+from cdc_shared.config.entities import EntityConfig, HistoryConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.bronze import read_payload_types
 from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder

@@ -18,7 +18,8 @@ import pytest
 from cdc_cli.verify import TargetComparison, verify
 from cdc_devkit.oracle import SourceEvent, history_versions
 from cdc_merger.merging import silver_layout
-from cdc_shared.config.pipeline import HistoryConfig, PipelineConfig
+from cdc_shared.config.entities import HistoryConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.silver import END, END_TS, START, START_TS
 from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER
 from delta.tables import DeltaTable

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cdc_devkit.workload import produce
 from cdc_shared.clients.delta_rs import transaction_versions
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.contracts.bronze import entity_changes
 from pyspark.sql import SparkSession
 from support.ingestion import generate, ingest_once, launch_ingestor, quarantine, topic_offsets

@@ -25,7 +25,8 @@ from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start as start_publisher_es
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.jvm import bridge as jvm_bridge
 from pyspark.sql import SparkSession
 from support.change_topics import read_change_topic

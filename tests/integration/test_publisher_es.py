@@ -22,12 +22,9 @@ from cdc_publisher_es.main import start as start_publisher
 from cdc_publisher_es.mapping import ensure_index, index_mappings
 from cdc_publisher_es.progress import IndexProgress
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import (
-    ElasticsearchConfig,
-    KafkaConfig,
-    PipelineConfig,
-    PublisherEsConfig,
-)
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import PublisherEsConfig
 from cdc_shared.contracts.bronze import entity_changes
 from cdc_shared.streaming.failures import StreamFailedError
 from delta.tables import DeltaTable

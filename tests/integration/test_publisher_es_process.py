@@ -24,7 +24,7 @@ import pytest
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_oracle
 from support.ingestion import generate, ingest_once

@@ -16,7 +16,8 @@ from cdc_publisher_kafka.transactions import (
     Oversized,
     TransactionalPublisher,
 )
-from cdc_shared.config.pipeline import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.streaming.service import run_to_exit_code
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import (  # type: ignore[attr-defined]

@@ -15,7 +15,7 @@ import pytest
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_shared.clients.connect import make_consumer
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from confluent_kafka import KafkaException, TopicPartition
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F

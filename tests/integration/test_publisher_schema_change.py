@@ -13,7 +13,7 @@ from cdc_devkit.workload import produce
 from cdc_publisher_es.main import start as start_publisher_es
 from cdc_publisher_kafka.main import start as start_publisher_kafka
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_oracle, index_documents
 from support.ingestion import generate_across_schema_change, ingest_once

@@ -32,7 +32,7 @@ from cdc_shared.avro import (
     subject_name,
 )
 from cdc_shared.avro.framing import confluent_header
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.streaming.failures import StreamFailedError
 from cdc_shared.streaming.runner import StreamRunner
 from pyspark.sql import SparkSession

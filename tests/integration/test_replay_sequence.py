@@ -33,7 +33,7 @@ from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import GeneratedMessage, produce
 from cdc_shared.avro import AvroEncoder, FileSchemaRegistry
 from cdc_shared.clients.connect import make_consumer, make_producer
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.contracts.replay_origin import REPLAY_HEADER
 from cdc_shared.jvm.driver_frames import frame_from_rows
 from confluent_kafka import TopicPartition

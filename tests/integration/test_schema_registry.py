@@ -16,7 +16,7 @@ import pytest
 from cdc_devkit.oracle import EntityOracle, load_fingerprints
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
 from cdc_shared.avro import ConfluentSchemaRegistry, FileSchemaRegistry, subject_name
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from confluent_kafka import DeserializingConsumer, KafkaError, TopicPartition
 from confluent_kafka.error import ConsumeError
 from confluent_kafka.schema_registry import Schema, SchemaRegistryClient

@@ -22,7 +22,9 @@ from cdc_devkit import secured_elasticsearch
 from cdc_devkit.secured_elasticsearch import OPERATOR, PUBLISHER, SecuredCluster
 from cdc_publisher_es.main import start as start_publisher
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import KafkaConfig, PublisherEsConfig, load_config
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.pipeline import load_config
+from cdc_shared.config.services import PublisherEsConfig
 from pyspark.sql import SparkSession
 from support.es import assert_index_equals_silver, build_silver, index_documents
 from support.ops import cdc

@@ -35,7 +35,9 @@ from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import TransactionalPublisher
 from cdc_shared.clients.connect import spark_kafka_options
-from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import publisher_progress_group
 from cdc_shared.streaming.runner import StreamRunner
 from cdc_shared.streaming.service import run_to_exit_code

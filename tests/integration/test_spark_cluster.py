@@ -30,7 +30,7 @@ from cdc_cli.status import collect_status
 from cdc_devkit import infra
 from cdc_devkit.workload import produce
 from cdc_merger.apply import LOST_CHECKPOINT
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
 from cdc_shared.jvm import bridge as jvm_bridge
 from pyspark.sql import SparkSession
 from support.cluster import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cdc_cli.application import POOL_PROPERTY
 from cdc_shared.clients.connect import make_producer, spark_kafka_options
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.streaming.tables import AUTO_COMPACT, ensure_table, has_commits, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession

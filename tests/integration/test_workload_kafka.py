@@ -10,7 +10,8 @@ from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec, produce
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients.schemas import entity_schemas
-from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import EntityConfig
 
 pytestmark = pytest.mark.integration
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"

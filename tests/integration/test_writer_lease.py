@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from cdc_devkit import infra
-from cdc_shared.config.pipeline import ObjectStorageConfig
+from cdc_shared.config.connections import ObjectStorageConfig
 from cdc_shared.contracts.layout import MERGER, StorageLayout
 from cdc_shared.jvm import bridge as jvm_bridge
 from cdc_shared.streaming.failures import StreamFailedError

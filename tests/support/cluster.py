@@ -26,7 +26,7 @@ from cdc_devkit import infra
 from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_shared.avro import FileSchemaRegistry, subject_name
 from cdc_shared.clients.schemas import change_event_schemas, entity_schemas
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
 from pyspark.sql import SparkSession
 
 from support.change_topics import read_change_topic

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 CUSTOMERS = EntityConfig(

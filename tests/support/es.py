@@ -11,7 +11,8 @@ from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_devkit.workload import produce
 from cdc_merger.main import start as start_merger
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import scan
 from pyspark.sql import SparkSession

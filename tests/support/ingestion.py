@@ -13,7 +13,8 @@ from cdc_ingestor.main import start
 from cdc_ingestor.projection import bronze_columns, payload_type
 from cdc_shared.avro import FileSchemaRegistry
 from cdc_shared.clients.connect import make_consumer
-from cdc_shared.config.pipeline import DEFAULT_GROUP, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import DEFAULT_GROUP
 from cdc_shared.contracts.bronze import entity_changes, typed
 from confluent_kafka import TopicPartition
 from pyspark.sql import DataFrame, SparkSession

@@ -17,7 +17,7 @@ from cdc_merger.apply import MergeState, apply_batch
 from cdc_merger.merging import silver_layout
 from cdc_merger.silver_tables import ensure_tables
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.contracts.layout import INGESTOR, MERGER
 from cdc_shared.jvm.spark import clock
 from cdc_shared.streaming.tables import idempotent_append

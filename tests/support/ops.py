@@ -12,7 +12,8 @@ from typing import Any
 
 from cdc_cli.main import app
 from cdc_shared.clients.connect import make_consumer, make_elasticsearch
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from confluent_kafka import TopicPartition
 from elasticsearch import helpers
 from pyspark.sql import SparkSession

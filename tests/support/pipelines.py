@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import ElasticsearchConfig, KafkaConfig, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 ENTITIES = {

@@ -10,7 +10,7 @@ from typing import Any
 from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_publisher_kafka.main import start
 from cdc_shared.clients.connect import librdkafka_security
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from pyspark.sql import SparkSession
 
 from support.change_topics import ChangeRecord, read_change_topic

@@ -13,7 +13,8 @@ from cdc_devkit.oracle import EntityOracle, load_fingerprints, read_topic
 from cdc_merger.main import start as start_merger
 from cdc_merger.merging import silver_layout
 from cdc_shared.avro import FileSchemaRegistry
-from cdc_shared.config.pipeline import EntityConfig, KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.entities import EntityConfig
 from pyspark.sql import DataFrame, SparkSession
 
 from support.pipelines import Pipeline

@@ -12,7 +12,10 @@ from cdc_cli.application import (
     select_services,
     without_service_endpoints,
 )
-from cdc_shared.config.pipeline import SERVICE_NAMES, ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import SparkConfig
+from cdc_shared.config.values import ConfigError
+from cdc_shared.contracts.layout import SERVICE_NAMES
 from cdc_shared.jvm.spark import DRIVER_MEMORY, driver_memory, with_sized_heap
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm import artifacts as jvm
 from cdc_shared.jvm.spark import (
     DRIVER_JAVA_OPTIONS,

@@ -39,7 +39,8 @@ from cdc_cli.tombstone_expiry import tombstone_retention
 from cdc_cli.verify import RowShape, canonical, compare
 from cdc_devkit.infra import Endpoints
 from cdc_devkit.local_run import EXAMPLE_CONFIG, write_pipeline_config
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from cdc_shared.streaming.observability import HealthServer
 from pyspark.sql import types as T
 

@@ -5,13 +5,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cdc_shared.config.pipeline import (
-    ConfigError,
-    EntityConfig,
-    PipelineConfig,
-    load_config,
-    redact,
-)
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.config.values import ConfigError, redact
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,7 +29,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig, load_config
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.config.values import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -28,7 +28,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from cdc_shared.config.pipeline import PipelineConfig, load_config, s3a_bucket
+from cdc_shared.config.connections import s3a_bucket
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from cdc_shared.jvm.spark import spark_conf
 
 ROOT = Path(__file__).resolve().parents[2]

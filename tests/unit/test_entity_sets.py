@@ -5,14 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from cdc_shared.config.entities import EntityConfig, entity_name_from
 from cdc_shared.config.entity_sets import resolve_entity_sets, with_discovered_entities
-from cdc_shared.config.pipeline import (
-    ConfigError,
-    EntityConfig,
-    PipelineConfig,
-    entity_name_from,
-    interval_seconds,
-)
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError, interval_seconds
 from cdc_shared.streaming.discovery import EntityDiscovery
 from cdc_shared.streaming.tables import SourceTableMissingError
 

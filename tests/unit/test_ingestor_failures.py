@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from cdc_ingestor.failures import kafka_failures
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 CONFIG = PipelineConfig(
     entities=[

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 from cdc_ingestor.ingestion import FETCH_MAX_WAIT, FETCH_MAX_WAIT_MS, kafka_reader
-from cdc_shared.config.pipeline import KafkaConfig, PipelineConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from pyspark.sql import DataFrameReader
 
 

@@ -13,8 +13,10 @@ from cdc_shared.clients.connect import (
     kafka_refusal,
     spark_kafka_options,
 )
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import ConfigError, KafkaConfig, load_config, redact
+from cdc_shared.config.pipeline import load_config
+from cdc_shared.config.values import ConfigError, redact
 from support.secured_kafka import pkcs8
 
 PASSWORD = "pl4nted-Secret"

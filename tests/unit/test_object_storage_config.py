@@ -5,15 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cdc_shared.config.pipeline import (
-    S3A_STATIC_CREDENTIALS,
-    ConfigError,
-    PipelineConfig,
-    SparkConfig,
-    load_config,
-    redact,
-    s3a_bucket,
-)
+from cdc_shared.config.connections import S3A_STATIC_CREDENTIALS, s3a_bucket
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.config.services import SparkConfig
+from cdc_shared.config.values import ConfigError, redact
 from cdc_shared.jvm.spark import spark_conf
 
 SECRET = "s3-secret-value-7f3a"

@@ -8,7 +8,7 @@ from decimal import Decimal
 
 import pytest
 from cdc_publisher_es.documents import Action, arrow_actions, document_frame, document_id
-from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.config.services import PublisherEsConfig
 from cdc_shared.streaming.changefeed import external_version
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T

@@ -7,7 +7,7 @@ import json
 
 from cdc_publisher_es.documents import document_id, snapshot_document_frame
 from cdc_publisher_es.index_lifecycle import IndexLostError
-from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.config.services import PublisherEsConfig
 from cdc_shared.streaming.changefeed import external_version
 from cdc_shared.streaming.failures import read_failure
 from pyspark.sql import SparkSession

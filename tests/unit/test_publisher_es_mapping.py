@@ -16,7 +16,7 @@ from cdc_publisher_es.mapping import (
     spark_type_mapping,
 )
 from cdc_shared.clients.schemas import envelope_row_schema
-from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.config.services import PublisherEsConfig
 from hypothesis import given
 from hypothesis import strategies as st
 from pyspark.sql import types as T

@@ -9,7 +9,8 @@ from cdc_publisher_kafka.transactions import (
     TransactionalIdRefusedError,
     TransactionalPublisher,
 )
-from cdc_shared.config.pipeline import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.streaming.failures import read_failure
 from confluent_kafka import KafkaError, KafkaException
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from cdc_devkit import infra
-from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm.spark import spark_conf
 
 

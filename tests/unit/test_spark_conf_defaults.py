@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm.spark import PYTHON_GC_INTERVAL, collect_python_garbage, spark_conf
 
 BOUNDED = (

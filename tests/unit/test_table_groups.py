@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.streaming.groups import group_named_by, table_groups
 
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import pytest
-from cdc_shared.config.pipeline import StreamingServiceConfig
+from cdc_shared.config.services import StreamingServiceConfig
 from cdc_shared.streaming.failures import Failure
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.queue import TableQueue

@@ -24,7 +24,7 @@ from cdc_cli.verify_buckets import (
     digest,
     key_text,
 )
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from pyspark.sql import types as T
 
 SCHEMA = T.StructType(

@@ -14,7 +14,8 @@ import pytest
 from cdc_cli import verify
 from cdc_cli.verify import RowShape, TargetComparison, VerifyReport, render
 from cdc_cli.verify_buckets import BucketSpill, key_text
-from cdc_shared.config.pipeline import EntityConfig, HistoryConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig, HistoryConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from pyspark.sql import types as T
 
 SILVER = T.StructType([T.StructField("id", T.IntegerType()), T.StructField("name", T.StringType())])

@@ -30,7 +30,9 @@ from cdc_ingestor.main import start as ingestor
 from cdc_merger.main import start as merger
 from cdc_publisher_es.main import start as publisher_es
 from cdc_publisher_kafka.main import start as publisher_kafka
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig, SparkConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import SparkConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.layout import (
     INGESTOR,
     MERGER,

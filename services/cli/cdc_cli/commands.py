@@ -18,7 +18,8 @@ from typing import Any, NoReturn
 
 import typer
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.layout import INGESTOR, MERGER
 
 from cdc_cli import maintenance, status

@@ -14,7 +14,9 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Protocol
 
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, StreamingServiceConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import StreamingServiceConfig
 from cdc_shared.contracts.layout import SERVICES, display_name
 
 from cdc_cli.checkpoints import (

@@ -71,11 +71,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cdc_shared.config.pipeline import (
-    EntityConfig,
-    PipelineConfig,
-    s3a_bucket,
-)
+from cdc_shared.config.connections import s3a_bucket
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import (
     MERGER,
 )

@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cdc_shared.clients.connect import make_consumer, make_producer
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.layout import INGESTOR, QUARANTINE_WRITERS
 from cdc_shared.contracts.replay_origin import REPLAY_HEADER, Origin, origin_header, parse_origin
 from cdc_shared.jvm.driver_frames import frame_from_rows

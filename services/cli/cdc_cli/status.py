@@ -38,7 +38,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cdc_shared.clients.connect import make_consumer, make_elasticsearch
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import (
     ALL_ENTITIES,
     INGESTOR,

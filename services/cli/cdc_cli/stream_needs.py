@@ -17,11 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cdc_shared.config.pipeline import (
-    ChangeFeedConfig,
-    EntityConfig,
-    PipelineConfig,
-)
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import ChangeFeedConfig
 from cdc_shared.contracts.layout import (
     MERGER,
     MERGER_LEGACY_APP,

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import datetime as dt
 
-from cdc_shared.config.pipeline import (
-    EntityConfig,
-    PipelineConfig,
-)
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import (
     ENTITY_COLUMN,
 )

@@ -61,7 +61,8 @@ from typing import Any, NamedTuple
 from cdc_shared.avro import AvroDecoder, AvroSerdeError
 from cdc_shared.clients.connect import make_consumer, make_elasticsearch
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.silver import END
 from cdc_shared.contracts.unavailable import Placeholder
 from cdc_shared.jvm.spark import build_spark_session

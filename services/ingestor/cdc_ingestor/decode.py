@@ -22,7 +22,7 @@ from typing import Literal
 from cdc_shared.avro import KnownSchema, SchemaRegistry
 from cdc_shared.avro.framing import CONFLUENT_MAGIC, SINGLE_OBJECT_MAGIC
 from cdc_shared.clients.schemas import EntitySchemas
-from cdc_shared.config.pipeline import DecimalHandling, EntityConfig, Format
+from cdc_shared.config.entities import DecimalHandling, EntityConfig, Format
 from cdc_shared.contracts.replay_origin import BAD_REPLAY_HEADER, HEADERS_TYPE, replay_origin
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F

@@ -27,7 +27,7 @@ from typing import Any
 
 import fastavro
 from cdc_shared.avro import KnownSchema
-from cdc_shared.config.pipeline import DecimalHandling
+from cdc_shared.config.entities import DecimalHandling
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

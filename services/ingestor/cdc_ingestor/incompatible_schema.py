@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.contracts.layout import INGESTOR
 
 log = logging.getLogger("cdc_ingestor")

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 
 from cdc_shared.avro import SchemaRegistry, SchemaRegistryUnavailableError
 from cdc_shared.clients.connect import spark_kafka_options
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import INGESTOR
 from cdc_shared.contracts.stream_checkpoint import kafka_initial_offsets, last_committed_batch

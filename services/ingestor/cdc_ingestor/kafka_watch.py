@@ -11,7 +11,7 @@ import threading
 import time
 
 from cdc_shared.clients.connect import FIX_CREDENTIALS, kafka_refusal, make_admin
-from cdc_shared.config.pipeline import KafkaConfig
+from cdc_shared.config.connections import KafkaConfig
 from cdc_shared.contracts.layout import INGESTOR
 from cdc_shared.streaming.runner import StreamRunner
 from confluent_kafka import KafkaError, KafkaException

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_shared.clients.connect import make_admin
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import (
     ALL_ENTITIES,
     INGESTOR,

@@ -11,7 +11,7 @@ import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import INGESTOR
 from cdc_shared.jvm.spark import clock

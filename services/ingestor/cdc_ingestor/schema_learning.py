@@ -18,7 +18,7 @@ from cdc_shared.avro import (
     read_header,
 )
 from cdc_shared.clients.schemas import entity_schemas
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.contracts.layout import INGESTOR
 from pyspark.sql import DataFrame, SparkSession
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial, reduce
 
-from cdc_shared.config.pipeline import HistoryConfig
+from cdc_shared.config.entities import HistoryConfig
 from cdc_shared.contracts.silver import (
     COMMIT_TS,
     END,

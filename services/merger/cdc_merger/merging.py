@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cdc_shared.clients.retry import retrying
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import MERGER, MERGER_PROGRESS_APP
 from cdc_shared.contracts.unavailable import Placeholder

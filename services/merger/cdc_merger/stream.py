@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_shared.clients.delta_rs import read_logs, transaction_versions
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, interval_seconds
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import interval_seconds
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch, parse_offsets

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_shared.clients.retry import backoff_s, log_retry
-from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.config.services import PublisherEsConfig
 from elastic_transport import TransportError
 from elasticsearch import Elasticsearch
 from elasticsearch.helpers import streaming_bulk

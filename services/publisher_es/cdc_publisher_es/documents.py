@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from cdc_shared.config.pipeline import PublisherEsConfig
+from cdc_shared.config.services import PublisherEsConfig
 from cdc_shared.contracts.silver import SEQUENCE
 from cdc_shared.streaming.changefeed import CHANGE_COLUMNS, MAX_SEQUENCE_FOR_VERSION, row_columns
 from pyspark.sql import Column, DataFrame

@@ -36,7 +36,8 @@ from typing import Any, TypeVar
 from cdc_shared.avro import UnknownSchemaError
 from cdc_shared.clients.retry import retrying
 from cdc_shared.clients.schemas import entity_schemas, make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import PUBLISHER_ES
 from cdc_shared.streaming.changefeed import row_columns
 from cdc_shared.streaming.failures import Failure as StreamFailure

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 from cdc_shared.clients.connect import make_elasticsearch
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import PUBLISHER_ES
 from cdc_shared.streaming.changefeed import change_feed_range, shape_changes
 from cdc_shared.streaming.groups import TableGroup

@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cdc_shared.config.pipeline import EntityConfig, PublisherEsConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.services import PublisherEsConfig
 from elasticsearch import ApiError, Elasticsearch
 from pyspark.sql import types as T
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from cdc_shared.avro import KnownSchema, SchemaRegistry, subject_name
 from cdc_shared.clients.schemas import EntitySchemas, change_event_schemas
-from cdc_shared.config.pipeline import EntityConfig
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.jvm.bridge import spark_type_of_avro
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F

@@ -24,7 +24,9 @@ import pyarrow.compute as pc
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients.connect import make_admin
 from cdc_shared.clients.schemas import entity_schemas, make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, PublisherKafkaConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import PUBLISHER_KAFKA
 from cdc_shared.streaming.changefeed import change_feed_range, row_columns, shape_changes
 from cdc_shared.streaming.failures import EntityStoppedError, StreamFailedError

@@ -27,7 +27,8 @@ from typing import Any
 
 from cdc_shared.clients.connect import kafka_client_config, kafka_missing_permission, make_admin
 from cdc_shared.clients.retry import retrying
-from cdc_shared.config.pipeline import KafkaConfig, PublisherKafkaConfig
+from cdc_shared.config.connections import KafkaConfig
+from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import publisher_progress_group
 from cdc_shared.streaming.failures import KnownFailureError
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition

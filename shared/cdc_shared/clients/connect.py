@@ -5,7 +5,7 @@ The Kafka security of the configuration (``kafka.security_protocol``, ``kafka.sa
 librdkafka (confluent-kafka) takes ``sasl.username``/``sasl.password`` and PEM file
 locations; the Java client (Spark's Kafka source and sink) takes a JAAS line and PEM
 trust and key stores. Both renderings hold secrets: never log them (use
-:func:`cdc_shared.config.pipeline.redact` for anything printed).
+:func:`cdc_shared.config.values.redact` for anything printed).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 from elasticsearch import Elasticsearch
 
-from cdc_shared.config.pipeline import ConfigError, ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.connections import ElasticsearchConfig, KafkaConfig
+from cdc_shared.config.values import ConfigError
 
 if TYPE_CHECKING:  # the client costs a third of a second to import: only when used
     from elasticsearch import Elasticsearch

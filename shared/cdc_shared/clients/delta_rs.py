@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from deltalake import DeltaTable
 from pyarrow.fs import resolve_s3_region
 
-from cdc_shared.config.pipeline import S3A_SCHEME, ObjectStorageConfig, PipelineConfig, s3a_bucket
+from cdc_shared.config.connections import S3A_SCHEME, ObjectStorageConfig, s3a_bucket
+from cdc_shared.config.pipeline import PipelineConfig
 
 #: The region when neither the configuration nor the environment names one and the
 #: endpoint is not AWS's (S3-compatible stores accept any).

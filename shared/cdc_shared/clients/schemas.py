@@ -21,7 +21,8 @@ from cdc_shared.avro import (
     load_schema_file,
     subject_name,
 )
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 
 @dataclass(frozen=True)

@@ -27,15 +27,14 @@ from typing import Any
 from cdc_shared.avro import SchemaRegistry, subject_name
 from cdc_shared.clients.connect import check_tls_files, make_admin
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import (
-    ConfigError,
+from cdc_shared.config.entities import (
     EntityConfig,
     EntitySetConfig,
-    PipelineConfig,
     entity_conflict,
     entity_name_from,
-    load_config,
 )
+from cdc_shared.config.pipeline import PipelineConfig, load_config
+from cdc_shared.config.values import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm import artifacts as jvm
 from cdc_shared.jvm.spark import DRIVER_JAVA_OPTIONS, LOCAL_DRIVER_GC, spark_conf
 

@@ -17,7 +17,7 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
-from cdc_shared.config.pipeline import SparkConfig
+from cdc_shared.config.services import SparkConfig
 from cdc_shared.jvm import artifacts as jvm
 from cdc_shared.jvm import bridge as jvm_bridge
 

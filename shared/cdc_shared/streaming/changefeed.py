@@ -26,7 +26,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_shared.config.pipeline import ChangeFeedConfig
+from cdc_shared.config.services import ChangeFeedConfig
 from cdc_shared.contracts.silver import METADATA, SEQUENCE
 
 CHANGE_TYPE = "_change_type"

@@ -15,8 +15,10 @@ import logging
 import threading
 from collections.abc import Callable
 
+from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.entity_sets import TopicLister, broker_topics, newly_selected
-from cdc_shared.config.pipeline import ConfigError, EntityConfig, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.streaming.tables import SourceTableMissingError
 
 log = logging.getLogger("cdc_shared.streaming")

@@ -12,13 +12,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from cdc_shared.config.pipeline import (
-    DEFAULT_GROUP,
-    ConfigError,
-    EntityConfig,
-    PipelineConfig,
-    StreamingServiceConfig,
-)
+from cdc_shared.config.entities import DEFAULT_GROUP, EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import StreamingServiceConfig
+from cdc_shared.config.values import ConfigError
 
 #: The longest group name made of ``--entity`` names before it is a hash instead.
 _NAMED_BY_TABLES_MAX = 60

@@ -23,12 +23,10 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from cdc_shared.clients.delta_rs import read_logs
-from cdc_shared.config.pipeline import (
-    ChangeFeedConfig,
-    EntityConfig,
-    PipelineConfig,
-    interval_seconds,
-)
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import ChangeFeedConfig
+from cdc_shared.config.values import interval_seconds
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch
 from cdc_shared.jvm.bridge import HadoopFiles, delta_version
 from cdc_shared.jvm.spark import side_by_side

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from pyspark import InheritableThread
 from pyspark.sql import SparkSession
 
-from cdc_shared.config.pipeline import StreamingServiceConfig, interval_seconds
+from cdc_shared.config.services import StreamingServiceConfig
+from cdc_shared.config.values import interval_seconds
 from cdc_shared.streaming.failures import Failure
 from cdc_shared.streaming.progress import BatchStats
 

@@ -20,7 +20,9 @@ from typing import Protocol
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, StreamingServiceConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.services import StreamingServiceConfig
 from cdc_shared.contracts.layout import command_name
 from cdc_shared.jvm.spark import build_spark_session, with_sized_heap
 from cdc_shared.streaming.discovery import EntityDiscovery

@@ -7,7 +7,8 @@ import logging
 from collections.abc import Callable
 
 from cdc_shared.config.entity_sets import load_pipeline
-from cdc_shared.config.pipeline import ConfigError, PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.layout import command_name
 from cdc_shared.streaming.failures import NO_SPACE, StreamFailedError, no_space_message
 from cdc_shared.streaming.observability import configure_logging

@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_shared.clients.retry import retrying
-from cdc_shared.config.pipeline import ConfigError
+from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.silver import DELETED_AT, VERSIONS_COLUMNS
 from cdc_shared.jvm.bridge import hadoop_path
 from cdc_shared.jvm.driver_frames import frame_from_rows

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from cdc_devkit.processes import ServiceProcess
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig, load_config
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from pyspark.sql.streaming.listener import StreamingQueryListener
 
 #: The bench's command; the baseline's process is this command with ``--run-baseline``.

@@ -15,7 +15,8 @@ import fastavro
 from cdc_devkit.workload import WorkloadGenerator, WorkloadSpec
 from cdc_shared.avro import SchemaRegistry
 from cdc_shared.clients.schemas import make_registry
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 Key = tuple[Any, ...]

@@ -12,7 +12,8 @@ from typing import Any
 
 from cdc_devkit.oracle import load_fingerprints
 from cdc_shared.clients.connect import make_consumer, make_elasticsearch
-from cdc_shared.config.pipeline import EntityConfig, PipelineConfig
+from cdc_shared.config.entities import EntityConfig
+from cdc_shared.config.pipeline import PipelineConfig
 
 from .probes import ROOT, Key, Mark, Seq, decode_single_object
 
