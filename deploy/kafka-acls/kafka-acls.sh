@@ -58,7 +58,7 @@ if [[ -n "${PUBLISHER_CREATES_TOPICS:-}" ]]; then
 fi
 
 # The operator (`cdc status`, `cdc verify`): describes topics and groups, reads offsets.
-acl --allow-principal "$OPERATOR" --operation Describe --operation Read \
+acl --allow-principal "$OPERATOR" --operation Describe \
     --topic "$SOURCE_TOPIC_PREFIX" --resource-pattern-type prefixed
 acl --allow-principal "$OPERATOR" --operation Describe --operation Read \
     --topic "$CHANGE_TOPIC_PREFIX" --resource-pattern-type prefixed

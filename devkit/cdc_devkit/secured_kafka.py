@@ -108,7 +108,9 @@ def acl_table(
         return services
     return [
         *services,
-        Grant(operator, ResourceType.TOPIC, source_prefix, _DESCRIBE_READ, _PREFIXED),
+        # `cdc status` reads the source topics' watermarks, never their records.
+        Grant(operator, ResourceType.TOPIC, source_prefix, (AclOperation.DESCRIBE,), _PREFIXED),
+        # `cdc verify` reads the change topics: what downstream teams read anyway.
         Grant(operator, ResourceType.TOPIC, change_prefix, _DESCRIBE_READ, _PREFIXED),
         # `cdc status` reads publisher-kafka's progress: its group's offset on this topic.
         Grant(operator, ResourceType.TOPIC, progress_topic, (AclOperation.DESCRIBE,)),

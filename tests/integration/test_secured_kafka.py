@@ -34,14 +34,14 @@ from cdc_publisher_kafka.main import SERVICE as PUBLISHER_SERVICE
 from cdc_publisher_kafka.main import start as start_publisher
 from cdc_publisher_kafka.progress import Progress
 from cdc_publisher_kafka.transactions import TransactionalPublisher
-from cdc_shared.clients.connect import spark_kafka_options
+from cdc_shared.clients.connect import make_consumer, spark_kafka_options
 from cdc_shared.config.connections import KafkaConfig
-from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.config.pipeline import PipelineConfig, load_config
 from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import publisher_progress_group
 from cdc_shared.streaming.runner import StreamRunner
 from cdc_shared.streaming.service import run_to_exit_code
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AclOperation, ResourcePatternType, ResourceType
 from pyspark.sql import SparkSession
 from support.ingestion import (
@@ -420,7 +420,8 @@ def run_then_operate_through_the_cli(
     cdc-application with the ingestor's and publisher-kafka's rows, carries new records
     to the change topics exactly once; status, as cdc-operator, reads the source topics'
     watermarks and publisher-kafka's progress; verify, as cdc-operator, finds each change
-    topic equal to silver. No password in any output or log."""
+    topic equal to silver; the operator cannot read a source topic's record (Describe
+    only). No password in any output or log."""
     caplog.clear()
     capfd.readouterr()
     admin = secured_broker.kafka_config(ADMIN)
@@ -467,10 +468,32 @@ def run_then_operate_through_the_cli(
     assert verified.exit_code == 0, verified.output
     checked = json.loads(verified.stdout)
     assert len(checked["entities"]) == 2, checked
+    # Least privilege: the operator who can run both cannot read a raw source record.
+    source_topic = secured_pipeline.config.entities[0].source_topic
+    refused = first_read_error(load_config(path).kafka, source_topic)
+    assert refused is not None and refused.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, refused
     printed = ran.output + json.dumps(status) + verified.output
     logged = printed + caplog.text + "".join(capfd.readouterr())
     for user in (APPLICATION, OPERATOR, ADMIN):
         assert secured_broker.password(user) not in logged, user
+
+
+def first_read_error(kafka: KafkaConfig, topic: str, timeout_s: float = 30.0) -> KafkaError | None:
+    """The error of a first read of ``topic``'s partition 0 from its start; None when a
+    record came back (the principal may read it). The consumer's group is one the CLI's
+    own grants cover (``cdc-cli-``), so only the topic's grant decides."""
+    consumer = make_consumer(kafka, "cdc-cli-probe")
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            message = consumer.poll(1.0)
+            if message is not None:
+                error: KafkaError | None = message.error()
+                return error
+        raise AssertionError(f"no record and no error from {topic} in {timeout_s:.0f} s")
+    finally:
+        consumer.close()
 
 
 def test_wrong_password_stops_at_start_with_one_line(
