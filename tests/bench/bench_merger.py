@@ -85,7 +85,6 @@ from cdc_merger.history import (  # noqa: E402
     rebuilt_versions,
 )
 from cdc_merger.silver_tables import (  # noqa: E402
-    TRUNCATE_SCHEMA,
     SilverLayout,
     ensure_tables,
     silver_schema,
@@ -105,6 +104,7 @@ from cdc_shared.contracts.silver import (  # noqa: E402
     START,
     START_TS,
 )
+from cdc_shared.contracts.silver_side_tables import TRUNCATE_SCHEMA  # noqa: E402
 from cdc_shared.contracts.unavailable import Placeholder  # noqa: E402
 from cdc_shared.jvm.spark import build_spark_session, counting_jobs  # noqa: E402
 from cdc_shared.streaming.tables import ensure_table  # noqa: E402

@@ -34,6 +34,7 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import INGESTOR
+from cdc_shared.contracts.quarantine import QUARANTINE_PROPERTIES, QUARANTINE_SCHEMA
 from cdc_shared.contracts.stream_checkpoint import kafka_initial_offsets, last_committed_batch
 from cdc_shared.jvm.bridge import HadoopFiles, observation_ready
 from cdc_shared.jvm.driver_frames import frame_from_rows
@@ -42,13 +43,7 @@ from cdc_shared.streaming.groups import TableGroup
 from cdc_shared.streaming.observability import Stopwatch
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
-from cdc_shared.streaming.tables import (
-    QUARANTINE_PROPERTIES,
-    QUARANTINE_SCHEMA,
-    ensure_table,
-    idempotent_append,
-    not_quarantined_yet,
-)
+from cdc_shared.streaming.tables import ensure_table, idempotent_append, not_quarantined_yet
 from pyspark.sql import Column, DataFrame, DataFrameReader, Observation, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T

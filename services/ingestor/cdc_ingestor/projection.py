@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cdc_shared.config.entities import EntityConfig
-from cdc_shared.contracts import bronze
+from cdc_shared.contracts import bronze, quarantine
 from cdc_shared.contracts.layout import INGESTOR
 from cdc_shared.jvm.spark import clock
-from cdc_shared.streaming import tables
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -70,7 +69,7 @@ def quarantine_columns(entity: EntityConfig, batch_id: int | None) -> list[Colum
     }
     if batch_id is not None:
         given |= {"batch_id": F.lit(batch_id), "quarantined_at": F.current_timestamp()}
-    return tables.quarantine_columns(INGESTOR, entity.name, **given)
+    return quarantine.quarantine_columns(INGESTOR, entity.name, **given)
 
 
 def stamped(rows: Sequence[Row], batch_id: int) -> list[dict[str, Any]]:

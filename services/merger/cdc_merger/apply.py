@@ -22,16 +22,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from cdc_shared.contracts.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.contracts.silver_side_tables import TRUNCATE_SCHEMA
 from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, Placeholder
 from cdc_shared.jvm.driver_frames import frame_from_rows
 from cdc_shared.jvm.spark import clock, observed
 from cdc_shared.streaming.observability import Stopwatch
-from cdc_shared.streaming.tables import (
-    Progress,
-    idempotent_dml,
-    on_conflict_retry,
-    record_progress,
-)
+from cdc_shared.streaming.tables import Progress, idempotent_dml, on_conflict_retry, record_progress
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -43,7 +39,7 @@ from cdc_merger.history import (
     history_events,
     write_history,
 )
-from cdc_merger.silver_tables import TRUNCATE_SCHEMA, SilverLayout
+from cdc_merger.silver_tables import SilverLayout
 
 log = logging.getLogger("cdc_merger")
 

@@ -24,17 +24,19 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import MERGER, MERGER_PROGRESS_APP
+from cdc_shared.contracts.quarantine import (
+    QUARANTINE_PROPERTIES,
+    QUARANTINE_SCHEMA,
+    quarantine_columns,
+)
 from cdc_shared.contracts.unavailable import Placeholder
 from cdc_shared.jvm.spark import counting_jobs
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.tables import (
-    QUARANTINE_PROPERTIES,
-    QUARANTINE_SCHEMA,
     ensure_table,
     expire_tombstones,
     idempotent_append,
     not_quarantined_yet,
-    quarantine_columns,
     record_progress,
 )
 from pyspark.sql import DataFrame, SparkSession

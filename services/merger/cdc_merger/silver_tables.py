@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cdc_shared.contracts.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.contracts.silver_side_tables import TRUNCATE_SCHEMA
 from cdc_shared.streaming.tables import AUTO_COMPACT, ensure_table
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
@@ -24,12 +25,6 @@ SILVER_PROPERTIES = {
 #: Puts deletion vectors in a new table's protocol whatever its property says.
 DELETION_VECTORS_SUPPORTED = {"delta.feature.deletionVectors": "supported"}
 TOMBSTONE_PROPERTIES = {"delta.enableDeletionVectors": "true", **AUTO_COMPACT}
-TRUNCATE_SCHEMA = T.StructType(
-    [
-        T.StructField(SEQUENCE, T.ArrayType(T.LongType()), False),
-        T.StructField("truncated_at", T.TimestampType(), False),
-    ]
-)
 
 
 @dataclass(frozen=True)

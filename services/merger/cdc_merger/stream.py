@@ -30,6 +30,7 @@ from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.config.values import interval_seconds
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
+from cdc_shared.contracts.silver_side_tables import SILVER_VERSIONS_SCHEMA
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch, parse_offsets
 from cdc_shared.jvm.bridge import HadoopFiles, delta_version
 from cdc_shared.jvm.driver_frames import frame_from_rows
@@ -38,12 +39,7 @@ from cdc_shared.streaming.groups import TableGroup
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.queue import BatchWrites, TableQueue
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
-from cdc_shared.streaming.tables import (
-    SILVER_VERSIONS_SCHEMA,
-    ensure_table,
-    on_conflict_retry,
-    wait_for_table,
-)
+from cdc_shared.streaming.tables import ensure_table, on_conflict_retry, wait_for_table
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 

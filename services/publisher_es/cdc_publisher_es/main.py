@@ -22,6 +22,7 @@ from cdc_shared.clients.connect import make_elasticsearch
 from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import PUBLISHER_ES
+from cdc_shared.contracts.quarantine import QuarantineRecord, quarantine_frame
 from cdc_shared.streaming.changefeed import change_feed_range, shape_changes
 from cdc_shared.streaming.groups import TableGroup
 from cdc_shared.streaming.progress import BatchStats
@@ -29,11 +30,7 @@ from cdc_shared.streaming.publishing import ChangeFeedGroup
 from cdc_shared.streaming.runner import StreamRunner
 from cdc_shared.streaming.runtime import StreamService, start_service
 from cdc_shared.streaming.service import service_main
-from cdc_shared.streaming.tables import (
-    QuarantineRecord,
-    idempotent_append,
-    quarantine_frame,
-)
+from cdc_shared.streaming.tables import idempotent_append
 from delta.tables import DeltaTable
 from prometheus_client import Histogram
 from pyspark.sql import SparkSession

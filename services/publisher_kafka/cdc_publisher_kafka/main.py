@@ -28,6 +28,7 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.config.services import PublisherKafkaConfig
 from cdc_shared.contracts.layout import PUBLISHER_KAFKA
+from cdc_shared.contracts.quarantine import QuarantineRecord, quarantine_frame
 from cdc_shared.streaming.changefeed import change_feed_range, row_columns, shape_changes
 from cdc_shared.streaming.failures import EntityStoppedError, StreamFailedError
 from cdc_shared.streaming.groups import TableGroup
@@ -36,11 +37,7 @@ from cdc_shared.streaming.publishing import ChangeFeedGroup
 from cdc_shared.streaming.runner import StreamRunner
 from cdc_shared.streaming.runtime import StreamService, start_service
 from cdc_shared.streaming.service import service_main
-from cdc_shared.streaming.tables import (
-    QuarantineRecord,
-    idempotent_append,
-    quarantine_frame,
-)
+from cdc_shared.streaming.tables import idempotent_append
 from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 from pyspark.sql import SparkSession
 

@@ -27,6 +27,7 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.config.services import ChangeFeedConfig
 from cdc_shared.config.values import interval_seconds
+from cdc_shared.contracts.quarantine import QUARANTINE_PROPERTIES, QUARANTINE_SCHEMA
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch
 from cdc_shared.jvm.bridge import HadoopFiles, delta_version
 from cdc_shared.jvm.spark import side_by_side
@@ -35,12 +36,7 @@ from cdc_shared.streaming.groups import TableGroup
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.queue import BatchWrites, TableQueue
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
-from cdc_shared.streaming.tables import (
-    QUARANTINE_PROPERTIES,
-    QUARANTINE_SCHEMA,
-    ensure_table,
-    wait_for_table,
-)
+from cdc_shared.streaming.tables import ensure_table, wait_for_table
 
 log = logging.getLogger("cdc_shared.streaming.publishing")
 #: How many tables' publications start side by side (a producer's transactions, an index).

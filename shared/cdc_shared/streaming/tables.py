@@ -1,4 +1,4 @@
-"""Delta table contracts shared by the services: creation, idempotent writes, quarantine.
+"""Delta tables as the services write them: creation, idempotent writes, retries.
 
 Every table is created on first start with an explicit schema and properties. Appends
 from ``foreachBatch`` carry ``txnAppId``/``txnVersion``, so a replayed micro-batch (a crash
@@ -11,9 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from delta.exceptions import (
@@ -26,95 +25,16 @@ from delta.exceptions import (
     MetadataChangedException,
 )
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from cdc_shared.clients.retry import retrying
 from cdc_shared.config.values import ConfigError
-from cdc_shared.contracts.silver import DELETED_AT, VERSIONS_COLUMNS
+from cdc_shared.contracts.quarantine import QUARANTINED_RECORD
+from cdc_shared.contracts.silver import DELETED_AT
 from cdc_shared.jvm.bridge import hadoop_path
 from cdc_shared.jvm.driver_frames import frame_from_rows
-
-#: What could not be processed, from any service (docs/design.md, "Tables").
-QUARANTINE_SCHEMA = T.StructType(
-    [
-        T.StructField("service", T.StringType(), False),
-        T.StructField("entity", T.StringType(), False),
-        T.StructField("error_kind", T.StringType(), False),
-        T.StructField("error_message", T.StringType(), False),
-        T.StructField("kafka_topic", T.StringType(), True),
-        T.StructField("kafka_partition", T.IntegerType(), True),
-        T.StructField("kafka_offset", T.LongType(), True),
-        T.StructField("kafka_timestamp", T.TimestampType(), True),
-        T.StructField("raw_key", T.BinaryType(), True),
-        T.StructField("raw_value", T.BinaryType(), True),
-        T.StructField("source_table", T.StringType(), True),
-        T.StructField("source_version", T.LongType(), True),
-        T.StructField("batch_id", T.LongType(), False),
-        T.StructField("quarantined_at", T.TimestampType(), False),
-    ]
-)
-
-QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
-
-#: ``silver/_versions`` (``cdc_shared.contracts.silver.VERSIONS_COLUMNS``): written by the merger.
-SILVER_VERSIONS_SCHEMA = T.StructType(
-    [
-        T.StructField(VERSIONS_COLUMNS[0], T.StringType(), False),
-        T.StructField(VERSIONS_COLUMNS[1], T.LongType(), False),
-        T.StructField(VERSIONS_COLUMNS[2], T.TimestampType(), False),
-    ]
-)
-
-
-def quarantine_columns(service: str, entity: str, **given: Column) -> list[Column]:
-    """The quarantine table's columns, in its order, for a DataFrame of refused records.
-
-    ``given`` names the columns the caller has (``error_kind``, ``raw_value``, ...); the
-    others are typed nulls. ``service`` and ``entity`` are literals.
-    """
-    unknown = set(given) - set(QUARANTINE_SCHEMA.fieldNames()) - {"service", "entity"}
-    if unknown:
-        raise ValueError(f"not quarantine columns: {sorted(unknown)}")
-    fixed = {"service": F.lit(service), "entity": F.lit(entity)}
-    return [
-        fixed.get(f.name, given.get(f.name, F.lit(None))).cast(f.dataType).alias(f.name)
-        for f in QUARANTINE_SCHEMA.fields
-    ]
-
-
-@dataclass(frozen=True)
-class QuarantineRecord:
-    """One refused record built on the driver (publishers): a row of the quarantine table."""
-
-    service: str
-    entity: str
-    error_kind: str
-    error_message: str
-    batch_id: int
-    raw_key: bytes | None = None
-    raw_value: bytes | None = None
-    source_table: str | None = None
-    source_version: int | None = None
-    kafka_topic: str | None = None
-    kafka_partition: int | None = None
-    kafka_offset: int | None = None
-    kafka_timestamp: dt.datetime | None = None
-    quarantined_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
-
-    def row(self) -> tuple[Any, ...]:
-        """The values in the table's column order."""
-        return tuple(getattr(self, name) for name in QUARANTINE_SCHEMA.fieldNames())
-
-
-def quarantine_frame(spark: SparkSession, records: Sequence[QuarantineRecord]) -> DataFrame:
-    """The records as a DataFrame of the quarantine table's schema."""
-    return frame_from_rows(spark, [r.row() for r in records], QUARANTINE_SCHEMA)
-
-
-#: The quarantine's columns that name one Kafka record: its entity and coordinates.
-QUARANTINED_RECORD = ("entity", "kafka_topic", "kafka_partition", "kafka_offset")
 
 
 def not_quarantined_yet(spark: SparkSession, rows: DataFrame, quarantine_path: str) -> DataFrame:
