@@ -50,6 +50,7 @@ class KafkaWatch:
         self._admin = make_admin(kafka, log_level=0, error_cb=self._on_client_error)
         self._client_errors: list[str] = []
         self._stop = threading.Event()
+        self._thread = threading.current_thread()  # the probing thread, once started
         self._down_since: float | None = None
         self._warned_at = 0.0
 
@@ -60,9 +61,21 @@ class KafkaWatch:
 
     def start(self) -> KafkaWatch:
         """Probe in a daemon thread until the runner closes."""
-        threading.Thread(target=self._run, name="kafka-watch", daemon=True).start()
-        self.runner.on_close(self._stop.set)
+        self._thread = threading.Thread(target=self._run, name="kafka-watch", daemon=True)
+        self._thread.start()
+        self.runner.on_close(self.stop)
         return self
+
+    def stop(self) -> None:
+        """Stop probing, and wait for a probe under way to end.
+
+        A probe waits in librdkafka (up to ``timeout_s``) with its client; a process that
+        exited meanwhile would free the client under that wait, and librdkafka's broker
+        thread then crashes the process (SIGSEGV) instead of letting it exit as it chose.
+        """
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.timeout_s + 5)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
