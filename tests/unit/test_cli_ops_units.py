@@ -193,6 +193,9 @@ def test_a_bronze_commit_says_whose_rows_it_adds_and_where_the_ingestor_stands()
     compacted = parse_commit(8, _bronze_commit(8, {"customers": 5}, operation="OPTIMIZE"))
     assert compacted.entity_rows == {} and compacted.ingestor is None
     assert compacted.change_feed_files == 0
+    # Retention's DELETE rewrites the files it keeps rows of: they are no new rows.
+    retained = parse_commit(9, _bronze_commit(9, {"customers": 4}, operation="DELETE"))
+    assert retained.entity_rows == {} and retained.ingestor is None
 
 
 def _bronze() -> LogFiles:

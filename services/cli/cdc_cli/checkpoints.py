@@ -49,6 +49,8 @@ _READ_AHEAD = 64
 #: A checkpoint a group's query moved aside to start on a new one (``move_aside``).
 _ASIDE = re.compile(r"\.\d{8}T\d{6}(-\d+)?$")
 
+#: The one bronze table, as the commands name it.
+BRONZE = "bronze"
 #: Offsets by topic, then partition (as Spark's Kafka source writes them): the next one.
 Offsets = dict[str, dict[str, int]]
 
@@ -229,7 +231,9 @@ def parse_commit(version: int, text: str) -> LogCommit:
     info: dict[str, Any] = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
     millis = int(info.get("inCommitTimestamp") or info.get("timestamp") or 0)
     rows: dict[str, int | None] = {}
-    for action in actions:
+    # A DELETE's adds (retention's, in bronze) are the rows it kept, rewritten: not new.
+    added_rows = [] if info.get("operation") == "DELETE" else actions
+    for action in added_rows:
         add = action.get("add")
         if add is None or not add.get("dataChange", True):
             continue

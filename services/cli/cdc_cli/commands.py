@@ -302,6 +302,10 @@ def maintenance_command(
     merger.tombstone_retention_hours after them (bronze's ingest time, not the wall clock;
     null keeps them). --tombstone-retention-hours may only lengthen that.
 
+    With a retention set (retention.bronze_hours, an entity's bronze_retention_hours,
+    retention.quarantine_hours), bronze rows and quarantined records past it are deleted
+    first: never a bronze row the merger has not merged (docs/operations.md, Retention).
+
     --dry-run makes the same checks (and refuses what a run would), then reports what a
     run would do, changing nothing. It starts no Spark session: it reads the tables' logs
     (delta-rs), the checkpoint files and the writer leases directly.

@@ -239,12 +239,17 @@ class DeltaLogState:
         values = pa.table(changes.read_all()).column(column)
         return pc.min(values).as_py()
 
-    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
-        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
+    def count_before(
+        self, path: str, column: str, moment: dt.datetime, where: Mapping[str, str] | None = None
+    ) -> int:
+        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``.
+
+        ``where``: only the rows whose columns hold these values.
+        """
         self._existing(path)
-        rows = self.query(
-            f'SELECT count(*) AS n FROM t WHERE "{column}" < {_sql_timestamp(moment)}', t=path
-        )
+        conditions = [f'"{column}" < {_sql_timestamp(moment)}']
+        conditions += [f'"{name}" = {_sql_string(v)}' for name, v in (where or {}).items()]
+        rows = self.query(f"SELECT count(*) AS n FROM t WHERE {' AND '.join(conditions)}", t=path)
         return int((rows or [{"n": 0}])[0]["n"])
 
     def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:

@@ -20,6 +20,7 @@ from cdc_shared.config.services import StreamingServiceConfig
 from cdc_shared.contracts.layout import SERVICES, display_name
 
 from cdc_cli.checkpoints import (
+    BRONZE,
     Commit,
     StateReader,
     data_commits_from,
@@ -27,6 +28,8 @@ from cdc_cli.checkpoints import (
     streams_folder,
 )
 
+#: Bronze's commits no service makes: retention's deletes (``cdc_cli.log_retention``).
+RETENTION_OPERATIONS = frozenset({"DELETE"})
 #: How long a commit or a checkpoint's progress counts as a sign of a running service.
 DEFAULT_QUIET = dt.timedelta(minutes=10)
 HEALTH_TIMEOUT_S = 2.0
@@ -89,18 +92,21 @@ def health_answer(url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
     return f"answers {status}" if status in (200, 503) else None
 
 
-def _recent_data_commit(state: StateReader, path: str, since: dt.datetime) -> Commit | None:
+def _recent_data_commit(
+    state: StateReader, path: str, since: dt.datetime, also_not_data: frozenset[str]
+) -> Commit | None:
     """The table's last data commit if it is after ``since``; None otherwise.
 
     The history is read from the newest commits back, a window at a time, only as far as
-    ``since``: a table of many versions costs the few read.
+    ``since``: a table of many versions costs the few read. ``also_not_data``: operations
+    of the table that no service commits (bronze's DELETE: retention's, maintenance's own).
     """
     newest = state.table_version(path)
     end = -1 if newest is None else newest
     while end >= 0:
         start = max(0, end - _HISTORY_WINDOW + 1)
         window = {v: c for v, c in state.history(path, start).items() if v <= end}
-        written = data_commits_from(window, start)
+        written = [c for c in data_commits_from(window, start) if c.operation not in also_not_data]
         if written:
             return written[-1] if written[-1].timestamp > since else None
         if not window or min(c.timestamp for c in window.values()) <= since:
@@ -125,7 +131,8 @@ def signs_of_life(
     checkpoint of any service (``_streams/<service>/<group>``) that planned or committed
     a micro-batch within
     ``quiet`` (the publishers, which write no table). OPTIMIZE and VACUUM commits do not
-    count: they add no data and are maintenance's own. A service idle for longer than
+    count: they add no data and are maintenance's own; nor do bronze's DELETEs (its
+    retention's). A service idle for longer than
     ``quiet`` whose ``/health`` cannot be reached from here is not seen: that is what the
     operator's ``--force-short-retention`` vouches for. Leases are read the way ``state``
     reads files (without a JVM from object storage too).
@@ -147,7 +154,8 @@ def signs_of_life(
             signs.append(f"{service}: {url} {answer}")
     minutes = f"{quiet.total_seconds() / 60:g} minutes"
     for table, path in tables.items():
-        last = _recent_data_commit(state, path, since)
+        maintenance_only = RETENTION_OPERATIONS if table == BRONZE else frozenset()
+        last = _recent_data_commit(state, path, since, maintenance_only)
         if last is not None:
             signs.append(
                 f"{table}: {last.operation} committed version {last.version} at "

@@ -78,7 +78,9 @@ from cdc_shared.contracts.layout import (
     MERGER,
 )
 
+from cdc_cli import log_retention
 from cdc_cli.checkpoints import (
+    BRONZE,
     StateReader,
 )
 from cdc_cli.liveness import DEFAULT_QUIET, signs_of_life
@@ -90,7 +92,6 @@ from cdc_cli.retention import (
     retention_minimum,
 )
 from cdc_cli.stream_needs import (
-    BRONZE,
     StreamNeed,
     bronze_needs,
     check_vacuum_retention,
@@ -100,7 +101,7 @@ from cdc_cli.stream_needs import (
     silver_needs,
     stream_needs,
 )
-from cdc_cli.table_state import DELTA_RS, SPARK, TableState, open_state
+from cdc_cli.table_state import DELTA_RS, SPARK, TableState, TableWrites, open_state
 from cdc_cli.tombstone_expiry import (
     expire_by_ingest_time,
     merged_ingest_times,
@@ -131,6 +132,8 @@ class TableResult:
     vacuumed_files: int | None = None
     tombstones_expired: int | None = None
     tombstones_note: str | None = None  # which tombstones expired, or why none did
+    retention_deleted: int | None = None  # rows past the log's retention (a dry run: would)
+    retention_note: str | None = None  # whose rows, before when, and which were kept
 
 
 @dataclass(frozen=True)
@@ -363,6 +366,7 @@ def run_maintenance(
         report.tables.append(TableResult(table, files, removed, added, vacuum_hours, vacuumed))
 
     report = MaintenanceReport(needs=all_needs, dry_run=dry_run, notices=notices)
+    report.tables.extend(_retention(config, state, writes))  # first: OPTIMIZE packs the rest
     if BRONZE in tables:
         maintain(BRONZE, None)
     for entity in entities:
@@ -384,6 +388,19 @@ def run_maintenance(
                 )
             )
     return report
+
+
+def _retention(
+    config: PipelineConfig, state: TableState, writes: TableWrites | None
+) -> list[TableResult]:
+    """Bronze's and the quarantine's rows past their retention, deleted; one result per log.
+
+    ``writes`` None (a dry run): counted (``cdc_cli.log_retention``).
+    """
+    return [
+        TableResult(done.table, retention_deleted=done.deleted, retention_note=done.note)
+        for done in log_retention.apply(config, state, writes, dt.datetime.now(dt.UTC))
+    ]
 
 
 def render(report: MaintenanceReport) -> str:
@@ -410,7 +427,12 @@ def render(report: MaintenanceReport) -> str:
             files = "?" if t.vacuumed_files is None else str(t.vacuumed_files)
             deleted = "would be deleted" if report.dry_run else "deleted"
             parts.append(f"vacuum {t.vacuum_retention_hours:g} h: {files} files {deleted}")
+        if t.retention_deleted is not None:
+            verb = "would delete" if report.dry_run else "deleted"
+            parts.append(f"retention: {verb} {t.retention_deleted} rows")
         lines.append(f"{t.table:<30} {'; '.join(parts) or 'nothing to do'}")
+        if t.retention_note:
+            lines.append(f"{'':<30} retention: {t.retention_note}")
         if t.tombstones_note is not None:
             lines.append(f"{'':<30} tombstones {t.tombstones_note}")
     return "\n".join(lines)

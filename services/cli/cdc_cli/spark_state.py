@@ -142,10 +142,14 @@ class SparkTables(SparkState):
         value = None if row is None else row[0]
         return as_utc(value) if isinstance(value, dt.datetime) else value
 
-    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
+    def count_before(
+        self, path: str, column: str, moment: dt.datetime, where: Mapping[str, str] | None = None
+    ) -> int:
         """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
-        rows = self.spark.read.format("delta").load(path)
-        return int(rows.where(F.col(column) < F.lit(moment)).count())
+        rows = self.spark.read.format("delta").load(path).where(F.col(column) < F.lit(moment))
+        for name, wanted in (where or {}).items():
+            rows = rows.where(F.col(name) == F.lit(wanted))
+        return int(rows.count())
 
     def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:
         """How many paths Delta Lake's ``VACUUM ... RETAIN hours HOURS DRY RUN`` lists."""
@@ -163,6 +167,13 @@ class SparkTables(SparkState):
     def expire_tombstones(self, path: str, cutoff: dt.datetime) -> int:
         """Expire the tombstones recorded before ``cutoff``, as the merger does: how many."""
         return expire_tombstones(self.spark, path, cutoff)
+
+    def delete_rows(self, path: str, predicate: str, properties: Mapping[str, str]) -> int:
+        """Delete the rows ``predicate`` holds from the log at ``path`` (see ``TableWrites``)."""
+        settings = {**properties, "delta.appendOnly": "false"}
+        listed = ", ".join(f"'{k}' = '{v}'" for k, v in settings.items())
+        self.spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({listed})")
+        return on_conflict_retry(_delete)(self.spark, path, predicate)
 
 
 def vacuum_table(
@@ -200,6 +211,13 @@ def compact(spark: SparkSession, path: str) -> tuple[int, int]:
     Safe beside a running merger: a compaction that loses a commit race is tried again.
     """
     return on_conflict_retry(_compact)(spark, path)
+
+
+def _delete(spark: SparkSession, path: str, predicate: str) -> int:
+    DeltaTable.forPath(spark, path).delete(predicate)
+    last = DeltaTable.forPath(spark, path).history(1).select("operationMetrics").head()
+    metrics = (last["operationMetrics"] if last is not None else None) or {}
+    return int(metrics.get("numDeletedRows", 0))
 
 
 def _compact(spark: SparkSession, path: str) -> tuple[int, int]:

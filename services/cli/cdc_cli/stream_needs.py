@@ -34,6 +34,7 @@ from elasticsearch import ApiError, TransportError
 
 from cdc_cli import status
 from cdc_cli.checkpoints import (
+    BRONZE,
     DeltaLog,
     StateReader,
     change_feed_versions,
@@ -54,9 +55,6 @@ if TYPE_CHECKING:  # a dry run reads without PySpark: it is imported where a ses
 
 SAFETY_MARGIN = dt.timedelta(minutes=5)
 SILVER_READERS = (PUBLISHER_KAFKA, PUBLISHER_ES)
-#: The one bronze table, as maintenance names it.
-BRONZE = "bronze"
-INGESTED_AT = "ingested_at"  # bronze's ingest time (cdc_shared.contracts.bronze)
 
 
 @dataclass(frozen=True)

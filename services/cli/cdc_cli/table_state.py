@@ -67,8 +67,13 @@ class TableState(ActivityReader, Protocol):
         """
         ...
 
-    def count_before(self, path: str, column: str, moment: dt.datetime) -> int:
-        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``."""
+    def count_before(
+        self, path: str, column: str, moment: dt.datetime, where: Mapping[str, str] | None = None
+    ) -> int:
+        """Rows of the table at ``path`` whose timestamp ``column`` is before ``moment``.
+
+        ``where``: only the rows whose columns hold these values.
+        """
         ...
 
     def vacuum_dry_run(self, path: str, hours: float, table_retention_hours: float) -> int:
@@ -96,6 +101,14 @@ class TableWrites(Protocol):
 
     def expire_tombstones(self, path: str, cutoff: dt.datetime) -> int:
         """Expire the tombstones recorded before ``cutoff``, as the merger does: how many."""
+        ...
+
+    def delete_rows(self, path: str, predicate: str, properties: Mapping[str, str]) -> int:
+        """Delete the rows of the append-only log at ``path`` that ``predicate`` (SQL) holds.
+
+        First ``properties`` and ``delta.appendOnly=false`` in one commit; then the DELETE
+        (retried when it loses a commit race). How many rows went.
+        """
         ...
 
 

@@ -16,6 +16,7 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.contracts.layout import (
     ENTITY_COLUMN,
+    INGESTED_AT,
 )
 from cdc_shared.contracts.silver import DELETED_AT
 
@@ -25,7 +26,7 @@ from cdc_cli.checkpoints import (
     merger_backlog,
 )
 from cdc_cli.retention import RetentionTooShortError
-from cdc_cli.stream_needs import INGESTED_AT, ingested_positions, merger_progress
+from cdc_cli.stream_needs import ingested_positions, merger_progress
 from cdc_cli.table_state import TableState, TableWrites
 
 

@@ -32,9 +32,9 @@ from cdc_shared.avro import SchemaRegistry, SchemaRegistryUnavailableError
 from cdc_shared.clients.connect import spark_kafka_options
 from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
-from cdc_shared.contracts import bronze
+from cdc_shared.contracts import bronze, quarantine
 from cdc_shared.contracts.layout import INGESTOR
-from cdc_shared.contracts.quarantine import QUARANTINE_PROPERTIES, QUARANTINE_SCHEMA
+from cdc_shared.contracts.quarantine import QUARANTINE_SCHEMA
 from cdc_shared.contracts.stream_checkpoint import kafka_initial_offsets, last_committed_batch
 from cdc_shared.jvm.bridge import HadoopFiles, observation_ready
 from cdc_shared.jvm.driver_frames import frame_from_rows
@@ -146,9 +146,18 @@ class GroupIngestion:
         Nothing to wait for (``wait_s``): the source is Kafka, not a table.
         """
         ensure_table(
-            self.spark, self.bronze_path, bronze.SCHEMA, bronze.PROPERTIES, [bronze.ENTITY]
+            self.spark,
+            self.bronze_path,
+            bronze.SCHEMA,
+            bronze.properties_for(self.config),
+            [bronze.ENTITY],
         )
-        ensure_table(self.spark, self.quarantine_path, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+        ensure_table(
+            self.spark,
+            self.quarantine_path,
+            QUARANTINE_SCHEMA,
+            quarantine.properties_for(self.config),
+        )
         self.types = bronze.read_payload_types(self.spark, self.bronze_path)
         self._widen_types({t.entity.name: self._payload_type(t) for t in self.tables.values()})
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from cdc_shared.clients.retry import retrying
 from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
-from cdc_shared.contracts import bronze
-from cdc_shared.contracts.layout import MERGER, MERGER_PROGRESS_APP
+from cdc_shared.contracts import bronze, quarantine
+from cdc_shared.contracts.layout import MERGER, MERGER_PROGRESS_APP, RETENTION_PROPERTY
 from cdc_shared.contracts.quarantine import (
-    QUARANTINE_PROPERTIES,
     QUARANTINE_SCHEMA,
     quarantine_columns,
 )
 from cdc_shared.contracts.unavailable import Placeholder
 from cdc_shared.jvm.spark import counting_jobs
+from cdc_shared.streaming.failures import KnownFailureError
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.tables import (
     ensure_table,
@@ -113,6 +113,27 @@ def _row_columns(payload_type: T.StructType) -> list[str]:
     return after.fieldNames()
 
 
+class BronzeRetainedError(KnownFailureError):
+    """A table would be built from bronze after retention deleted some of its rows.
+
+    Silver (or its history) with no progress is written from every row bronze holds of
+    the entity; once ``cdc maintenance`` deleted rows by retention, that would make a
+    table missing them, so the table is held instead (the others go on).
+    """
+
+    entity_only = True
+
+    def __init__(self, entity: str, table: str, deleted_before: dt.datetime) -> None:
+        super().__init__(
+            f"{table} of {entity!r} has no progress, so it would be built from bronze, but "
+            f"bronze's retention deleted its rows ingested before "
+            f"{deleted_before.isoformat(timespec='seconds')}: restore {table} (with its "
+            "_delta_log) from a backup, or take a new snapshot of the source table and "
+            f"remove bronze's table property {RETENTION_PROPERTY}{entity} "
+            '(docs/operations.md, "Retention")'
+        )
+
+
 @dataclass(eq=False)
 class TableMerge:
     """One entity's writes (see the module docstring); its progress kept in memory.
@@ -140,6 +161,8 @@ class TableMerge:
             self.spark, self.layout.silver_path, self.config.merger.deletion_vectors_from_mib
         )
         self.payload_type: T.StructType | None = None
+        #: Before when bronze's retention may have deleted the entity's rows (None: never).
+        self.deleted_before: dt.datetime | None = None
         self._made = False
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
 
@@ -210,6 +233,7 @@ class TableMerge:
             self.announce(self.name)  # written before (a batch run again): say so again
             return BatchStats(counts={"skipped": 1})
         started = time.monotonic()
+        self._refuse_a_rebuild(self.progress, "silver")
         events = self.events(spark, self.progress, until)
         self._tables(events)
 
@@ -277,6 +301,7 @@ class TableMerge:
             return BatchStats(counts={"skipped": 1})
         assert until <= self.progress, "the history runs after silver's step, never ahead"
         started = time.monotonic()
+        self._refuse_a_rebuild(self.history_progress, "its history")
         events = self.events(spark, self.history_progress, until)
         with counting_jobs(spark) as spark_jobs:
             applicable = apply_history(
@@ -296,6 +321,11 @@ class TableMerge:
             "bronze_version": until,
         }
         return BatchStats(counts={"history_events": applicable}, extra=extra)
+
+    def _refuse_a_rebuild(self, progress: int, table: str) -> None:
+        """BronzeRetainedError when ``table`` would be built from rows retention deleted."""
+        if progress < 0 and self.deleted_before is not None:
+            raise BronzeRetainedError(self.name, table, self.deleted_before)
 
     def note_progress(self, until: int) -> None:
         """Record that the table (and its history) is merged through ``until``: no rows since.
@@ -348,4 +378,9 @@ class TableMerge:
 
 def ensure_quarantine(spark: SparkSession, config: PipelineConfig) -> None:
     """``quarantine/merger``, unless it exists."""
-    ensure_table(spark, config.layout.quarantine(SERVICE), QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+    ensure_table(
+        spark,
+        config.layout.quarantine(SERVICE),
+        QUARANTINE_SCHEMA,
+        quarantine.properties_for(config),
+    )

@@ -39,7 +39,12 @@ from cdc_shared.streaming.groups import TableGroup
 from cdc_shared.streaming.progress import BatchStats
 from cdc_shared.streaming.queue import BatchWrites, TableQueue
 from cdc_shared.streaming.runner import QueryIdentity, StreamRunner
-from cdc_shared.streaming.tables import ensure_table, on_conflict_retry, wait_for_table
+from cdc_shared.streaming.tables import (
+    ensure_table,
+    on_conflict_retry,
+    table_properties,
+    wait_for_table,
+)
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -198,11 +203,17 @@ class GroupMerge:
                 self.runner.on_close(self._between)
 
     def _type_tables(self) -> None:
-        """Each table's payload type, as bronze's properties say (tables without rows: none)."""
-        types = bronze.read_payload_types(self.spark, self.bronze_path)
+        """Each table's payload type and retention mark, as bronze's properties say.
+
+        A table without rows in bronze has no type yet; one retention never touched, no mark.
+        """
+        properties = table_properties(self.spark, self.bronze_path)
+        types = bronze.payload_types(properties)
+        deleted_before = bronze.retention_marks(properties)
         for name, table in self.tables.items():
             if name in types:
                 table.typed_as(types[name])
+            table.deleted_before = deleted_before.get(name)
 
     def _read_progress(self) -> None:
         """Each table's progress (and silver's version), from silver's and the history's logs."""
@@ -243,6 +254,7 @@ class GroupMerge:
             .option("startingVersion", since + 1)
             .option("endingVersion", end)
             .load(self.bronze_path)
+            .where(bronze.APPENDED)
             .where(F.col(bronze.ENTITY).isin(*behind))
             .where(F.col("_commit_version") > progress_of[F.col(bronze.ENTITY)])
             .groupBy(bronze.ENTITY)
@@ -264,7 +276,8 @@ class GroupMerge:
         latest version when every table has reached it: its rows are offered again, to
         no effect).
         """
-        reader = self.spark.readStream.format("delta")
+        # A retention delete (``cdc maintenance``) removes only rows merged already.
+        reader = self.spark.readStream.format("delta").option("skipChangeCommits", "true")
         if last_committed_batch(HadoopFiles(self.spark), self.checkpoint) is None:
             oldest = min((t.progress for t in self.tables.values()), default=-1)
             latest = delta_version(self.spark, self.bronze_path)

@@ -103,6 +103,8 @@ class EntityConfig(Section):
     ignore_null_updates: bool | list[str] = False
     # The SCD type 2 history table beside silver (``HistoryConfig``).
     history: HistoryConfig = Field(default_factory=HistoryConfig)
+    #: How long bronze keeps this table's rows (``cdc maintenance``); null: the pipeline's.
+    bronze_retention_hours: float | None = Field(default=None, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -352,6 +354,25 @@ class EntitySetConfig(Section):
 
 
 #: The group of the tables no configured group names (``groups``).
+class RetentionConfig(Section):
+    """How long the pipeline's logs keep their rows; ``cdc maintenance`` deletes older ones.
+
+    ``bronze_hours``: bronze rows ingested longer ago than this (an entity's own
+    ``bronze_retention_hours`` first), never a row the merger has not merged yet.
+    ``quarantine_hours``: quarantined records, by when they were quarantined. ``null``
+    (the default) keeps every row, as bronze and the quarantine are append-only logs.
+    Rebuilding silver from bronze needs the rows retention deleted: the merger refuses
+    it for a table whose rows were deleted (docs/operations.md, "Retention").
+    """
+
+    bronze_hours: float | None = Field(default=None, gt=0)
+    quarantine_hours: float | None = Field(default=None, gt=0)
+
+    def bronze_hours_of(self, entity: EntityConfig) -> float | None:
+        """How long bronze keeps ``entity``'s rows (None: forever)."""
+        return entity.bronze_retention_hours or self.bronze_hours
+
+
 DEFAULT_GROUP = "default"
 
 

@@ -35,6 +35,7 @@ from cdc_shared.config.entities import (
     DEFAULT_GROUP,
     EntityConfig,
     EntitySetConfig,
+    RetentionConfig,
     TableGroupConfig,
     entity_conflict,
 )
@@ -72,6 +73,7 @@ class PipelineConfig(BaseSettings):
     # How often a running service asks the broker for topics its entity sets now select.
     entity_discovery_interval_s: float = Field(default=5.0, gt=0)
     groups: list[TableGroupConfig] = Field(default_factory=list)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     ingestor: IngestorConfig = Field(default_factory=IngestorConfig)
     merger: MergerConfig = Field(default_factory=MergerConfig)
     publisher_kafka: PublisherKafkaConfig = Field(default_factory=PublisherKafkaConfig)

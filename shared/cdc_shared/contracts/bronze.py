@@ -23,12 +23,20 @@ bronze, and how to look at an entity's change log:
     >>> changes.where("op = 'd'").select("key.id", "before.email").show()
 
 Change Data Feed is on, so the rows of a range of versions are read by version
-(``readChangeFeed``): bronze only appends, so the feed holds exactly the appended rows
-(compaction's rewrites are not changes).
+(``readChangeFeed``): the feed's inserts are exactly the appended rows (compaction's
+rewrites are not changes).
+
+Bronze only appends, unless the pipeline sets a retention (``retention.bronze_hours``,
+an entity's ``bronze_retention_hours``): then ``cdc maintenance`` deletes rows older than
+it that the merger has merged, and records per entity, in the table property
+``cdc.retention.deletedBefore.<entity>``, before when rows may be gone
+(:func:`retention_marks`). Readers take only the feed's inserts, and the merger's stream
+skips the deletes' commits (``skipChangeCommits``).
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Mapping
 
@@ -36,7 +44,8 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_shared.contracts.layout import ENTITY_COLUMN
+from cdc_shared.config.pipeline import PipelineConfig
+from cdc_shared.contracts.layout import ENTITY_COLUMN, INGESTED_AT, RETENTION_PROPERTY
 from cdc_shared.streaming.tables import AUTO_COMPACT, table_properties
 
 ENTITY = ENTITY_COLUMN
@@ -50,7 +59,7 @@ SHARED_COLUMNS = (
     "is_tombstone",
     "sequence",
     "writer_schema",
-    "ingested_at",
+    INGESTED_AT,
 )
 SCHEMA = T.StructType(
     [
@@ -63,7 +72,7 @@ SCHEMA = T.StructType(
         T.StructField("is_tombstone", T.BooleanType(), False),
         T.StructField("sequence", T.ArrayType(T.LongType()), False),
         T.StructField("writer_schema", T.StringType(), True),
-        T.StructField("ingested_at", T.TimestampType(), True),
+        T.StructField(INGESTED_AT, T.TimestampType(), True),
         T.StructField(PAYLOAD, T.VariantType(), True),
     ]
 )
@@ -78,6 +87,31 @@ PROPERTIES = {
 }
 #: The table property holding an entity's payload type (Spark's JSON form of a struct).
 TYPE_PROPERTY = "cdc.payloadType."
+#: The Change Data Feed's rows that are bronze rows (not a retention delete's).
+APPENDED = "_change_type = 'insert'"
+
+
+def properties_for(config: PipelineConfig) -> dict[str, str]:
+    """Bronze's table properties: append-only unless the pipeline sets a retention.
+
+    With one, ``delta.appendOnly`` is left as it is: ``cdc maintenance`` turns it off
+    before its first delete, and the ingestor does not turn it back on.
+    """
+    retained = config.retention.bronze_hours is not None or any(
+        e.bronze_retention_hours is not None for e in config.entities
+    )
+    if not retained:
+        return PROPERTIES
+    return {k: v for k, v in PROPERTIES.items() if k != "delta.appendOnly"}
+
+
+def retention_marks(properties: Mapping[str, str]) -> dict[str, dt.datetime]:
+    """Per entity, before when retention may have deleted its rows (bronze's properties)."""
+    return {
+        key[len(RETENTION_PROPERTY) :]: dt.datetime.fromisoformat(value)
+        for key, value in properties.items()
+        if key.startswith(RETENTION_PROPERTY)
+    }
 
 
 def payload_types(properties: Mapping[str, str]) -> dict[str, T.StructType]:
@@ -145,10 +179,10 @@ def entity_changes(
     """``entity``'s bronze rows, typed (:func:`typed`): all, or those of a range of versions.
 
     ``since_version`` (exclusive) and ``until_version`` (inclusive) bound the commits read
-    (Change Data Feed); without ``since_version`` (or -1), every row up to
-    ``until_version`` (the table as of that version: bronze only appends, so the same
-    rows, without reading every commit since the table's first); without either, every
-    row bronze holds. ``payload_type`` defaults to
+    (Change Data Feed, its inserts); without ``since_version`` (or -1), every row up to
+    ``until_version`` (the table as of that version: the same rows, without reading
+    every commit since the table's first, but for those retention deleted); without
+    either, every row bronze holds. ``payload_type`` defaults to
     the entity's latest (read from the table's properties).
     """
     if payload_type is None:
@@ -165,4 +199,6 @@ def entity_changes(
     elif until_version is not None:  # every row up to a version: bronze only appends
         reader = reader.option("versionAsOf", until_version)
     rows = reader.load(path).where(F.col(ENTITY) == F.lit(entity))
+    if since_version is not None and since_version >= 0:
+        rows = rows.where(APPENDED)  # not the rows a retention delete removed
     return typed(rows, payload_type)

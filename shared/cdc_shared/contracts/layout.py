@@ -34,6 +34,11 @@ POSITIONS_COMMITS_READ = 1000
 ALL_ENTITIES = "_all"
 #: The one bronze table's partition column: the entity a change belongs to.
 ENTITY_COLUMN = "entity"
+#: Bronze's column of when the ingestor read a row (its retention goes by it).
+INGESTED_AT = "ingested_at"
+#: Bronze's table property recording before when retention may have deleted an entity's
+#: rows (``cdc.retention.deletedBefore.<entity>``: ``cdc_shared.contracts.bronze``).
+RETENTION_PROPERTY = "cdc.retention.deletedBefore."
 
 
 def display_name(service: str) -> str:

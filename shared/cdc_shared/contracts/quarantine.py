@@ -17,6 +17,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.jvm.driver_frames import frame_from_rows
 
 #: What could not be processed, from any service (docs/design.md, "Tables").
@@ -40,6 +41,15 @@ QUARANTINE_SCHEMA = T.StructType(
 )
 
 QUARANTINE_PROPERTIES = {"delta.appendOnly": "true"}
+
+
+def properties_for(config: PipelineConfig) -> dict[str, str]:
+    """A quarantine table's properties: append-only unless ``retention.quarantine_hours``.
+
+    With a retention, ``delta.appendOnly`` is left as it is (``cdc maintenance`` turns it
+    off before its first delete).
+    """
+    return {} if config.retention.quarantine_hours is not None else QUARANTINE_PROPERTIES
 
 
 def quarantine_columns(service: str, entity: str, **given: Column) -> list[Column]:

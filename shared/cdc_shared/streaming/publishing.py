@@ -27,7 +27,8 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.config.services import ChangeFeedConfig
 from cdc_shared.config.values import interval_seconds
-from cdc_shared.contracts.quarantine import QUARANTINE_PROPERTIES, QUARANTINE_SCHEMA
+from cdc_shared.contracts.quarantine import QUARANTINE_SCHEMA
+from cdc_shared.contracts.quarantine import properties_for as quarantine_properties
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch
 from cdc_shared.jvm.bridge import HadoopFiles, delta_version
 from cdc_shared.jvm.spark import side_by_side
@@ -116,8 +117,12 @@ class ChangeFeedGroup:
         counts too).
         """
         wait_for_table(self.spark, self.path, wait_s, "start the merger first", log)
-        quarantine = self.config.layout.quarantine(self.service)
-        ensure_table(self.spark, quarantine, QUARANTINE_SCHEMA, QUARANTINE_PROPERTIES)
+        ensure_table(
+            self.spark,
+            self.config.layout.quarantine(self.service),
+            QUARANTINE_SCHEMA,
+            quarantine_properties(self.config),
+        )
 
         def start(name: str) -> None:
             try:
