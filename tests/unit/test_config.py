@@ -139,6 +139,17 @@ def test_unknown_entity_lists_known_ones(good_file: Path) -> None:
         ("entities: [{name: c, key: [id]}]", "entities.0.source_topic", "Field required"),
         ("entities: [{name: c, source_topic: t, key: [id, id]}]", "entities.0.key", "unique"),
         (
+            "entities: [{name: c, source_topic: t, key: [id], columns: [a, a]}]",
+            "entities.0.columns",
+            "column names must be unique",
+        ),
+        (
+            "entities: [{name: c, source_topic: t, key: [id], history: {track_columns: []}}]",
+            "entities.0.history.track_columns",
+            "at least 1",
+        ),
+        ("retention: {bronze_hours: 0}", "retention.bronze_hours", "greater than 0"),
+        (
             "entities: [{name: c, source_topic: t, key: [id], colour: red}]",
             "entities.0.colour",
             "Extra inputs",

@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from cdc_shared.config.names import avro_namespace, es_index_problem, kafka_topic_problem
-from cdc_shared.config.values import ConfigError, Interval, Section
+from cdc_shared.config.values import ColumnNames, ConfigError, Interval, Section
 
 KAFKA_COORDINATE_SEQUENCE = ["kafka.partition", "kafka.offset"]
 
@@ -47,16 +47,9 @@ class HistoryConfig(Section):
     """
 
     enabled: bool = False
-    track_columns: list[str] | None = Field(default=None, min_length=1)
-    except_columns: list[str] | None = Field(default=None, min_length=1)
+    track_columns: ColumnNames | None = None
+    except_columns: ColumnNames | None = None
     freshness: Interval | None = "60 seconds"
-
-    @field_validator("track_columns", "except_columns")
-    @classmethod
-    def _names_unique(cls, names: list[str] | None) -> list[str] | None:
-        if names is not None and len(set(names)) != len(names):
-            raise ValueError(f"column names must be unique, got {names}")
-        return names
 
     @model_validator(mode="after")
     def _one_selection(self) -> HistoryConfig:
@@ -95,8 +88,8 @@ class EntityConfig(Section):
     freshness: Interval | None = None
     # The row's columns silver (and from it the change topic and the index) keeps: only
     # ``columns`` (the key always), or all but ``except_columns``; bronze keeps every one.
-    columns: list[str] | None = Field(default=None, min_length=1)
-    except_columns: list[str] | None = Field(default=None, min_length=1)
+    columns: ColumnNames | None = None
+    except_columns: ColumnNames | None = None
     # A null in an update keeps the column's current value (sources that send only the
     # changed fields): every non-key column (true) or the ones listed. Off: a relational
     # null is a real value.
@@ -139,13 +132,6 @@ class EntityConfig(Section):
         if len(set(key)) != len(key):
             raise ValueError(f"key columns must be unique, got {key}")
         return key
-
-    @field_validator("columns", "except_columns")
-    @classmethod
-    def _column_names_unique(cls, names: list[str] | None) -> list[str] | None:
-        if names is not None and len(set(names)) != len(names):
-            raise ValueError(f"column names must be unique, got {names}")
-        return names
 
     @model_validator(mode="after")
     def _one_column_selection(self) -> EntityConfig:

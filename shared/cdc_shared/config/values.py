@@ -79,6 +79,17 @@ Interval = Annotated[str, AfterValidator(_an_interval)]
 Port = Annotated[int, Field(ge=0, lt=65536)]
 
 
+def _unique_names(names: list[str]) -> list[str]:
+    """``names`` if no name repeats; ValueError if one does."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"column names must be unique, got {names}")
+    return names
+
+
+#: A selection of columns: at least one name, none twice.
+ColumnNames = Annotated[list[str], Field(min_length=1), AfterValidator(_unique_names)]
+
+
 def is_secret_option(name: str) -> bool:
     """Whether a pass-through option (e.g. ``sasl.password``) holds a secret."""
     lowered = name.lower()
