@@ -31,7 +31,7 @@ from cdc_shared.config.entities import EntityConfig, HistoryConfig
 from cdc_shared.contracts import bronze
 from cdc_shared.contracts.bronze import read_payload_types
 from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, Placeholder
-from cdc_shared.jvm.bridge import delta_version
+from cdc_shared.jvm.bridge import delta_transaction_version, delta_version
 from cdc_shared.streaming.tables import ensure_table, expire_tombstones, table_properties
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession
@@ -291,6 +291,41 @@ def test_replayed_batch_changes_nothing(customers: Silver) -> None:
     customers.apply(customers.event("d", {"id": 2}, [13]))
     assert names(customers) == before == {1: "a2"}
     assert customers.changes() == changes
+
+
+def test_the_first_write_into_an_empty_silver_appends_with_its_progress(
+    customers: Silver,
+) -> None:
+    """Into an empty silver the MERGE would only insert: an append writes the same rows.
+
+    It records the batch's progress with it, so the batch run again writes nothing
+    twice; its delete keeps its key out of silver and a late older insert out after.
+    """
+    batch = [
+        customers.event("c", {"id": 1}, [10], customer("a")),
+        customers.event("u", {"id": 1}, [12], customer("a2")),
+        customers.event("c", {"id": 2}, [11], customer("b")),
+        customers.event("d", {"id": 2}, [13]),
+    ]
+    frame = customers.spark.createDataFrame(batch, customers.bronze_schema)
+    silver_path = customers.layout.silver_path
+    for _ in range(2):  # the second: a crash before the checkpoint committed the batch
+        apply_batch(
+            customers.spark,
+            frame,
+            customers.layout,
+            customers.quarantine,
+            customers.state,
+            progress=("merger-test", 7),
+        )
+    history = DeltaTable.forPath(customers.spark, silver_path).history()
+    operations = [r.operation for r in history.orderBy("version").collect()]
+    assert operations[-1] == "WRITE" and "MERGE" not in operations
+    assert delta_transaction_version(customers.spark, silver_path, "merger-test") == 7
+    assert names(customers) == {1: "a2"}
+    assert [c[1:] for c in customers.changes()] == [("insert", 1)]
+    customers.apply(customers.event("c", {"id": 2}, [5], customer("late")))
+    assert names(customers) == {1: "a2"}
 
 
 def test_update_changes_show_pre_and_post_images(customers: Silver) -> None:

@@ -5,9 +5,10 @@ Per batch: set aside events that cannot be applied (for quarantine), apply a tru
 ``sequence`` (compared element by element), drop upserts not newer than the key's
 tombstone or the last truncate (both kept in memory, ``MergeState``), then one MERGE into
 silver that updates or deletes only when the event is newer than the row, and inserts
-only what is absent. Deletes also record a tombstone (key + sequence) in a side table, so
-a late older event cannot resurrect the row after a restart. Every step compares
-sequences, so applying the same batch twice changes nothing.
+only what is absent (into an empty silver, an append of the same inserts). Deletes also
+record a tombstone (key + sequence) in a side table, so a late older event cannot
+resurrect the row after a restart. Every step compares sequences, so applying the same
+batch twice changes nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from cdc_shared.contracts.unavailable import DEBEZIUM_PLACEHOLDER, UNAVAILABLE, 
 from cdc_shared.jvm.driver_frames import frame_from_rows
 from cdc_shared.jvm.spark import clock, observed
 from cdc_shared.streaming.observability import Stopwatch
-from cdc_shared.streaming.tables import Progress, idempotent_dml, on_conflict_retry, record_progress
+from cdc_shared.streaming.tables import (
+    Progress,
+    holds_no_rows,
+    idempotent_append,
+    idempotent_dml,
+    on_conflict_retry,
+    record_progress,
+)
 from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
@@ -665,9 +673,31 @@ def _merge_silver(
     kept: list[str],
     progress: Progress | None,
 ) -> None:
+    if holds_no_rows(spark, layout.silver_path):
+        _insert_into_empty(candidates, layout.silver_path, progress)
+        return
     silver = DeltaTable.forPath(spark, layout.silver_path)
     with idempotent_dml(spark, progress):
         silver_merge(silver, candidates, layout.key, kept).execute()
+
+
+def _insert_into_empty(candidates: DataFrame, path: str, progress: Progress | None) -> None:
+    """Silver's MERGE into an empty silver: the upserts appended, as the MERGE inserts them.
+
+    With no row to match, the MERGE would only insert; an append does the same in one
+    job instead of the MERGE's many (a first start writes every table so). The merger is
+    silver's only writer, so silver is still empty when the append commits.
+    """
+    rows = candidates.where(F.col(OP) != DELETE).select(*_silver_columns(candidates))
+    if progress is None:
+        rows.write.format("delta").mode("append").option("mergeSchema", "true").save(path)
+    else:
+        idempotent_append(rows, path, *progress, merge_schema=True)
+
+
+def _silver_columns(candidates: DataFrame) -> list[str]:
+    """The candidates' columns silver holds (the op last, as the MERGE writes it)."""
+    return [c for c in candidates.columns if c not in (OP, UNAVAILABLE, DELETES)] + [OP]
 
 
 def silver_merge(
@@ -678,7 +708,7 @@ def silver_merge(
     An update keeps silver's value of each column in ``kept`` (columns silver has) that
     the row names in ``_cdc_unavailable``: the source did not send it.
     """
-    columns = [c for c in candidates.columns if c not in (OP, UNAVAILABLE, DELETES)] + [OP]
+    columns = _silver_columns(candidates)
     inserted: dict[str, str | Column] = {f"`{c}`": f"s.`{c}`" for c in columns}
     updated: dict[str, str | Column] = {
         **inserted,

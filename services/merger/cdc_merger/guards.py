@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 from cdc_shared.contracts.silver import SEQUENCE
+from cdc_shared.streaming.tables import holds_no_rows
 from pyspark.sql import Column, SparkSession
 from pyspark.sql import functions as F
 
@@ -73,9 +74,7 @@ class NewestSequence:
     def get(self) -> list[int] | None:
         """The newest sequence, or None when the table holds none."""
         if not self._loaded:
-            row = self._spark.read.format("delta").load(self._path).agg(F.max(SEQUENCE)).first()
-            newest = None if row is None else row[0]
-            self._sequence = None if newest is None else [int(v) for v in newest]
+            self._sequence = _newest_sequence(self._spark, self._path)
             self._loaded = True
         return self._sequence
 
@@ -84,6 +83,15 @@ class NewestSequence:
         current = self.get()
         if current is None or sequence > current:
             self._sequence = list(sequence)
+
+
+def _newest_sequence(spark: SparkSession, path: str) -> list[int] | None:
+    """The newest ``_cdc_seq`` of a side table (a small job; none for an empty table)."""
+    if holds_no_rows(spark, path):
+        return None
+    row = spark.read.format("delta").load(path).agg(F.max(SEQUENCE)).first()
+    newest = None if row is None else row[0]
+    return None if newest is None else [int(v) for v in newest]
 
 
 def key_values(table: pa.Table, key: list[str]) -> Iterator[Hashable]:
@@ -106,8 +114,11 @@ def load_tombstones(
 ) -> dict[Hashable, int]:
     """The newest tombstone per key, without the keys whose silver row is newer.
 
-    One Spark job; the result crosses to the driver as Arrow.
+    One Spark job (none while the tombstones table is empty); the result crosses to the
+    driver as Arrow.
     """
+    if holds_no_rows(spark, tombstone_path):
+        return {}
     tombstones = spark.read.format("delta").load(tombstone_path)
     newest = tombstones.groupBy(*key).agg(F.max(SEQUENCE).alias(SEQUENCE)).alias("t")
     silver = spark.read.format("delta").load(silver_path).alias("s")

@@ -131,6 +131,19 @@ def delete_if_exists(spark: SparkSession, path: str) -> None:
         fs.delete(file, False)
 
 
+def _delta_log(spark: SparkSession, path: str) -> Any:
+    """Delta's log of the table at ``path`` (one per table and JVM, with its snapshot)."""
+    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
+    return delta_log.forTable(spark._jsparkSession, path)
+
+
+def _newest_snapshot(spark: SparkSession, path: str) -> Any:
+    """The table's newest snapshot: its log listed since the version loaded (no Spark job)."""
+    log = _delta_log(spark, path)
+    defaults = [getattr(log, f"update$default${i}")() for i in (1, 2, 3)]
+    return log.update(*defaults)
+
+
 def delta_table_bytes(spark: SparkSession, path: str) -> int:
     """Bytes of the files of the Delta table at ``path``, at the version this JVM last loaded.
 
@@ -139,12 +152,20 @@ def delta_table_bytes(spark: SparkSession, path: str) -> int:
     version's checksum, which Delta writes with every commit: no Spark job; without a
     checksum, Delta computes it from the table's state (a Spark job).
     """
-    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
-    snapshot = delta_log.forTable(spark._jsparkSession, path).unsafeVolatileSnapshot()
+    snapshot = _delta_log(spark, path).unsafeVolatileSnapshot()
     checksum = snapshot.checksumOpt()
     if checksum.isDefined():
         return int(checksum.get().tableSizeBytes())
     return int(snapshot.sizeInBytes())
+
+
+def delta_table_files(spark: SparkSession, path: str) -> int:
+    """Data files of the Delta table at ``path`` at its newest version (as the bytes above)."""
+    snapshot = _newest_snapshot(spark, path)
+    checksum = snapshot.checksumOpt()
+    if checksum.isDefined():
+        return int(checksum.get().numFiles())
+    return int(snapshot.numOfFiles())
 
 
 def observation_ready(observation: Observation) -> bool:
@@ -221,8 +242,5 @@ def delta_transaction_version(spark: SparkSession, path: str, app_id: str) -> in
 
     From the table's newest snapshot (brought up to date); None when it never wrote it.
     """
-    delta_log = java_class(spark, "org.apache.spark.sql.delta.DeltaLog")
-    log = delta_log.forTable(spark._jsparkSession, path)
-    defaults = [getattr(log, f"update$default${i}")() for i in (1, 2, 3)]
-    recorded = log.update(*defaults).transactions().get(app_id)
+    recorded = _newest_snapshot(spark, path).transactions().get(app_id)
     return int(recorded.get()) if recorded.isDefined() else None

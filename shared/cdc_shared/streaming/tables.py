@@ -33,7 +33,7 @@ from cdc_shared.clients.retry import retrying
 from cdc_shared.config.values import ConfigError
 from cdc_shared.contracts.quarantine import QUARANTINED_RECORD
 from cdc_shared.contracts.silver import DELETED_AT
-from cdc_shared.jvm.bridge import hadoop_path
+from cdc_shared.jvm.bridge import delta_table_files, hadoop_path
 from cdc_shared.jvm.driver_frames import frame_from_rows
 
 
@@ -96,6 +96,16 @@ def table_properties(spark: SparkSession, path: str) -> dict[str, str]:
     """
     rows = spark.sql(f"SHOW TBLPROPERTIES delta.`{path}`").collect()
     return {str(row["key"]): str(row["value"]) for row in rows}
+
+
+def holds_no_rows(spark: SparkSession, path: str) -> bool:
+    """Whether the Delta table at ``path`` holds no data file at its newest version.
+
+    Read from the snapshot's checksum (``delta_table_files``): no Spark job, where
+    reading an empty table to find nothing in it runs one. A table's first write skips
+    what an empty table cannot hold this way (a first start does it for every table).
+    """
+    return delta_table_files(spark, path) == 0
 
 
 def idempotent_append(
