@@ -102,6 +102,39 @@ def test_a_failure_it_does_not_recognise_stops_the_service(
         runner.run()
 
 
+def test_a_failure_between_batches_reads_as_the_same_failure_in_a_batch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A group's table fails where the table queue wrote it between batches: the service
+    stops saying what its query failing in a batch with the same error says."""
+
+    def on_failure(entity: str, error: BaseException | str) -> Failure | None:
+        return Failure("stopped: the index is gone") if "index gone" in str(error) else None
+
+    said = {}
+    for between in (False, True):
+        runner = StreamRunner(spark, "test", on_failure=on_failure)
+        source = str(tmp_path / f"source-{between}")
+        spark.range(10).write.format("delta").save(source)
+
+        def process(batch: DataFrame, batch_id: int, between: bool = between) -> None:
+            if not between:
+                raise RuntimeError("index gone")
+
+        writer = foreach_batch_writer(
+            spark.readStream.format("delta").load(source),
+            process,
+            str(tmp_path / f"checkpoint-{between}"),
+        )
+        runner.start("things", writer, QueryIdentity())
+        if between:
+            runner.fail_group("things", RuntimeError("index gone"))
+        with pytest.raises(StreamFailedError) as raised:
+            runner.run()
+        said[between] = str(raised.value)
+    assert said[True] == said[False] == "test group 'things' stopped: the index is gone"
+
+
 def test_runners_sharing_a_session_share_one_listener_and_log_only_their_batches(
     spark: SparkSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from cdc_shared.clients.delta_rs import read_logs, transaction_versions
@@ -198,7 +199,9 @@ class GroupMerge:
         self.versions.flush()
         self._offer_behind()
         if self._between is None:  # the tables behind are written now, not at a next change
-            self._between = self.queue.write_between_batches(self._written, self._failed)
+            self._between = self.queue.write_between_batches(
+                self._written, partial(self.runner.fail_group, self.group.name)
+            )
             if self._between is not None:
                 self.runner.on_close(self._between)
 
@@ -338,9 +341,6 @@ class GroupMerge:
         self.runner.report_between_batches(self.group.name, writes.stats())
         if self.queue.holds_all(self.tables):
             self.runner.stop_all_held()
-
-    def _failed(self, error: BaseException) -> None:
-        self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")
 
     def _write(self, spark: SparkSession, key: str, until: int) -> BatchStats:
         if key.endswith(HISTORY):

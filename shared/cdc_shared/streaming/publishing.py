@@ -146,7 +146,9 @@ class ChangeFeedGroup:
                 self.queue.offer(name, state.version)
         self.versions_read = delta_version(self.spark, self.path)
         if self._between is None:  # the tables behind are written now, not at a next change
-            self._between = self.queue.write_between_batches(self._written, self._failed)
+            self._between = self.queue.write_between_batches(
+                self._written, functools.partial(self.runner.fail_group, self.group.name)
+            )
             if self._between is not None:
                 self.runner.on_close(self._between)
 
@@ -183,9 +185,6 @@ class ChangeFeedGroup:
         self.runner.report_between_batches(self.group.name, writes.stats())
         if self.queue.holds_all(self.tables):
             self.runner.stop_all_held()
-
-    def _failed(self, error: BaseException) -> None:
-        self.runner.fail(f"group {self.group.name!r}: writing tables between batches: {error}")
 
     def _write(self, spark: SparkSession, name: str, until: int) -> BatchStats:
         since = self.progress[name]

@@ -366,7 +366,22 @@ class StreamRunner:
         For a service that must not write another batch (e.g. its writer lease was taken
         over); may be called from any thread.
         """
-        self._failed = f"{self.service} stopped: {reason}"
+        self._stop_every_query(f"{self.service} stopped: {reason}")
+
+    def fail_group(self, group: str, error: BaseException) -> None:
+        """``group``'s tables failed outside a batch (written between batches): stop all.
+
+        Said as the group's query failing with ``error`` in a batch would say it, so a
+        failure reads the same whichever of the two wrote the table.
+        """
+        self._stop_every_query(self._group_failed(group, error, self.failure_of(group, error)))
+
+    def _group_failed(self, group: str, error: BaseException | str, failure: Failure | None) -> str:
+        message = failure.message if failure else f"failed: {error}"
+        return f"{self.service} group {group!r} {message}"
+
+    def _stop_every_query(self, message: str) -> None:
+        self._failed = message
         self._stop.set()
         self._refuse_new_queries()
         for query in list(self.queries.values()):
@@ -475,8 +490,7 @@ class StreamRunner:
         for other in self.queries.values():
             if other.isActive:
                 other.stop()
-        message = failure.message if failure else f"failed: {error}"
-        raise StreamFailedError(f"{self.service} group {entity!r} {message}")
+        raise StreamFailedError(self._group_failed(entity, error, failure))
 
     def _held(self, query: str, failure: Failure) -> bool:
         """Whether ``query`` goes on without the table ``failure`` is about (its ``hold``)."""
