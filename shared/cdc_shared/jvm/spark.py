@@ -142,6 +142,14 @@ def spark_conf(config: SparkConfig, app_name: str) -> dict[str, str]:
         # default of 100 each grows with every table.
         "spark.sql.streaming.numRecentProgressUpdates": "20",
         "spark.sql.streaming.ui.retainedProgressUpdates": "20",
+        # Spark's status store (kept with the UI off: the job counts in the batch logs
+        # read it) holds the last 1,000 SQL executions with their plans, 1,000 stages
+        # and 100,000 tasks by default; with 100 tables changing, four services run
+        # thousands of jobs a minute, and a run at the default heap ended in
+        # "GC overhead limit exceeded" inside the store's listener (docs/benchmarks.md).
+        "spark.sql.ui.retainedExecutions": "100",
+        "spark.ui.retainedStages": "200",
+        "spark.ui.retainedTasks": "10000",
         # Every Java object Python used (each batch's DataFrames and their plans) stays
         # in the driver's heap until Python's cyclic collector frees its proxy, which
         # Python runs rarely (see collect_python_garbage).
