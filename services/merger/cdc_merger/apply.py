@@ -291,6 +291,8 @@ class MergeState:
             spark, layout.tombstone_path, layout.silver_path, layout.key
         )
         self.newest_delete = NewestSequence(spark, layout.tombstone_path)
+        #: Whether this process wrote silver yet: until then silver may be empty (read).
+        self.silver_written = False
         self._schema: T.StructType | None = None
 
     def silver_schema(self, events: DataFrame) -> T.StructType:
@@ -392,7 +394,8 @@ def apply_batch(
     kept = unavailable_columns(after, key, placeholder, null_updates)
     kept = [c for c in kept if c in silver.fieldNames()]
     merged = candidates if offered.keys else None
-    _write_silver(spark, merged, tombstones, layout, kept, progress)
+    _write_silver(spark, merged, tombstones, layout, kept, progress, not state.silver_written)
+    state.silver_written = state.silver_written or merged is not None
     if offered.keys:  # (``Offered.none()`` has no key columns to read)
         state.tombstones.record(offered.deletes, offered.upserts)
     lap("merge")
@@ -649,6 +652,7 @@ def _write_silver(
     layout: SilverLayout,
     kept: list[str],
     progress: Progress | None,
+    may_be_empty: bool = True,
 ) -> None:
     """The ``tombstones``' append, then the MERGE of ``candidates`` recording ``progress``.
 
@@ -656,11 +660,13 @@ def _write_silver(
     the batch is done, its tombstones with it (a repeat of them, after a crash before the
     MERGE, is harmless: the newest per key counts). A batch merging nothing records its
     progress in a commit of its own.
+    ``may_be_empty``: this process has not written silver yet, so its log is looked at
+    for an empty silver (later writes skip that listing of the log).
     """
     if tombstones is not None:
         _record_tombstones(tombstones, layout.tombstone_path)
     if candidates is not None:
-        _merge_silver(spark, candidates, layout, kept, progress)
+        _merge_silver(spark, candidates, layout, kept, progress, may_be_empty)
     elif progress is not None:
         record_progress(spark, layout.silver_path, progress)
 
@@ -672,8 +678,10 @@ def _merge_silver(
     layout: SilverLayout,
     kept: list[str],
     progress: Progress | None,
+    may_be_empty: bool,
 ) -> None:
-    if holds_no_rows(spark, layout.silver_path):
+    """Silver's MERGE, or its append into an empty silver (looked at until a first write)."""
+    if may_be_empty and holds_no_rows(spark, layout.silver_path):
         _insert_into_empty(candidates, layout.silver_path, progress)
         return
     silver = DeltaTable.forPath(spark, layout.silver_path)
