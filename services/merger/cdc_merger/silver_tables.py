@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cdc_shared.contracts.silver import COMMIT_TS, DELETED_AT, OP, SEQUENCE, SOURCE_TS
+from cdc_shared.contracts.silver import (
+    COMMIT_TS,
+    DELETED_AT,
+    METADATA,
+    OP,
+    PERIOD,
+    SEQUENCE,
+    SOURCE_TS,
+)
 from cdc_shared.contracts.silver_side_tables import TRUNCATE_SCHEMA
 from cdc_shared.streaming.tables import AUTO_COMPACT, ensure_table
 from pyspark.sql import SparkSession
@@ -71,6 +79,20 @@ def tombstone_schema(silver: T.StructType, key: list[str]) -> T.StructType:
     )
 
 
+def stats_columns(schema: T.StructType, names: list[str]) -> dict[str, str]:
+    """Statistics for the key and the merger's columns only, never a row's other values.
+
+    Delta keeps each data file's min and max per column in its log (commits, checkpoints)
+    for ``delta.logRetentionDuration``, after the rows are deleted and the files
+    vacuumed: values there could not be erased (``cdc erase``). The key stays anyway (the
+    tombstones keep it, so a late event cannot bring an erased row back). Delta keeps no
+    statistics of arrays, maps and structs.
+    """
+    nested = (T.ArrayType, T.MapType, T.StructType)
+    kept = [n for n in names if not isinstance(schema[n].dataType, nested)]
+    return {"delta.dataSkippingStatsColumns": ",".join(f"`{c}`" for c in kept)}
+
+
 def ensure_tables(
     spark: SparkSession,
     bronze_schema: T.StructType,
@@ -87,10 +109,13 @@ def ensure_tables(
     silver = silver_schema(bronze_schema, layout.key)
     writes = {"delta.enableDeletionVectors": "true" if deletion_vectors else "false"}
     properties = SILVER_PROPERTIES | DELETION_VECTORS_SUPPORTED | writes
-    ensure_table(spark, layout.silver_path, silver, properties)
+    stats = stats_columns(silver, [*layout.key, *METADATA])
+    ensure_table(spark, layout.silver_path, silver, properties | stats)
     ensure_table(
         spark, layout.tombstone_path, tombstone_schema(silver, layout.key), TOMBSTONE_PROPERTIES
     )
     ensure_table(spark, layout.truncate_path, TRUNCATE_SCHEMA, TOMBSTONE_PROPERTIES)
     if layout.history is not None:
-        ensure_table(spark, layout.history.path, history_schema(silver), SILVER_PROPERTIES)
+        history = history_schema(silver)
+        history_stats = stats_columns(history, [*layout.key, *PERIOD, SOURCE_TS])
+        ensure_table(spark, layout.history.path, history, SILVER_PROPERTIES | history_stats)
