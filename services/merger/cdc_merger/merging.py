@@ -52,6 +52,13 @@ from cdc_merger.apply import (
     lost_local_checkpoint,
     without_columns,
 )
+from cdc_merger.erasure import (
+    Erasures,
+    delete_from_history,
+    delete_from_silver,
+    key_frame,
+    without_erased,
+)
 from cdc_merger.history import HistoryTable
 from cdc_merger.silver_tables import SilverLayout, ensure_tables
 from cdc_merger.write_mode import WriteMode
@@ -165,6 +172,7 @@ class TableMerge:
         self.deleted_before: dt.datetime | None = None
         self._made = False
         self.next_expiry = 0.0  # monotonic time of the next tombstone expiry
+        self.erasures = Erasures()  # ``cdc erase``'s requests, set by the group's watch
 
     @property
     def name(self) -> str:
@@ -231,7 +239,8 @@ class TableMerge:
         """
         if until <= self.progress:
             self.announce(self.name)  # written before (a batch run again): say so again
-            return BatchStats(counts={"skipped": 1})
+            erased = self.erase(spark)
+            return BatchStats(counts={"skipped": 1, **({"erased_keys": erased} if erased else {})})
         started = time.monotonic()
         self._refuse_a_rebuild(self.progress, "silver")
         events = self.events(spark, self.progress, until)
@@ -275,6 +284,7 @@ class TableMerge:
             self.announce(self.name)
             expired = self.expire_tombstones(result.ingested_until)
             self.write_mode.check()
+            erased = self.erase(spark)
         counts = {
             "input_rows": result.events,
             "applied_keys": result.keys,
@@ -284,6 +294,8 @@ class TableMerge:
         }
         if expired is not None:
             counts["tombstones_expired"] = expired
+        if erased:
+            counts["erased_keys"] = erased
         if result.unavailable:
             counts["unavailable_values"] = sum(result.unavailable.values())
             self.warn_unavailable(until, result.unavailable)
@@ -298,11 +310,12 @@ class TableMerge:
     def write_history(self, spark: SparkSession, until: int) -> BatchStats:
         """Bring the entity's history up to bronze version ``until`` (merged into silver)."""
         if until <= self.history_progress:
-            return BatchStats(counts={"skipped": 1})
+            erased = self.erase_history(spark)
+            return BatchStats(counts={"skipped": 1, **({"erased_keys": erased} if erased else {})})
         assert until <= self.progress, "the history runs after silver's step, never ahead"
         started = time.monotonic()
         self._refuse_a_rebuild(self.history_progress, "its history")
-        events = self.events(spark, self.history_progress, until)
+        events = self._without_erased(spark, self.events(spark, self.history_progress, until))
         with counting_jobs(spark) as spark_jobs:
             applicable = apply_history(
                 spark,
@@ -315,12 +328,61 @@ class TableMerge:
                 (MERGER_PROGRESS_APP, until),
             )
         self.history_progress = until
+        erased = self.erase_history(spark)
         extra = {
             "history_ms": int((time.monotonic() - started) * 1000),
             "spark_jobs": spark_jobs(),
             "bronze_version": until,
         }
-        return BatchStats(counts={"history_events": applicable}, extra=extra)
+        counts = {"history_events": applicable, **({"erased_keys": erased} if erased else {})}
+        return BatchStats(counts=counts, extra=extra)
+
+    def _without_erased(self, spark: SparkSession, events: DataFrame) -> DataFrame:
+        """The events but those of erased keys not newer than their erasure's tombstone.
+
+        Silver's tombstone index keeps such a late event out of silver; the history would
+        record it as a version the tombstone ended, bringing erased values back.
+        """
+        if not self.erasures.pending:
+            return events
+        schema = spark.read.format("delta").load(self.layout.silver_path).schema
+        keys = key_frame(spark, self.erasures.pending, self.layout.key, schema)
+        return without_erased(spark, events, keys, self.layout)
+
+    def erase(self, spark: SparkSession) -> int:
+        """Apply to silver the erasure requests its progress has reached; keys erased.
+
+        Runs within the table's write, so nothing else writes silver meanwhile.
+        """
+        due = self.erasures.due(self.erasures.silver_through, self.progress)
+        if not due or self.progress < 0:
+            return 0
+        schema = spark.read.format("delta").load(self.layout.silver_path).schema
+        keys = key_frame(spark, due, self.layout.key, schema)
+        erased = delete_from_silver(spark, self.layout, self.state, keys, due[-1].request)
+        self.erasures.silver_through = due[-1].request
+        self.announce(self.name)
+        log.info(
+            "erasure applied to silver: the keys' rows deleted, a tombstone at their sequence",
+            extra={"entity": self.name, "requests": [r.request for r in due], "rows": erased},
+        )
+        return erased
+
+    def erase_history(self, spark: SparkSession) -> int:
+        """Apply to the history the erasure requests its progress has reached; requests."""
+        history = self.layout.history
+        due = self.erasures.due(self.erasures.history_through, self.history_progress)
+        if history is None or not due or self.history_progress < 0:
+            return 0
+        schema = spark.read.format("delta").load(self.layout.silver_path).schema
+        keys = key_frame(spark, due, self.layout.key, schema)
+        delete_from_history(spark, history.path, keys, self.layout.key, due[-1].request)
+        self.erasures.history_through = due[-1].request
+        log.info(
+            "erasure applied to the history: every version of the keys deleted",
+            extra={"entity": self.name, "requests": [r.request for r in due]},
+        )
+        return len(due)
 
     def _refuse_a_rebuild(self, progress: int, table: str) -> None:
         """BronzeRetainedError when ``table`` would be built from rows retention deleted."""

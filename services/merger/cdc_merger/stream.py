@@ -30,6 +30,7 @@ from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
 from cdc_shared.config.values import interval_seconds
 from cdc_shared.contracts import bronze
+from cdc_shared.contracts.erasure import ErasureRequest
 from cdc_shared.contracts.layout import MERGER_PROGRESS_APP
 from cdc_shared.contracts.silver_side_tables import SILVER_VERSIONS_SCHEMA
 from cdc_shared.contracts.stream_checkpoint import last_committed_batch, parse_offsets
@@ -49,6 +50,7 @@ from cdc_shared.streaming.tables import (
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_merger.erasure import ErasureWatch
 from cdc_merger.legacy import drain_legacy_bronze
 from cdc_merger.merging import SERVICE, TableMerge, ensure_quarantine
 
@@ -170,6 +172,12 @@ class GroupMerge:
         )
         for entity in self.group.entities:
             self.add(entity)
+        self.erasure_watch = ErasureWatch(
+            self.config,
+            {name: t.erasures for name, t in self.tables.items()},
+            {name for name, t in self.tables.items() if t.layout.history is not None},
+            self._offer_erasure,
+        )
 
     def add(self, entity: EntityConfig) -> None:
         """Take up ``entity``: its rows are read from the query's next start."""
@@ -198,6 +206,10 @@ class GroupMerge:
             self.versions.note(name, version)
         self.versions.flush()
         self._offer_behind()
+        if self.group.once:
+            self.erasure_watch.look()
+        elif self._between is None:
+            self.erasure_watch.start(self.runner.on_close)
         if self._between is None:  # the tables behind are written now, not at a next change
             self._between = self.queue.write_between_batches(
                 self._written, partial(self.runner.fail_group, self.group.name)
@@ -312,6 +324,15 @@ class GroupMerge:
         stats = writes.stats()
         stats.extra["bronze_version"] = end
         self.runner.report(self.group.name, batch_id, stats)
+
+    def _offer_erasure(self, entity: str, request: ErasureRequest) -> None:
+        """Have the table written up to the request's bronze version: the write erases."""
+        table = self.tables[entity]
+        if table.payload_type is None:  # never in bronze: no silver to erase from
+            return
+        self.queue.offer(entity, max(request.bronze_version, table.progress))
+        if table.layout.history is not None:
+            self.queue.offer(entity + HISTORY, table.progress)
 
     def _note_idle_progress(self, end: int) -> None:
         """Record, now and then, that idle tables are merged through ``end``.

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
+import pyarrow as pa
 from deltalake import DeltaTable
 from pyarrow.fs import resolve_s3_region
 
@@ -116,3 +118,16 @@ def transaction_versions(
         name: None if state is None else state.transaction
         for name, state in read_logs(config, paths, app_id).items()
     }
+
+
+def change_feed_rows(config: PipelineConfig, path: str) -> list[dict[str, Any]]:
+    """Every row of a small table's Change Data Feed, with ``_commit_version`` (none: no table).
+
+    For a log read whole (the erasure log); read without a JVM.
+    """
+    options = delta_storage_options(config) or None
+    uri = table_uri(path)
+    if not DeltaTable.is_deltatable(uri, options):
+        return []
+    feed = DeltaTable(uri, storage_options=options).load_cdf(starting_version=0)
+    return list(pa.table(feed.read_all()).to_pylist())

@@ -132,6 +132,10 @@ class StorageLayout:
         """The lease of ``service``'s one writer for ``entity`` (``streaming.writer_lease``)."""
         return self._under("_leases", service, f"{entity}.json")
 
+    def erasure_log(self) -> str:
+        """``cdc erase``'s requests and steps (``cdc_shared.contracts.erasure``)."""
+        return self._under("_erasure")
+
     def change_schemas(self) -> str:
         """Change-event schemas publisher-kafka derives when no registry is set."""
         return self._under("_schemas")
