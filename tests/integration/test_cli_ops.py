@@ -551,7 +551,12 @@ def test_maintenance_vacuums_below_deltas_minimum_only_with_every_service_stoppe
         "--tombstone-retention-hours",
         str(hours),
     )
-    assert set(tables) == {"bronze", f"silver/{ENTITY}", f"silver/_tombstones/{ENTITY}"}
+    assert set(tables) == {  # the quarantine tables too: an erasure deletes there
+        "bronze",
+        *[f"quarantine/{service}" for service in ("ingestor", "merger", "publisher_kafka")],
+        f"silver/{ENTITY}",
+        f"silver/_tombstones/{ENTITY}",
+    }
     assert tables[f"silver/_tombstones/{ENTITY}"]["tombstones_expired"] == 0
     assert (
         "hours of bronze ingest time" in tables[f"silver/_tombstones/{ENTITY}"]["tombstones_note"]

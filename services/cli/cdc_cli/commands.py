@@ -388,6 +388,95 @@ def verify_command(
         raise typer.Exit(1)
 
 
+def erase_command(
+    config: Path = ConfigPath,
+    entity: str | None = typer.Option(None, "--entity", "-e", help="The entity of the keys."),
+    key: list[str] = typer.Option(
+        None,
+        "--key",
+        "-k",
+        help='A key: a JSON object of the key columns ({"id": 42}), or the value of a '
+        "one-column key (42). Repeatable.",
+        show_default=False,
+    ),
+    keys_file: Path | None = typer.Option(
+        None, "--keys", help="A file of keys, one per line, each as --key takes it."
+    ),
+    show_status: bool = typer.Option(
+        False, "--status", help="Show each request and what is left to do; change nothing."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Finish every request not finished (after a stop, a kill)."
+    ),
+    wait_s: float = typer.Option(
+        600.0, "--wait", min=0, help="Seconds to wait for the merger to apply a request."
+    ),
+    writers_stopped: bool = typer.Option(
+        False,
+        "--writers-stopped",
+        help="Every service is stopped: needed on object storage (s3a://) for the deletes "
+        "from bronze and the quarantine and the purge, which must not race their commits.",
+    ),
+    as_json: bool = AsJson,
+) -> None:
+    """Erase keys from every copy the pipeline keeps (docs/operations.md, "Erasure").
+
+    The request is recorded in the erasure log first (<storage_root>/_erasure), then the
+    running merger applies it to silver and the history (a tombstone at the key's newest
+    sequence stops a late event; a change of the key reaching bronze after the request is
+    new data), and the publishers send the delete to the change topic and the index. Then
+    bronze's rows of the keys and the quarantined records whose key reads are deleted,
+    and every table they were in is purged of rows deletion vectors hide (REORG ...
+    PURGE). The files that held them are deleted by the first `cdc maintenance` VACUUM
+    once the tables' delta.deletedFileRetentionDuration has passed (--status says when).
+    Each step is recorded: a run stopped at any point is finished by --resume. On object
+    storage the last steps need every service stopped (--writers-stopped). Exit 0
+    when every step is done; 1 when the merger has not applied the request (it is kept
+    and applied when the merger runs) or no key was found; 2 for an unknown entity or a
+    key of the wrong shape.
+    """
+    from cdc_cli import erase  # noqa: PLC0415 (imports PySpark)
+
+    pipeline = _config(config)
+    if show_status:
+        with _problems():
+            found = erase.statuses(pipeline)
+        _emit(
+            as_json, lambda: {"requests": [s.to_dict() for s in found]}, lambda: erase.render(found)
+        )
+        return
+    if not resume:
+        if entity is None:
+            _fail("--entity is required (or --status, --resume)", 2)
+        texts = list(key or [])
+        if keys_file is not None:
+            texts += keys_file.read_text().splitlines()
+        with _problems():
+            chosen = pipeline.entity(entity)
+        try:
+            keys = erase.parse_keys(chosen, texts)
+        except erase.KeyShapeError as exc:
+            _fail(str(exc), 2)
+    from cdc_shared.jvm.spark import build_spark_session  # noqa: PLC0415
+
+    spark = build_spark_session(pipeline.spark, "cdc-erase")
+    done: list[erase.RequestStatus] = []
+    if resume:
+        todo = erase.pending(pipeline)
+    else:
+        with _problems(erase.NothingToEraseError):
+            try:
+                todo = [erase.record(pipeline, spark, chosen, keys)]
+            except erase.KeyShapeError as exc:
+                _fail(str(exc), 2)
+    for request in todo:
+        running = erase.merger_running(pipeline, request.entity)
+        with _problems(erase.MergerPendingError, maintenance.WritersMayRunError):
+            taken = erase.wait_for_merger(pipeline, request, wait_s, running)
+            done.append(erase.finish(pipeline, spark, taken, writers_stopped))
+    _emit(as_json, lambda: {"requests": [s.to_dict() for s in done]}, lambda: erase.render(done))
+
+
 def _help(command: Callable[..., None]) -> str:
     """The docstring with each paragraph on one line, so the terminal wraps it, not us."""
     paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
@@ -406,3 +495,4 @@ def register(app: typer.Typer) -> None:
     app.add_typer(quarantine_app, name="quarantine")
     app.command("maintenance", help=_help(maintenance_command))(maintenance_command)
     app.command("verify", help=_help(verify_command))(verify_command)
+    app.command("erase", help=_help(erase_command))(erase_command)

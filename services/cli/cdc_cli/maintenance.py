@@ -1,8 +1,9 @@
 """``cdc maintenance``: OPTIMIZE, VACUUM that never breaks a table or a service, tombstone expiry.
 
 The tables: ``bronze`` (one table for every entity, shared: maintained whatever entities
-are selected), and per entity ``silver/<entity>`` and its tombstones
-(``silver/_tombstones/<entity>``).
+are selected), the quarantine tables, and per entity ``silver/<entity>``, its history
+and its tombstones (``silver/_tombstones/<entity>``). The VACUUM of each is what makes
+an erasure's rows physically gone (``cdc_cli.erase``).
 
 VACUUM deletes data files that left the table (replaced by a MERGE or an OPTIMIZE, or
 change-data files) longer ago than the retention. Two limits keep it safe:
@@ -33,7 +34,8 @@ change-data files) longer ago than the retention. Two limits keep it safe:
     from its configured ``starting_version`` (default 0) or ``starting_timestamp``, so it
     holds VACUUM back to that point unless it is ignored as not deployed; a progress that
     cannot be read (Kafka, Elasticsearch down) refuses VACUUM of silver;
-  - ``silver/_tombstones/<entity>`` is read as a whole by the merger, never by version.
+  - ``silver/_tombstones/<entity>``, the history and the quarantine are read whole, never
+    by version: no stream needs an older version of them.
 
 Both are checked before anything runs, and again right before each VACUUM. Reading a
 version also needs its commit in the table's log, which Delta removes after
@@ -74,9 +76,7 @@ from typing import TYPE_CHECKING, Any
 from cdc_shared.config.connections import s3a_bucket
 from cdc_shared.config.entities import EntityConfig
 from cdc_shared.config.pipeline import PipelineConfig
-from cdc_shared.contracts.layout import (
-    MERGER,
-)
+from cdc_shared.contracts.layout import MERGER, QUARANTINE_WRITERS
 
 from cdc_cli import log_retention
 from cdc_cli.checkpoints import (
@@ -187,10 +187,15 @@ def check_services_stopped(
 
 
 def _tables(config: PipelineConfig, entities: list[EntityConfig]) -> dict[str, str]:
-    """The tables maintenance touches, by name: bronze, then each entity's silver, tombstones."""
+    """The tables maintenance touches, by name: bronze, the quarantine, each entity's tables.
+
+    Silver, its history and tombstones; the history and the quarantine are read whole.
+    """
     tables = {BRONZE: config.layout.bronze()}
+    tables |= {f"quarantine/{s}": config.layout.quarantine(s) for s in QUARANTINE_WRITERS}
     for entity in entities:
         tables[f"silver/{entity.name}"] = config.layout.silver(entity.name)
+        tables[f"silver_history/{entity.name}"] = config.layout.history(entity.name)
         tables[f"silver/_tombstones/{entity.name}"] = config.layout.tombstones(entity.name)
     return tables
 
@@ -205,7 +210,7 @@ def _table_needs(
     """What the services need of one table now (tombstones: nothing, they are read whole)."""
     if table == BRONZE:
         return [] if MERGER in ignore_services else bronze_needs(config, state)
-    if entity is None or "/_tombstones/" in table:
+    if entity is None or not table.startswith("silver/") or "/_tombstones/" in table:
         return []
     return silver_needs(config, entity, state, ignore_services)
 
@@ -367,11 +372,12 @@ def run_maintenance(
 
     report = MaintenanceReport(needs=all_needs, dry_run=dry_run, notices=notices)
     report.tables.extend(_retention(config, state, writes))  # first: OPTIMIZE packs the rest
-    if BRONZE in tables:
-        maintain(BRONZE, None)
+    by_name = {e.name: e for e in entities}
+    for name in tables:  # bronze, the quarantine, silver and the history
+        if "/_tombstones/" not in name:
+            silver = name.startswith("silver")
+            maintain(name, by_name.get(name.split("/", 1)[1]) if silver else None)
     for entity in entities:
-        if f"silver/{entity.name}" in tables:
-            maintain(f"silver/{entity.name}", entity)
         table = f"silver/_tombstones/{entity.name}"
         if table in tables:
             expired, note = expire_by_ingest_time(
