@@ -99,28 +99,29 @@ def delete_from_history(
         history.alias("t").merge(keys.alias("s"), _on(key)).whenMatchedDelete().execute()
 
 
-def without_erased(
-    spark: SparkSession, events: DataFrame, keys: DataFrame, layout: SilverLayout
-) -> DataFrame:
-    """Bronze ``events`` without those of the erased ``keys`` not newer than their tombstone.
+def erased_sequences(spark: SparkSession, keys: DataFrame, layout: SilverLayout) -> DataFrame:
+    """The newest tombstone of each erased key: its erasure's (or a later delete's).
 
-    The newest tombstone of each erased key is its erasure's (or a later delete's): an
-    event not newer is from before the erasure, arriving late.
+    One read of the tombstones; the result is small (the erased keys), kept on the driver.
     """
     key = layout.key
     tombstones = spark.read.format("delta").load(layout.tombstone_path)
-    erased = (
-        tombstones.join(keys, on=key, how="left_semi")
-        .groupBy(*key)
-        .agg(F.max(SEQUENCE).alias(ERASED_AT))
-    )
-    renamed = erased.select(
+    erased = tombstones.join(keys, on=key, how="left_semi").groupBy(*key)
+    return erased.agg(F.max(SEQUENCE).alias(ERASED_AT)).select(
         *[F.col(f"`{k}`").alias(f"_cdc_erased_{i}") for i, k in enumerate(key)], ERASED_AT
     )
+
+
+def without_erased(events: DataFrame, erased: DataFrame, key: list[str]) -> DataFrame:
+    """Bronze ``events`` without those of erased keys not newer than their tombstone.
+
+    ``erased``: :func:`erased_sequences`. An event not newer than an erased key's
+    tombstone is from before the erasure, arriving late.
+    """
     condition = F.lit(True)
     for i, k in enumerate(key):
         condition = condition & (F.col(f"key.`{k}`") == F.col(f"_cdc_erased_{i}"))
-    joined = events.join(F.broadcast(renamed), on=condition, how="left")
+    joined = events.join(F.broadcast(erased), on=condition, how="left")
     kept = F.col(ERASED_AT).isNull() | (F.col("sequence") > F.col(ERASED_AT))
     return joined.where(kept).select(*[F.col(f"`{c}`") for c in events.columns])
 
@@ -136,6 +137,9 @@ class Erasures:
         self.pending: tuple[ErasureRequest, ...] = ()
         self.silver_through: int | None = None  # the last request silver took (-1: none)
         self.history_through: int | None = None
+        #: ``erased_sequences`` of ``pending`` as read (the requests, schema, rows).
+        self.erased: tuple[tuple[ErasureRequest, ...], T.StructType, list[tuple[Any, ...]]] | None
+        self.erased = None
 
     def due(self, through: int | None, progress: int) -> list[ErasureRequest]:
         """The requests after ``through`` that ``progress`` (a bronze version) reached, in order."""

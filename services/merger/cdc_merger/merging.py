@@ -29,6 +29,7 @@ from cdc_shared.contracts.quarantine import (
     quarantine_columns,
 )
 from cdc_shared.contracts.unavailable import Placeholder
+from cdc_shared.jvm.driver_frames import frame_from_rows
 from cdc_shared.jvm.spark import counting_jobs
 from cdc_shared.streaming.failures import KnownFailureError
 from cdc_shared.streaming.progress import BatchStats
@@ -56,6 +57,7 @@ from cdc_merger.erasure import (
     Erasures,
     delete_from_history,
     delete_from_silver,
+    erased_sequences,
     key_frame,
     without_erased,
 )
@@ -341,13 +343,21 @@ class TableMerge:
         """The events but those of erased keys not newer than their erasure's tombstone.
 
         Silver's tombstone index keeps such a late event out of silver; the history would
-        record it as a version the tombstone ended, bringing erased values back.
+        record it as a version the tombstone ended, bringing erased values back. The
+        erased keys' tombstones are read once per set of requests.
         """
-        if not self.erasures.pending:
+        erasures = self.erasures
+        if not erasures.pending:
             return events
-        schema = spark.read.format("delta").load(self.layout.silver_path).schema
-        keys = key_frame(spark, self.erasures.pending, self.layout.key, schema)
-        return without_erased(spark, events, keys, self.layout)
+        if erasures.erased is None or erasures.erased[0] is not erasures.pending:
+            pending = erasures.pending
+            schema = spark.read.format("delta").load(self.layout.silver_path).schema
+            keys = key_frame(spark, pending, self.layout.key, schema)
+            erased = erased_sequences(spark, keys, self.layout)
+            erasures.erased = (pending, erased.schema, [tuple(r) for r in erased.collect()])
+        _, erased_schema, rows = erasures.erased
+        erased_frame = frame_from_rows(spark, rows, erased_schema)
+        return without_erased(events, erased_frame, self.layout.key)
 
     def erase(self, spark: SparkSession) -> int:
         """Apply to silver the erasure requests its progress has reached; keys erased.
@@ -361,6 +371,7 @@ class TableMerge:
         keys = key_frame(spark, due, self.layout.key, schema)
         erased = delete_from_silver(spark, self.layout, self.state, keys, due[-1].request)
         self.erasures.silver_through = due[-1].request
+        self.erasures.erased = None  # the keys' tombstones changed: read again
         self.announce(self.name)
         log.info(
             "erasure applied to silver: the keys' rows deleted, a tombstone at their sequence",
