@@ -9,7 +9,8 @@ the marker is in no file under the storage root (every Parquet file decoded, eve
 raw bytes: ``_delta_log`` commits, checkpoints, ``_change_data``), in no document of the
 index, and, once Kafka compacted it, in no event of the change topic; every other key
 still equals the topics' oracle. ``cdc erase`` runs as its own process, SIGKILLed once
-its request is recorded and finished by ``--resume``; bad requests are refused.
+its request is recorded, its ``--resume`` SIGKILLed midway, finished by a second
+``--resume``; bad requests are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -59,11 +61,20 @@ pytestmark = pytest.mark.integration
 CDC = str(Path(sys.executable).with_name("cdc"))
 
 
+def killed_when(command: list[str], reached: Callable[[], bool]) -> None:
+    """Run ``command``; SIGKILL it once ``reached`` holds (looked at every second)."""
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(reached, timeout_s=240)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(60) == -signal.SIGKILL, "it ended before the kill: proves less"
+
+
 def erase_beside_a_running_merger(
     spark: SparkSession, kafka_config: KafkaConfig, pipeline: Pipeline, load: list[GeneratedMessage]
 ) -> None:
-    """``cdc erase`` with the merger running, SIGKILLed once its request is recorded, then
-    ``cdc erase --resume``; after it, a late older event and a re-insert arrive."""
+    """``cdc erase`` with the merger running, SIGKILLed once its request is recorded;
+    ``cdc erase --resume`` SIGKILLed once bronze's rows are deleted; ``--resume`` again
+    finishes it. After it, a late older event and a re-insert arrive."""
     config = pipeline.config
     runner = start_merger(config, once=False, spark=spark)
     thread = threading.Thread(target=runner.run)
@@ -71,16 +82,18 @@ def erase_beside_a_running_merger(
     try:
         keys = [a for k in ERASED for a in ("--key", str(k))]
         command = [CDC, "erase", "--config", str(pipeline.path), "--entity", "customers", *keys]
-        killed = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        wait_for(lambda: bool(change_feed_rows(config, config.layout.erasure_log())), 180)
-        killed.send_signal(signal.SIGKILL)
-        assert killed.wait(60) == -signal.SIGKILL
+        log = config.layout.erasure_log()
+        killed_when(command, lambda: bool(change_feed_rows(config, log)))  # waiting for merger
         (left,) = erase.statuses(config)
         assert not left.done and left.keys == len(ERASED), left
         assert "not finished" in cdc("erase", "--config", str(pipeline.path), "--status").output
+        resume = [CDC, "erase", "--config", str(pipeline.path), "--resume"]
+        killed_when(resume, lambda: bool(erase.statuses(config)[0].steps[BRONZE_DELETED]))
+        (left,) = erase.statuses(config)
+        assert left.silver and left.steps[BRONZE_DELETED] and not left.done, left
 
         resumed = subprocess.run(
-            [CDC, "erase", "--config", str(pipeline.path), "--resume", "--json"],
+            [*resume, "--json"],
             capture_output=True,
             text=True,
             check=False,

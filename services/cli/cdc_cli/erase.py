@@ -56,7 +56,9 @@ from cdc_shared.contracts.erasure import (
 )
 from cdc_shared.contracts.layout import MERGER, QUARANTINE_WRITERS
 from cdc_shared.jvm.driver_frames import frame_from_rows
-from cdc_shared.streaming.tables import on_conflict_retry
+from cdc_shared.streaming.tables import ensure_table, on_conflict_retry
+from cdc_shared.streaming.writer_lease import live_leases
+from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -64,7 +66,7 @@ from pyspark.sql import types as T
 from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.maintenance import WritersMayRunError
 from cdc_cli.retention import DEFAULT_RETENTION_HOURS, RETENTION_PROPERTY, interval_hours
-from cdc_cli.spark_state import SparkTables
+from cdc_cli.spark_state import SparkTables, is_delta_table
 
 #: The erasure log's Spark schema (``cdc_shared.contracts.erasure.COLUMNS``).
 LOG_SCHEMA = T.StructType(
@@ -152,19 +154,13 @@ def parse_keys(entity: EntityConfig, texts: Iterable[str]) -> list[dict[str, Any
     return keys
 
 
-def _table_exists(spark: SparkSession, path: str) -> bool:
-    from delta.tables import DeltaTable  # noqa: PLC0415
-
-    return bool(DeltaTable.isDeltaTable(spark, path))
-
-
 def record(
     config: PipelineConfig, spark: SparkSession, entity: EntityConfig, keys: list[dict[str, Any]]
 ) -> RequestStatus:
     """Check the keys and record the request (step 1); its status, with the keys absent."""
     layout = config.layout
     silver_path = layout.silver(entity.name)
-    if not _table_exists(spark, silver_path):
+    if not is_delta_table(spark, silver_path):
         raise NothingToEraseError(f"{entity.name!r} has no silver yet: nothing to erase")
     silver = spark.read.format("delta").load(silver_path)
     texts = sorted({key_text(k) for k in keys})
@@ -175,7 +171,7 @@ def record(
         raise KeyShapeError(f"keys of the wrong shape for {entity.name!r} ({types}): {wrong}")
     holders = [silver]  # a deleted key is in the tombstones (and bronze) still
     for path in (layout.tombstones(entity.name), layout.history(entity.name)):
-        if _table_exists(spark, path):
+        if is_delta_table(spark, path):
             holders.append(spark.read.format("delta").load(path))
     present: set[str] = set()
     for table in holders:
@@ -189,7 +185,7 @@ def record(
             "`cdc status`)"
         )
     ensure_log(spark, config)
-    bronze_version = _version(spark, layout.bronze())
+    bronze_version = _newest_version(spark, layout.bronze())
     now = dt.datetime.now(dt.UTC)
     rows = [(None, entity.name, t, bronze_version, None, now) for t in sorted(present)]
     request = _append(spark, config, rows)
@@ -205,24 +201,19 @@ def _any_null(key: Iterable[str]) -> Any:
     return condition
 
 
-def _version(spark: SparkSession, path: str) -> int:
-    from delta.tables import DeltaTable  # noqa: PLC0415
-
+def _newest_version(spark: SparkSession, path: str) -> int:
+    """The table's newest version, read from its log now (not a snapshot cached before)."""
     row = DeltaTable.forPath(spark, path).history(1).select("version").first()
     return -1 if row is None else int(row[0])
 
 
 def ensure_log(spark: SparkSession, config: PipelineConfig) -> None:
     """The erasure log, unless it exists."""
-    from cdc_shared.streaming.tables import ensure_table  # noqa: PLC0415
-
     ensure_table(spark, config.layout.erasure_log(), LOG_SCHEMA, LOG_PROPERTIES)
 
 
 def _append(spark: SparkSession, config: PipelineConfig, rows: list[tuple[Any, ...]]) -> int:
     """Append rows to the erasure log in one commit; that commit's version."""
-    from delta.tables import DeltaTable  # noqa: PLC0415
-
     path = config.layout.erasure_log()
     token = f"cdc-erase {uuid.uuid4()}"
     frame = frame_from_rows(spark, rows, LOG_SCHEMA).coalesce(1)
@@ -310,8 +301,6 @@ def wait_for_merger(
 
 def merger_running(config: PipelineConfig, entity: str) -> bool:
     """Whether a merger holds a live writer lease of ``entity``."""
-    from cdc_shared.streaming.writer_lease import live_leases  # noqa: PLC0415
-
     state = DeltaLogState(config)
 
     def read(path: str) -> bytes | None:
@@ -359,7 +348,7 @@ def finish(
             paths.append(layout.history(entity.name))
         paths += [layout.quarantine(s) for s in QUARANTINE_WRITERS]
         for path in paths:
-            if _table_exists(spark, path):
+            if is_delta_table(spark, path):
                 _purge(spark, path)
         _record_step(spark, config, request, PURGED)
     (done,) = statuses(config, status.request)
@@ -422,7 +411,7 @@ def _delete_from_quarantine(
     touched = []
     for service in QUARANTINE_WRITERS:
         path = config.layout.quarantine(service)
-        if not _table_exists(spark, path):
+        if not is_delta_table(spark, path):
             continue
         raw_keys = (
             spark.read.format("delta")
