@@ -92,13 +92,8 @@ def erase_beside_a_running_merger(
         (left,) = erase.statuses(config)
         assert left.silver and left.steps[BRONZE_DELETED] and not left.done, left
 
-        resumed = subprocess.run(
-            [*resume, "--json"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        resumed = cdc("erase", "--config", str(pipeline.path), "--resume", "--json")
+        assert resumed.exit_code == 0, resumed.output  # in this process: no third JVM
         (status,) = json.loads(resumed.stdout)["requests"]
         assert status["done"] and status["silver"] and status["history"], status
         assert all(status["steps"][s] for s in (BRONZE_DELETED, QUARANTINE_DELETED, PURGED))

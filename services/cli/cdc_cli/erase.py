@@ -65,7 +65,7 @@ from pyspark.sql import types as T
 
 from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.maintenance import WritersMayRunError
-from cdc_cli.retention import DEFAULT_RETENTION_HOURS, RETENTION_PROPERTY, interval_hours
+from cdc_cli.retention import DEFAULT_RETENTION_HOURS, retention_minimum
 from cdc_cli.spark_state import SparkTables, is_delta_table
 
 #: The erasure log's Spark schema (``cdc_shared.contracts.erasure.COLUMNS``).
@@ -228,7 +228,7 @@ def statuses(config: PipelineConfig, request: int | None = None) -> list[Request
     """Every request's status (or one's), from the erasure log and the tables' logs; no JVM."""
     rows = change_feed_rows(config, config.layout.erasure_log())
     done = steps_done(rows)
-    retention = _retention_hours(config)
+    retention: float | None = None  # read once, when a request has been purged
     result = []
     for r in requests_of(rows):
         if request is not None and r.request != request:
@@ -238,6 +238,7 @@ def statuses(config: PipelineConfig, request: int | None = None) -> list[Request
         status.steps = {s: done.get(r.request, {}).get(s) for s in STEPS}
         purged = status.steps[PURGED]
         if purged is not None:
+            retention = _retention_hours(config) if retention is None else retention
             status.gone_after = purged + dt.timedelta(hours=retention)
         result.append(status)
     return result
@@ -267,13 +268,10 @@ def _retention_hours(config: PipelineConfig) -> float:
     paths = [layout.bronze(), *[layout.quarantine(s) for s in QUARANTINE_WRITERS]]
     for entity in config.entities:
         paths += [layout.silver(entity.name), layout.history(entity.name)]
-    hours = []
-    for path in paths:
-        if state.table_version(path) is None:
-            continue
-        value = state.table_properties(path).get(RETENTION_PROPERTY)
-        hours.append(DEFAULT_RETENTION_HOURS if value is None else interval_hours(str(value)))
-    return max(hours, default=DEFAULT_RETENTION_HOURS)
+    return max(
+        (retention_minimum(state, p, p).hours for p in paths if state.table_version(p) is not None),
+        default=DEFAULT_RETENTION_HOURS,
+    )
 
 
 def wait_for_merger(
