@@ -45,6 +45,8 @@ from cdc_shared.contracts import bronze
 from cdc_shared.contracts.erasure import (
     BRONZE_DELETED,
     ERASURE_APP,
+    LOG_PROPERTIES,
+    LOG_SCHEMA,
     PURGED,
     QUARANTINE_DELETED,
     STEPS,
@@ -61,25 +63,12 @@ from cdc_shared.streaming.writer_lease import live_leases
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from cdc_cli.delta_log import DeltaLogState
 from cdc_cli.maintenance import WritersMayRunError
 from cdc_cli.retention import DEFAULT_RETENTION_HOURS, retention_minimum
 from cdc_cli.spark_state import SparkTables, is_delta_table
 
-#: The erasure log's Spark schema (``cdc_shared.contracts.erasure.COLUMNS``).
-LOG_SCHEMA = T.StructType(
-    [
-        T.StructField("request", T.LongType(), True),
-        T.StructField("entity", T.StringType(), False),
-        T.StructField("key", T.StringType(), True),
-        T.StructField("bronze_version", T.LongType(), True),
-        T.StructField("step", T.StringType(), True),
-        T.StructField("recorded_at", T.TimestampType(), False),
-    ]
-)
-LOG_PROPERTIES = {"delta.enableChangeDataFeed": "true", "delta.appendOnly": "true"}
 #: How often the merger's progress on a request is looked at while waiting for it.
 POLL_S = 2.0
 

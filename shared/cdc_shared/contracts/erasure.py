@@ -32,7 +32,17 @@ from cdc_shared.jvm.driver_frames import frame_from_rows
 ERASURE_APP = "cdc-erasure"
 #: The erasure log's columns. A request's row: ``step`` and ``request`` null (its id is
 #: its commit's version). A step the CLI did: ``step`` set, ``request`` the request's id.
-COLUMNS = ("request", "entity", "key", "bronze_version", "step", "recorded_at")
+LOG_SCHEMA = T.StructType(
+    [
+        T.StructField("request", T.LongType(), True),
+        T.StructField("entity", T.StringType(), False),
+        T.StructField("key", T.StringType(), True),
+        T.StructField("bronze_version", T.LongType(), True),
+        T.StructField("step", T.StringType(), True),
+        T.StructField("recorded_at", T.TimestampType(), False),
+    ]
+)
+LOG_PROPERTIES = {"delta.enableChangeDataFeed": "true", "delta.appendOnly": "true"}
 #: The Change Data Feed's column of a row's commit version.
 COMMIT_VERSION = "_commit_version"
 #: The CLI's steps, in order, after the merger took the request.
